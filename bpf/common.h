@@ -1,0 +1,52 @@
+/*
+ * Shared by every tokentrace BPF concern: which processes are traced, loss counters,
+ * run-time settings and the ring buffer. The loader prepends the generated wire
+ * definitions (tracer/events/wire.py) and then concatenates the enabled concerns into
+ * one program, so all of them share these maps.
+ */
+#include <uapi/linux/ptrace.h>
+
+#ifndef TT_RINGBUF_PAGES
+#define TT_RINGBUF_PAGES 8192
+#endif
+
+/* tgid -> 1. The pid filter lives here so that untraced processes cost one lookup. */
+BPF_HASH(traced, u32, u32, 16384);
+
+/* comm -> 1: processes that exec a program with this name become traced (--comm). */
+struct comm_key { char comm[16]; };
+BPF_HASH(traced_comms, struct comm_key, u32, 64);
+
+/* Run-time settings written by Python before attaching. */
+#define TT_CFG_CAPTURE_LIMIT 0
+BPF_ARRAY(config, u64, 4);
+
+/* Loss and truncation counters (TT_CNT_*), per CPU so that counting never contends. */
+BPF_PERCPU_ARRAY(counters, u64, TT_N_COUNTERS);
+
+BPF_RINGBUF_OUTPUT(events, TT_RINGBUF_PAGES);
+
+static __always_inline void count(u32 which)
+{
+    u64 *c = counters.lookup(&which);
+    if (c)
+        (*c)++;
+}
+
+static __always_inline int is_traced(u32 tgid)
+{
+    return traced.lookup(&tgid) != NULL;
+}
+
+static __always_inline u64 config_get(u32 idx, u64 dflt)
+{
+    u64 *v = config.lookup(&idx);
+    return (v && *v) ? *v : dflt;
+}
+
+/* Submit a record; a full ring buffer is counted, never silent. */
+static __always_inline void submit(void *rec, u32 size, u32 lost_counter)
+{
+    if (events.ringbuf_output(rec, size, 0) < 0)
+        count(lost_counter);
+}

@@ -1,0 +1,1 @@
+"""The event schema: typed records from capture, the only input to analysis."""

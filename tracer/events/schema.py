@@ -1,0 +1,250 @@
+"""Typed events: the only thing that crosses from capture to analysis.
+
+Two sources produce them: BPF records decoded from the ring buffer (``ConnEvent``,
+``DataEvent``, ``ProcEvent``, and the GPU records in ``tracer.events.gpu``), and the
+user-space side of capture, which reads what BPF cannot see cheaply from /proc
+(``ProcessInfo``, ``SocketInfo``) and reports loss (``DropReport``). All are frozen
+dataclasses with slots. Timestamps are CLOCK_MONOTONIC nanoseconds; the capture's
+``ClockSync`` maps them to wall-clock time.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from dataclasses import dataclass, field
+
+from tracer.events import wire
+
+SCHEMA_VERSION = 1
+
+
+def _addr_text(family: int, raw: bytes) -> str:
+    if family == socket.AF_INET:
+        return str(ipaddress.IPv4Address(raw[:4]))
+    if family == socket.AF_INET6:
+        addr = ipaddress.IPv6Address(raw[:16])
+        return str(addr.ipv4_mapped or addr)
+    return ""
+
+
+@dataclass(frozen=True, slots=True)
+class ConnEvent:
+    """A socket of a traced process was accepted, connected or closed."""
+
+    pid: int
+    tid: int
+    fd: int
+    ts: int
+    conn_id: int
+    op: int  # wire.CONSTANTS["CONN_*"]
+    role: int  # ROLE_SERVER for accepted sockets, ROLE_CLIENT for connected ones
+    ret: int
+    listen_fd: int
+    family: int
+    peer_addr: str
+    peer_port: int
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return (self.pid, self.fd, self.conn_id)
+
+
+@dataclass(frozen=True, slots=True)
+class DataEvent:
+    """One chunk of bytes that a traced process read from or wrote to a socket.
+
+    ``ret`` is the syscall's whole return value; a syscall that moved more than one
+    chunk yields several events with increasing ``offset``. ``truncated`` means bytes
+    past the capture limit were moved but not captured (``ret`` still counts them).
+    ``eof`` marks a read that returned 0; ``error`` a read/write that failed (-errno
+    in ``ret``).
+    """
+
+    pid: int
+    tid: int
+    fd: int
+    conn_id: int
+    ts_enter: int
+    ts_exit: int
+    ret: int
+    offset: int
+    syscall: int
+    direction: int
+    flags: int
+    payload: bytes
+    stream_off: int = 0  # bytes this direction moved before this syscall
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return (self.pid, self.fd, self.conn_id)
+
+    @property
+    def ts(self) -> int:
+        """When the bytes were in hand: the syscall's exit."""
+        return self.ts_exit
+
+    @property
+    def position(self) -> int:
+        """Offset of this chunk's first byte in its direction of the connection."""
+        return self.stream_off + self.offset
+
+    @property
+    def inbound(self) -> bool:
+        return self.direction == wire.CONSTANTS["DIR_IN"]
+
+    @property
+    def last(self) -> bool:
+        return bool(self.flags & wire.CONSTANTS["FLAG_LAST"])
+
+    @property
+    def truncated(self) -> bool:
+        return bool(self.flags & wire.CONSTANTS["FLAG_TRUNCATED"])
+
+    @property
+    def eof(self) -> bool:
+        return bool(self.flags & wire.CONSTANTS["FLAG_EOF"])
+
+    @property
+    def error(self) -> bool:
+        return bool(self.flags & wire.CONSTANTS["FLAG_ERROR"])
+
+
+@dataclass(frozen=True, slots=True)
+class ProcEvent:
+    """A traced process forked a child, exec'd a new program, or exited."""
+
+    pid: int
+    tid: int
+    ppid: int
+    ts: int
+    op: int  # wire.CONSTANTS["PROC_*"]
+    exit_code: int
+    comm: str
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessInfo:
+    """What /proc says of a traced process, read when it is first seen."""
+
+    pid: int
+    ts: int
+    comm: str
+    exe: str
+    cmdline: tuple[str, ...]
+    ppid: int = 0
+    container_id: str = ""
+    maps: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SocketInfo:
+    """Addresses of a connection as /proc knows them (local side, and peer when the
+    syscall did not carry it). ``existing`` marks a socket found open at attach."""
+
+    pid: int
+    fd: int
+    conn_id: int
+    ts: int
+    family: int
+    local_addr: str
+    local_port: int
+    peer_addr: str
+    peer_port: int
+    existing: bool = False
+    role: int = 0
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return (self.pid, self.fd, self.conn_id)
+
+
+@dataclass(frozen=True, slots=True)
+class DropReport:
+    """Cumulative loss counters at ``ts``: kernel-side (ring buffer full, truncation)
+    and user-side (parse failures). Names are ``wire.COUNTER_NAMES`` values."""
+
+    ts: int
+    counters: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ClockSync:
+    """Maps monotonic ns to wall-clock ns: wall = mono + offset_ns."""
+
+    mono_ns: int
+    wall_ns: int
+
+    @property
+    def offset_ns(self) -> int:
+        return self.wall_ns - self.mono_ns
+
+
+Event = ConnEvent | DataEvent | ProcEvent | ProcessInfo | SocketInfo | DropReport | ClockSync
+
+# user-space event classes by name, for the capture file's JSON records
+USER_EVENTS: dict[str, type] = {
+    cls.__name__: cls for cls in (ProcessInfo, SocketInfo, DropReport, ClockSync)
+}
+
+
+class WireError(ValueError):
+    """A ring-buffer record that cannot be decoded (a tracer bug or a corrupt capture)."""
+
+
+def _decode_conn(buf: bytes) -> ConnEvent:
+    f = wire.CONN.unpack(buf)
+    return ConnEvent(
+        pid=f["pid"], tid=f["tid"], fd=f["fd"], ts=f["ts"], conn_id=f["conn_id"],
+        op=f["op"], role=f["role"], ret=f["ret"], listen_fd=f["listen_fd"],
+        family=f["family"], peer_addr=_addr_text(f["family"], f["addr"]),
+        peer_port=f["port"],
+    )
+
+
+def _decode_data(buf: bytes) -> DataEvent:
+    f = wire.DATA.unpack(buf)
+    start = wire.DATA.header_size
+    n = f["len"]
+    if len(buf) < start + n:
+        raise WireError(f"data record carries {len(buf) - start} payload bytes, says {n}")
+    return DataEvent(
+        pid=f["pid"], tid=f["tid"], fd=f["fd"], conn_id=f["conn_id"],
+        ts_enter=f["ts_enter"], ts_exit=f["ts_exit"], ret=f["ret"], offset=f["offset"],
+        syscall=f["syscall"], direction=f["direction"], flags=f["flags"],
+        payload=bytes(buf[start : start + n]), stream_off=f["stream_off"],
+    )
+
+
+def _decode_proc(buf: bytes) -> ProcEvent:
+    f = wire.PROC.unpack(buf)
+    return ProcEvent(
+        pid=f["pid"], tid=f["tid"], ppid=f["ppid"], ts=f["ts"], op=f["op"],
+        exit_code=f["exit_code"], comm=f["comm"].split(b"\0", 1)[0].decode("utf-8", "replace"),
+    )
+
+
+DECODERS = {
+    wire.CONSTANTS["KIND_CONN"]: _decode_conn,
+    wire.CONSTANTS["KIND_DATA"]: _decode_data,
+    wire.CONSTANTS["KIND_PROC"]: _decode_proc,
+}
+
+
+def register_decoder(kind: int, fn) -> None:  # type: ignore[no-untyped-def]
+    """Let another concern (GPU probes) decode its own record kinds."""
+    DECODERS[kind] = fn
+
+
+def decode(buf: bytes):  # type: ignore[no-untyped-def]
+    """Decode one ring-buffer record into its typed event."""
+    if len(buf) < 4:
+        raise WireError(f"record of {len(buf)} bytes is shorter than its kind field")
+    kind = wire.kind_of(buf)
+    fn = DECODERS.get(kind)
+    if fn is None:
+        raise WireError(f"unknown record kind {kind}")
+    rec = wire.RECORDS[kind]
+    if len(buf) < rec.header_size:
+        raise WireError(f"{rec.cname} record of {len(buf)} bytes, header needs {rec.header_size}")
+    return fn(buf)
