@@ -1,0 +1,115 @@
+"""Assemble the enabled BPF concerns into one program and compile it with BCC.
+
+All concerns share one BPF object, so the pid filter, counters and ring buffer in
+``bpf/common.h`` exist once. Failures that users can fix (no BCC, no kernel headers,
+no privileges, no tracefs) raise ``ProbeSetupError`` with the fix in the message.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+from typing import Any, Iterable
+
+import bpf
+from tracer.events import wire
+
+TRACEFS_CANDIDATES = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
+
+
+class ProbeSetupError(RuntimeError):
+    """The machine is missing something the probes need; the message says the fix."""
+
+
+def tracefs() -> Path | None:
+    """The mounted tracefs root, or None."""
+    for p in TRACEFS_CANDIDATES:
+        if Path(p, "events").is_dir():
+            return Path(p)
+    return None
+
+
+def tracepoint_has_field(category: str, event: str, field: str) -> bool:
+    """Whether this kernel's tracepoint format carries ``field`` (kernels differ)."""
+    root = tracefs()
+    if root is None:
+        return False
+    try:
+        text = Path(root, "events", category, event, "format").read_text()
+    except OSError:
+        return False
+    return f" {field};" in text
+
+
+def kernel_headers_dir() -> Path:
+    return Path("/lib/modules", platform.release(), "build")
+
+
+def import_bcc() -> Any:
+    """Import Debian's BCC module or explain how to get it."""
+    try:
+        import bcc  # type: ignore[import-not-found]
+    except ImportError as e:
+        raise ProbeSetupError(
+            "BCC's Python module is not importable ({}). Install Debian's python3-bpfcc "
+            "and link /usr/lib/python3/dist-packages/bcc into this environment "
+            "(`make setup` does both). Note: the PyPI package named 'bcc' is unrelated."
+            .format(e)
+        ) from e
+    if not hasattr(bcc, "BPF"):
+        raise ProbeSetupError(
+            f"the 'bcc' module at {getattr(bcc, '__file__', '?')} is not BCC (it has no BPF "
+            "class; the PyPI package 'bcc' is an unrelated library): uninstall it and use "
+            "Debian's python3-bpfcc"
+        )
+    return bcc
+
+
+def check_environment() -> None:
+    """Raise ProbeSetupError for the first missing prerequisite, with its fix."""
+    if os.geteuid() != 0:
+        from tracer.doctor import has_bpf_caps
+
+        if not has_bpf_caps():
+            raise ProbeSetupError(
+                "tracing needs root or CAP_BPF + CAP_PERFMON (+ CAP_SYS_RESOURCE): "
+                "run with sudo, or see `tokentrace doctor`"
+            )
+    if tracefs() is None:
+        raise ProbeSetupError(
+            "tracefs is not mounted: mount -t tracefs nodev /sys/kernel/tracing"
+        )
+    hdr = kernel_headers_dir()
+    if not Path(hdr, "include").is_dir():
+        raise ProbeSetupError(
+            f"kernel headers are missing at {hdr}: install linux-headers-$(uname -r), or "
+            "Debian's linux-headers-amd64 linked as /lib/modules/$(uname -r)/{build,source} "
+            "(`make setup` does it)"
+        )
+
+
+def program_text(concerns: Iterable[str]) -> str:
+    """The full C text: generated wire definitions, common.h, then each concern."""
+    parts = [wire.c_definitions(), bpf.source("common.h")]
+    for name in concerns:
+        parts.append(f"/* ---- bpf/{name}.c ---- */\n" + bpf.source(name))
+    return "\n".join(parts)
+
+
+def compile_program(concerns: Iterable[str], ringbuf_mb: int = 32,
+                    extra_cflags: Iterable[str] = ()) -> Any:
+    """Compile and load (tracepoint programs attach themselves on load)."""
+    check_environment()
+    bcc = import_bcc()
+    pages = max(1, (ringbuf_mb * 1024 * 1024) // os.sysconf("SC_PAGE_SIZE"))
+    pages = 1 << (pages.bit_length() - 1)  # BPF ring buffers are a power of two pages
+    cflags = [f"-DTT_RINGBUF_PAGES={pages}", "-Wno-visibility", "-Wno-macro-redefined"]
+    if tracepoint_has_field("sched", "sched_process_exit", "group_dead"):
+        cflags.append("-DTT_HAVE_GROUP_DEAD")
+    cflags += list(extra_cflags)
+    text = program_text(concerns)
+    try:
+        return bcc.BPF(text=text, cflags=cflags)
+    except Exception as e:  # BCC raises bare Exception for compile/load/attach failures
+        raise ProbeSetupError(f"loading the BPF program failed: {e}") from e

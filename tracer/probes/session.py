@@ -1,0 +1,248 @@
+"""A live capture: load the probes, choose processes, and stream capture items.
+
+A capture item is either the raw bytes of one ring-buffer record (decoded later by
+``tracer.events.schema.decode``, the same way live and on replay) or a user-space
+event read from /proc (``ProcessInfo``, ``SocketInfo``) or from the loss counters
+(``DropReport``). Items go to ``sink`` in the order they happened to the capture.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from tracer.events import schema, wire
+from tracer.probes import loader, procfs
+
+C = wire.CONSTANTS
+CaptureItem = bytes | schema.Event
+Sink = Callable[[CaptureItem], None]
+
+
+@dataclass
+class CaptureConfig:
+    """What to trace and how much of it to keep."""
+
+    pids: list[int] = field(default_factory=list)
+    comms: list[str] = field(default_factory=list)
+    ports: list[int] = field(default_factory=list)
+    capture_limit: int = 256 * 1024  # payload bytes captured per syscall
+    ringbuf_mb: int = 32
+    rescan_interval_s: float = 2.0  # look for new --comm/--port processes this often
+    counters_interval_s: float = 1.0
+    concerns: tuple[str, ...] = ("process", "sockets")
+    exclude_pids: set[int] = field(default_factory=set)
+
+
+def clock_sync(samples: int = 5) -> schema.ClockSync:
+    """Pair CLOCK_MONOTONIC (what BPF stamps) with wall time; the tightest of a few reads."""
+    best: tuple[int, int, int] | None = None
+    for _ in range(samples):
+        m0 = time.monotonic_ns()
+        w = time.time_ns()
+        m1 = time.monotonic_ns()
+        if best is None or m1 - m0 < best[0]:
+            best = (m1 - m0, (m0 + m1) // 2, w)
+    assert best is not None
+    return schema.ClockSync(mono_ns=best[1], wall_ns=best[2])
+
+
+class CaptureSession:
+    """Owns the BPF program for one `run` or `record`."""
+
+    def __init__(self, config: CaptureConfig, sink: Sink) -> None:
+        self.config = config
+        self.sink = sink
+        self.bpf: Any = None
+        self.pids: set[int] = set()
+        self._listen_cache: dict[tuple[int, int], tuple[int, str, int]] = {}
+        self._last_counters: dict[str, int] = {}
+        self._next_rescan = 0.0
+        self._next_counters = 0.0
+        self._exclude = set(config.exclude_pids) | {os.getpid()}
+        self.user_counters: dict[str, int] = {"undecodable_records": 0}
+
+    # ---- lifecycle --------------------------------------------------------------
+
+    def start(self) -> None:
+        """Compile, configure and attach; emit the clock sync and the first targets."""
+        self.bpf = loader.compile_program(self.config.concerns, self.config.ringbuf_mb)
+        self.bpf["config"][ctypes.c_int(0)] = ctypes.c_uint64(self.config.capture_limit)
+        for name in self.config.comms:
+            key = self.bpf["traced_comms"].Key()
+            key.comm = name.encode()[:15]
+            self.bpf["traced_comms"][key] = ctypes.c_uint32(1)
+        self.bpf["events"].open_ring_buffer(self._on_record)
+        self.sink(clock_sync())
+        self.rescan()
+
+    def poll(self, timeout_ms: int = 100) -> None:
+        """Deliver what the ring buffer holds, and run the periodic work."""
+        self.bpf.ring_buffer_poll(timeout_ms)
+        now = time.monotonic()
+        if now >= self._next_rescan and (self.config.comms or self.config.ports):
+            self._next_rescan = now + self.config.rescan_interval_s
+            self.rescan()
+        if now >= self._next_counters:
+            self._next_counters = now + self.config.counters_interval_s
+            self.report_counters()
+
+    def stop(self) -> None:
+        """Drain what is left and report the final counters."""
+        if self.bpf is None:
+            return
+        self.bpf.ring_buffer_consume()
+        self.report_counters(force=True)
+        self.bpf.cleanup()
+        self.bpf = None
+
+    # ---- targets ----------------------------------------------------------------
+
+    def resolve_targets(self) -> set[int]:
+        found = set(p for p in self.config.pids if os.path.isdir(f"/proc/{p}"))
+        for name in self.config.comms:
+            found.update(procfs.pids_by_comm(name))
+        for port in self.config.ports:
+            found.update(procfs.pids_listening_on(port))
+        return found - self._exclude
+
+    def rescan(self) -> None:
+        for pid in sorted(self.resolve_targets() - self.pids):
+            self.attach_pid(pid)
+
+    def attach_pid(self, pid: int, existing_sockets: bool = True) -> None:
+        """Trace ``pid``: put it in the kernel filter, describe it, adopt its sockets."""
+        if pid in self._exclude:
+            return
+        self.bpf["traced"][ctypes.c_uint32(pid)] = ctypes.c_uint32(1)
+        self.pids.add(pid)
+        self.sink(self._process_info(pid))
+        if existing_sockets:
+            self._adopt_sockets(pid)
+
+    def _process_info(self, pid: int) -> schema.ProcessInfo:
+        return schema.ProcessInfo(
+            pid=pid, ts=time.monotonic_ns(), comm=procfs.comm(pid), exe=procfs.exe(pid),
+            cmdline=procfs.cmdline(pid), ppid=procfs.ppid(pid),
+            container_id=procfs.container_id(pid), maps=procfs.maps(pid),
+        )
+
+    def _adopt_sockets(self, pid: int) -> None:
+        """Register sockets that were connected before we attached (or inherited)."""
+        fds = procfs.socket_fds(pid)
+        if not fds:
+            return
+        inet = procfs.inet_sockets(pid)
+        unix = procfs.unix_sockets(pid)
+        conns = self.bpf["conns"]
+        for fd, inode in sorted(fds.items()):
+            e = inet.get(inode) or unix.get(inode)
+            if e is None:
+                continue
+            if e.family == socket.AF_UNIX:
+                if e.state:  # listening
+                    continue
+            elif e.state != procfs.TCP_ESTABLISHED:
+                continue
+            key = ctypes.c_uint64((pid << 32) | fd)
+            conn_id = time.monotonic_ns()
+            leaf = conns.Leaf()
+            leaf.conn_id = conn_id
+            leaf.role = C["ROLE_UNKNOWN"]
+            try:
+                conns[key] = leaf
+            except Exception:
+                self.user_counters["conns_full"] = self.user_counters.get("conns_full", 0) + 1
+                continue
+            self.sink(schema.SocketInfo(
+                pid=pid, fd=fd, conn_id=conn_id, ts=conn_id, family=int(e.family),
+                local_addr=e.local_addr, local_port=e.local_port,
+                peer_addr=e.peer_addr, peer_port=e.peer_port, existing=True,
+                role=C["ROLE_UNKNOWN"],
+            ))
+
+    # ---- ring buffer ------------------------------------------------------------
+
+    def _on_record(self, _ctx: Any, data: Any, size: int) -> None:
+        buf = ctypes.string_at(data, size)
+        kind = wire.kind_of(buf) if size >= 4 else 0
+        self.sink(buf)
+        try:
+            if kind == C["KIND_CONN"]:
+                self._after_conn(schema.decode(buf))
+            elif kind == C["KIND_PROC"]:
+                self._after_proc(schema.decode(buf))
+        except schema.WireError:
+            self.user_counters["undecodable_records"] += 1
+
+    def _after_conn(self, ev: schema.ConnEvent) -> None:
+        if ev.op != C["CONN_ACCEPT"]:
+            return
+        local = self._listener_address(ev.pid, ev.listen_fd)
+        if local is None:
+            return
+        family, addr, port = local
+        self.sink(schema.SocketInfo(
+            pid=ev.pid, fd=ev.fd, conn_id=ev.conn_id, ts=ev.ts, family=int(family),
+            local_addr=addr, local_port=port, peer_addr=ev.peer_addr,
+            peer_port=ev.peer_port, role=C["ROLE_SERVER"],
+        ))
+
+    def _listener_address(self, pid: int, listen_fd: int) -> tuple[int, str, int] | None:
+        key = (pid, listen_fd)
+        if key not in self._listen_cache:
+            inode = procfs.fd_inode(pid, listen_fd)
+            e = procfs.inet_sockets(pid).get(inode) or procfs.unix_sockets(pid).get(inode)
+            if e is None:
+                return None
+            self._listen_cache[key] = (e.family, e.local_addr, e.local_port)
+        return self._listen_cache[key]
+
+    def _after_proc(self, ev: schema.ProcEvent) -> None:
+        if ev.op == C["PROC_FORK"]:
+            if procfs.tgid_of(ev.pid) != ev.pid:
+                return  # a new thread, not a process
+            self.pids.add(ev.pid)
+            self.sink(self._process_info(ev.pid))
+            self._adopt_sockets(ev.pid)
+        elif ev.op == C["PROC_EXEC"]:
+            self.pids.add(ev.pid)
+            self.sink(self._process_info(ev.pid))
+        elif ev.op == C["PROC_EXIT"]:
+            self.pids.discard(ev.pid)
+            self._forget_pid(ev.pid)
+
+    def _forget_pid(self, pid: int) -> None:
+        """A dead process's sockets were closed by the kernel, not by close(2)."""
+        conns = self.bpf["conns"]
+        stale = [k for k in conns.keys() if (k.value >> 32) == pid]
+        for k in stale:
+            try:
+                del conns[k]
+            except KeyError:
+                pass
+        for key in [k for k in self._listen_cache if k[0] == pid]:
+            del self._listen_cache[key]
+
+    # ---- loss -------------------------------------------------------------------
+
+    def kernel_counters(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        table = self.bpf["counters"]
+        for idx, name in wire.COUNTER_NAMES.items():
+            vals = table[ctypes.c_int(idx)]
+            out[name] = int(sum(vals))
+        return out
+
+    def report_counters(self, force: bool = False) -> None:
+        counters = self.kernel_counters()
+        counters.update(self.user_counters)
+        if force or counters != self._last_counters:
+            self._last_counters = dict(counters)
+            self.sink(schema.DropReport(ts=time.monotonic_ns(), counters=counters))
+
+
