@@ -1,0 +1,1 @@
+"""Sans-I/O protocol parsers: bytes (with timestamps) in, typed messages out."""

@@ -1,0 +1,305 @@
+"""The OpenAI-compatible API on top of HTTP, sans-I/O.
+
+``operation_for`` recognises the endpoints (``/v1/chat/completions``,
+``/v1/completions``, ``/v1/embeddings``, and the same paths under a prefix such as
+Azure's ``/openai/deployments/<name>``). ``parse_request`` reads the request JSON.
+``ResponseFollower`` follows the response body, streamed (SSE) or not, and yields
+token timing and counts:
+
+- the first chunk: the first SSE event of a stream, or the first body bytes;
+- the first token: the first chunk that carries generated text (a chunk with only
+  the role, or an empty delta, is not a token);
+- output tokens: ``usage`` when the server sends it (including the final usage chunk
+  of ``stream_options.include_usage``), else one per choice per chunk with text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocols.sse import SSEParser
+
+MAX_BODY = 8 * 1024 * 1024  # request/response JSON kept for parsing, per message
+
+_ENDPOINTS = (
+    ("/chat/completions", "chat"),
+    ("/completions", "text_completion"),
+    ("/embeddings", "embeddings"),
+)
+
+
+def operation_for(method: str, target: str) -> str | None:
+    """The GenAI operation name for an OpenAI-style endpoint, else None."""
+    if method != "POST":
+        return None
+    path = target.split("?", 1)[0].rstrip("/")
+    for suffix, op in _ENDPOINTS:
+        if path.endswith(suffix):
+            return op
+    return None
+
+
+@dataclass
+class LLMRequest:
+    """What the request body says (fields absent from the body stay None)."""
+
+    operation: str
+    model: str | None = None
+    stream: bool = False
+    include_usage: bool = False
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    prompt: str | None = None  # kept only when the caller asks for content
+    parsed: bool = False  # the JSON body was complete and valid
+    error: str | None = None
+
+
+_MODEL_RE = re.compile(rb'"model"\s*:\s*"((?:[^"\\]|\\.){0,256})"')
+_STREAM_RE = re.compile(rb'"stream"\s*:\s*(true|false)')
+
+
+def _number(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _prompt_text(operation: str, body: dict[str, Any]) -> str | None:
+    if operation == "chat":
+        msgs = body.get("messages")
+        if isinstance(msgs, list):
+            parts = []
+            for m in msgs:
+                if isinstance(m, dict):
+                    c = m.get("content")
+                    if isinstance(c, list):
+                        c = " ".join(p.get("text", "") for p in c if isinstance(p, dict))
+                    parts.append(f"{m.get('role', '')}: {c}")
+            return "\n".join(parts)
+    p = body.get("prompt") if operation == "text_completion" else body.get("input")
+    if isinstance(p, list):
+        return "\n".join(str(x) for x in p)
+    return p if isinstance(p, str) else None
+
+
+def parse_request(operation: str, body: bytes, complete: bool, keep_prompt: bool = False
+                  ) -> LLMRequest:
+    """Read an OpenAI request body. A truncated body still yields model and stream
+    when they can be found in the bytes that were seen."""
+    req = LLMRequest(operation=operation)
+    try:
+        doc = json.loads(body) if complete else None
+    except (ValueError, UnicodeDecodeError) as e:
+        doc = None
+        req.error = f"request body is not JSON: {e}"
+    if isinstance(doc, dict):
+        req.parsed = True
+        model = doc.get("model")
+        req.model = model if isinstance(model, str) else None
+        req.stream = doc.get("stream") is True
+        so = doc.get("stream_options")
+        req.include_usage = isinstance(so, dict) and so.get("include_usage") is True
+        mt = doc.get("max_completion_tokens", doc.get("max_tokens"))
+        req.max_tokens = int(mt) if _number(mt) is not None else None
+        req.temperature = _number(doc.get("temperature"))
+        req.top_p = _number(doc.get("top_p"))
+        n = doc.get("n")
+        req.n = int(n) if _number(n) is not None else None
+        if keep_prompt:
+            req.prompt = _prompt_text(operation, doc)
+        return req
+    # Salvage from a partial body: enough to name the span and the stream mode.
+    m = _MODEL_RE.search(body)
+    if m:
+        try:
+            req.model = json.loads(b'"' + m.group(1) + b'"')
+        except ValueError:
+            pass
+    s = _STREAM_RE.search(body)
+    req.stream = bool(s and s.group(1) == b"true")
+    if req.error is None and not complete:
+        req.error = "request body incomplete"
+    return req
+
+
+@dataclass
+class LLMResponse:
+    """What the response says, and when."""
+
+    status: int = 0
+    streamed: bool = False
+    model: str | None = None
+    response_id: str | None = None
+    finish_reasons: list[str] = field(default_factory=list)
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    usage_source: str | None = None  # "usage" or "stream_chunks"
+    first_chunk_ts: int | None = None
+    first_token_ts: int | None = None
+    token_ts: list[int] = field(default_factory=list)  # chunks that carried text
+    chunks: int = 0
+    text_chunks: int = 0
+    done_marker: bool = False  # a stream ended with data: [DONE]
+    text: str | None = None  # kept only when the caller asks for content
+    error_type: str | None = None
+    error_message: str | None = None
+    parse_errors: int = 0
+    body_truncated: bool = False
+
+
+def _has_text_delta(delta: Any) -> bool:
+    if not isinstance(delta, dict):
+        return False
+    for key in ("content", "reasoning_content", "reasoning", "refusal"):
+        v = delta.get(key)
+        if isinstance(v, str) and v:
+            return True
+    return bool(delta.get("tool_calls")) or bool(delta.get("function_call"))
+
+
+def _choice_text(operation: str, choice: dict[str, Any], streamed: bool) -> str:
+    if operation == "text_completion":
+        t = choice.get("text")
+        return t if isinstance(t, str) else ""
+    msg = choice.get("delta" if streamed else "message")
+    if not isinstance(msg, dict):
+        return ""
+    parts = [msg.get(k) for k in ("reasoning_content", "reasoning", "content", "refusal")]
+    return "".join(p for p in parts if isinstance(p, str))
+
+
+class ResponseFollower:
+    """Follows one response body of an OpenAI-style endpoint."""
+
+    def __init__(self, operation: str, keep_text: bool = False) -> None:
+        self.operation = operation
+        self.keep_text = keep_text
+        self.r = LLMResponse()
+        self._sse: SSEParser | None = None
+        self._body = bytearray()
+        self._first_body_ts: int | None = None
+        self._texts: list[str] = []
+        self._decomp: Any = None
+
+    def head(self, ts: int, status: int, headers: dict[str, str]) -> None:
+        self.r.status = status
+        ctype = headers.get("content-type", "")
+        if "text/event-stream" in ctype:
+            self.r.streamed = True
+            self._sse = SSEParser()
+        enc = headers.get("content-encoding", "").strip().lower()
+        if enc in ("gzip", "deflate"):
+            self._decomp = zlib.decompressobj(zlib.MAX_WBITS | 32)  # gzip or zlib header
+
+    def data(self, ts: int, chunk: bytes) -> None:
+        if self._decomp is not None:
+            try:
+                chunk = self._decomp.decompress(chunk)
+            except zlib.error:
+                self.r.parse_errors += 1
+                self._decomp = None
+                return
+        if not chunk:
+            return
+        if self._first_body_ts is None:
+            self._first_body_ts = ts
+        if self._sse is not None:
+            for ev in self._sse.feed(chunk, ts):
+                self._sse_event(ev.ts, ev.data)
+        elif len(self._body) + len(chunk) <= MAX_BODY:
+            self._body += chunk
+        else:
+            self.r.body_truncated = True
+
+    def _sse_event(self, ts: int, data: str) -> None:
+        if data.strip() == "[DONE]":
+            self.r.done_marker = True
+            return
+        self.r.chunks += 1
+        if self.r.first_chunk_ts is None:
+            self.r.first_chunk_ts = ts
+        try:
+            doc = json.loads(data)
+        except ValueError:
+            self.r.parse_errors += 1
+            return
+        if not isinstance(doc, dict):
+            return
+        self._common(doc)
+        carried = 0
+        choices = doc.get("choices")
+        if isinstance(choices, list):
+            for ch in choices:
+                if not isinstance(ch, dict):
+                    continue
+                has_text = (_has_text_delta(ch.get("delta")) if self.operation == "chat"
+                            else bool(ch.get("text")))
+                if has_text:
+                    carried += 1
+                    if self.keep_text:
+                        self._texts.append(_choice_text(self.operation, ch, True))
+                fr = ch.get("finish_reason")
+                if isinstance(fr, str):
+                    self.r.finish_reasons.append(fr)
+        if carried:
+            self.r.text_chunks += carried
+            self.r.token_ts.append(ts)
+            if self.r.first_token_ts is None:
+                self.r.first_token_ts = ts
+
+    def _common(self, doc: dict[str, Any]) -> None:
+        if self.r.model is None and isinstance(doc.get("model"), str):
+            self.r.model = doc["model"]
+        if self.r.response_id is None and isinstance(doc.get("id"), str):
+            self.r.response_id = doc["id"]
+        usage = doc.get("usage")
+        if isinstance(usage, dict):
+            it = usage.get("prompt_tokens", usage.get("input_tokens"))
+            ot = usage.get("completion_tokens", usage.get("output_tokens"))
+            if _number(it) is not None:
+                self.r.input_tokens = int(it)
+            if _number(ot) is not None:
+                self.r.output_tokens = int(ot)
+                self.r.usage_source = "usage"
+        err = doc.get("error")
+        if isinstance(err, dict):
+            self.r.error_type = str(err.get("type") or err.get("code") or "error")
+            self.r.error_message = str(err.get("message", ""))[:512]
+        elif isinstance(err, str):
+            self.r.error_type, self.r.error_message = "error", err[:512]
+
+    def end(self, ts: int) -> LLMResponse:
+        """The response is complete: parse a JSON body and settle the counts."""
+        r = self.r
+        if self._sse is None and self._body:
+            r.first_chunk_ts = self._first_body_ts
+            try:
+                doc = json.loads(self._body)
+            except (ValueError, UnicodeDecodeError):
+                doc = None
+                r.parse_errors += 1
+            if isinstance(doc, dict):
+                self._common(doc)
+                choices = doc.get("choices")
+                if isinstance(choices, list):
+                    texts = [_choice_text(self.operation, c, False)
+                             for c in choices if isinstance(c, dict)]
+                    for c in choices:
+                        if isinstance(c, dict) and isinstance(c.get("finish_reason"), str):
+                            r.finish_reasons.append(c["finish_reason"])
+                    if any(texts) or any(isinstance(c, dict) and _has_text_delta(c.get("message"))
+                                         for c in choices):
+                        r.first_token_ts = self._first_body_ts
+                        r.token_ts = [self._first_body_ts] if self._first_body_ts else []
+                    if self.keep_text:
+                        self._texts = texts
+        if r.output_tokens is None and r.streamed and r.text_chunks:
+            r.output_tokens = r.text_chunks
+            r.usage_source = "stream_chunks"
+        if self.keep_text:
+            r.text = "".join(self._texts)
+        return r

@@ -1,0 +1,81 @@
+"""Server-sent events (text/event-stream), sans-I/O.
+
+Feed body bytes as they were written, with their timestamp; get back each complete
+event with the timestamp of the write that completed it. Lines may end in CRLF, LF or
+CR, and an event or even a line may be split across any number of writes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_PENDING = 4 * 1024 * 1024  # an event larger than this is dropped, not buffered
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSentEvent:
+    ts: int
+    data: str
+    event: str = ""
+    id: str = ""
+
+
+class SSEParser:
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._data: list[str] = []
+        self._event = ""
+        self._id = ""
+        self._pending_cr = False
+        self.oversized = 0
+
+    def feed(self, chunk: bytes, ts: int) -> list[ServerSentEvent]:
+        if self._pending_cr and chunk.startswith(b"\n"):
+            chunk = chunk[1:]  # the LF of a CRLF split across writes
+        self._pending_cr = False
+        self._buf += chunk
+        out: list[ServerSentEvent] = []
+        start = 0
+        buf = self._buf
+        n = len(buf)
+        while start < n:
+            lf = buf.find(b"\n", start)
+            cr = buf.find(b"\r", start)
+            if lf < 0 and cr < 0:
+                break
+            if cr >= 0 and (lf < 0 or cr < lf):
+                end, nxt = cr, cr + 1
+                if nxt < n and buf[nxt] == 0x0A:
+                    nxt += 1
+                elif nxt == n:
+                    self._pending_cr = True
+            else:
+                end, nxt = lf, lf + 1
+            self._line(bytes(buf[start:end]), ts, out)
+            start = nxt
+        del buf[:start]
+        if len(buf) > MAX_PENDING:
+            buf.clear()
+            self._data.clear()
+            self.oversized += 1
+        return out
+
+    def _line(self, line: bytes, ts: int, out: list[ServerSentEvent]) -> None:
+        if not line:
+            if self._data:
+                out.append(ServerSentEvent(ts, "\n".join(self._data), self._event, self._id))
+            self._data = []
+            self._event = ""
+            return
+        if line.startswith(b":"):
+            return  # comment / keep-alive
+        name, _, value = line.partition(b":")
+        if value.startswith(b" "):
+            value = value[1:]
+        text = value.decode("utf-8", "replace")
+        if name == b"data":
+            self._data.append(text)
+        elif name == b"event":
+            self._event = text
+        elif name == b"id":
+            self._id = text
