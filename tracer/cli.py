@@ -1,0 +1,338 @@
+"""The `tokentrace` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any, Callable
+
+import tracer
+from tracer.correlate.connections import TrackerOptions
+from tracer.events import capture
+from tracer.export.context import ExportContext
+from tracer.pipeline import Pipeline
+
+EPILOG_MAIN = """\
+commands:
+  run       trace processes live and export requests as spans
+  record    write the raw events of processes to a capture file
+  replay    analyse a capture file as `run` would, without BPF
+  doctor    check privileges, kernel and BCC; say how to fix what is missing
+  demo      trace a sample inference server end to end
+
+examples:
+  sudo tokentrace run --port 8000
+  sudo tokentrace run --comm python3 --jsonl spans.jsonl --duration 60
+  sudo tokentrace run --pid 4242 --otlp http://localhost:4318
+  sudo tokentrace record --port 8000 -o cap.ttcap --duration 30
+  tokentrace replay cap.ttcap --jsonl spans.jsonl
+"""
+
+
+def _say(msg: str) -> None:
+    print(f"tokentrace: {msg}", file=sys.stderr, flush=True)
+
+
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text}")
+    return v
+
+
+def _add_target_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("what to trace (any mix; repeatable)")
+    g.add_argument("-p", "--pid", type=int, action="append", default=[], metavar="PID",
+                   help="a process id; its children are traced from their start")
+    g.add_argument("-c", "--comm", action="append", default=[], metavar="NAME",
+                   help="processes whose name (comm, 15 chars) is NAME, now and later")
+    g.add_argument("-P", "--port", type=int, action="append", default=[], metavar="PORT",
+                   help="processes listening on TCP PORT, now and later")
+    p.add_argument("-d", "--duration", type=float, metavar="SECONDS",
+                   help="stop after SECONDS (default: until Ctrl-C or SIGTERM)")
+    g2 = p.add_argument_group("capture")
+    g2.add_argument("--capture-limit", type=_positive_int, default=256 * 1024, metavar="BYTES",
+                    help="payload bytes captured per syscall; more is counted as truncated "
+                         "(default: 262144)")
+    g2.add_argument("--ringbuf-mb", type=_positive_int, default=32, metavar="MB",
+                    help="ring buffer size, rounded down to a power of two pages "
+                         "(default: 32)")
+
+
+def _add_export_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("export (console table unless --quiet)")
+    g.add_argument("--jsonl", metavar="FILE", help="write one JSON object per span to FILE")
+    g.add_argument("--otlp", metavar="ENDPOINT",
+                   help="send spans over OTLP: host:4317 or grpc://host:4317 for gRPC, "
+                        "http://host:4318 for HTTP")
+    g.add_argument("--otlp-protocol", choices=("grpc", "http"),
+                   help="override the protocol guessed from --otlp")
+    g.add_argument("--service-name", metavar="NAME",
+                   help="service.name of the spans (default: the traced process's name)")
+    g.add_argument("--capture-content", action="store_true",
+                   help="include prompt and completion text in spans (off by default: "
+                        "prompts are private)")
+    g.add_argument("-q", "--quiet", action="store_true", help="no console table")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tokentrace",
+        description="Zero-code eBPF tracing of LLM inference services: one span per "
+                    "request with time to first token, tokens and GPU work.",
+        epilog=EPILOG_MAIN, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"tokentrace {tracer.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = sub.add_parser(
+        "run", help="trace processes live",
+        description="Attach to running processes (no restart, no code change), follow "
+                    "their HTTP requests, and export one span per request. Prints a line "
+                    "containing 'attached' on stderr once tracing; on exit flushes every "
+                    "finished span and reports lost events.",
+        epilog="examples:\n  sudo tokentrace run --port 8000\n"
+               "  sudo tokentrace run --pid 4242 --jsonl spans.jsonl --duration 60\n"
+               "  sudo tokentrace run --comm vllm --otlp localhost:4317 --quiet\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_target_args(run)
+    _add_export_args(run)
+    run.add_argument("--record", metavar="FILE",
+                     help="also write the raw events to FILE for `tokentrace replay`")
+    run.set_defaults(func=cmd_run)
+
+    rec = sub.add_parser(
+        "record", help="write raw events to a capture file",
+        description="Capture the events of processes to FILE without analysing them. "
+                    "`tokentrace replay FILE` later gives the spans `run` would have.",
+        epilog="example:\n  sudo tokentrace record --port 8000 -o cap.ttcap --duration 30\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_target_args(rec)
+    rec.add_argument("-o", "--output", required=True, metavar="FILE", help="capture file")
+    rec.set_defaults(func=cmd_record)
+
+    rep = sub.add_parser(
+        "replay", help="analyse a capture file",
+        description="Run the analysis of `tokentrace run` on a capture file: same spans, "
+                    "no BPF, no privileges.",
+        epilog="example:\n  tokentrace replay cap.ttcap --jsonl spans.jsonl\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    rep.add_argument("capture", metavar="FILE", help="a file from `record` or `run --record`")
+    _add_export_args(rep)
+    rep.set_defaults(func=cmd_replay)
+
+    doc = sub.add_parser(
+        "doctor", help="check that this machine can trace",
+        description="Check privileges, the bpf syscall, tracefs, uprobes, kernel headers "
+                    "and BCC, then compile and load the probes. Each failure says how to "
+                    "fix it. Exit status 0 when tracing can work.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    doc.add_argument("--no-load", action="store_true",
+                     help="skip compiling and loading the BPF program")
+    doc.add_argument("--json", action="store_true", help="print the checks as JSON")
+    doc.set_defaults(func=cmd_doctor)
+
+    demo = sub.add_parser(
+        "demo", help="trace a sample inference server end to end",
+        description="Start the sample OpenAI-compatible server (a tiny PyTorch GPT), "
+                    "attach, send real requests with the openai client, and print the "
+                    "per-request table. Spans go to out/demo-spans.jsonl.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    demo.add_argument("--requests", type=_positive_int, default=8, metavar="N",
+                      help="requests of each kind, streamed and not (default: 8)")
+    demo.add_argument("--out", default="out", metavar="DIR",
+                      help="where spans and the capture go (default: out)")
+    demo.add_argument("--port", type=int, default=8765, help="sample server port")
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+# ---- shared plumbing ----------------------------------------------------------------
+
+
+def build_sinks(args: argparse.Namespace, ctx: ExportContext) -> tuple[list[Any], Any]:
+    """The record sinks the export flags ask for; returns (sinks, console or None)."""
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    from tracer.export.console import ConsoleTable
+    from tracer.export.spans import SpanBuilder
+
+    ctx.service_name = getattr(args, "service_name", None)
+    sinks: list[Any] = []
+    console = None
+    if not args.quiet:
+        console = ConsoleTable(ctx)
+        sinks.append(console)
+    processors = []
+    if args.jsonl:
+        from tracer.export.jsonl import JsonlSpanExporter
+
+        processors.append(SimpleSpanProcessor(JsonlSpanExporter(args.jsonl)))
+    if args.otlp:
+        from tracer.export.otlp import otlp_processor
+
+        processors.append(otlp_processor(args.otlp, args.otlp_protocol))
+    if processors:
+        sinks.append(SpanBuilder(ctx, processors))
+    return sinks, console
+
+
+def _report(pipeline: Pipeline, console: Any) -> None:
+    if console is not None:
+        _say(console.summary())
+    rep = pipeline.report()
+    lost = {k: v for k, v in rep.items()
+            if v and (k.startswith("capture.lost") or k in (
+                "bytes_lost", "capture.truncated", "capture.iov_cut", "capture.inflight_full",
+                "capture.conns_full", "http_protocol_errors", "undecodable_records",
+                "in_flight_at_exit"))}
+    _say(f"{pipeline.records} requests exported; "
+         + ("loss and truncation: " + ", ".join(f"{k}={v}" for k, v in lost.items())
+            if lost else "no events lost"))
+
+
+class _Stopper:
+    """Stops on SIGINT/SIGTERM or after a duration."""
+
+    def __init__(self, duration: float | None) -> None:
+        self.deadline = time.monotonic() + duration if duration else None
+        self.stopped = False
+        signal.signal(signal.SIGINT, self._stop)
+        signal.signal(signal.SIGTERM, self._stop)
+
+    def _stop(self, *_: Any) -> None:
+        self.stopped = True
+
+    def __bool__(self) -> bool:
+        return self.stopped or (self.deadline is not None and time.monotonic() >= self.deadline)
+
+
+def _targets(args: argparse.Namespace) -> Any:
+    from tracer.probes.session import CaptureConfig
+
+    return CaptureConfig(pids=args.pid, comms=args.comm, ports=args.port,
+                         capture_limit=args.capture_limit, ringbuf_mb=args.ringbuf_mb)
+
+
+def _drive(args: argparse.Namespace, open_: Callable[[], Any], poll: Callable[[], None],
+           pids: Callable[[], set[int]]) -> int:
+    """Attach, say so, poll until stopped. The caller closes in all cases."""
+    from tracer.probes.loader import ProbeSetupError
+
+    if not (args.pid or args.comm or args.port):
+        _say("nothing to trace: give --pid, --comm or --port (see --help)")
+        return 2
+    stop = _Stopper(args.duration)
+    try:
+        open_()
+    except ProbeSetupError as e:
+        _say(f"error: {e}")
+        return 1
+    if not pids() and not (args.comm or args.port):
+        _say(f"error: no such process: {', '.join(map(str, args.pid))}")
+        return 1
+    desc = ", ".join(str(p) for p in sorted(pids())) or "none yet"
+    _say(f"attached to {len(pids())} process(es) (pids: {desc}); "
+         + (f"tracing for {args.duration:g}s" if args.duration else "Ctrl-C to stop"))
+    while not stop:
+        poll()
+    return 0
+
+
+# ---- commands -----------------------------------------------------------------------
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from tracer.runner import TraceRun
+
+    header = capture.new_header(command="run")
+    ctx = ExportContext(capture_id=header["capture_id"], host=header["host"])
+    sinks, console = build_sinks(args, ctx)
+    run = TraceRun(_targets(args), sinks, TrackerOptions(keep_content=args.capture_content),
+                   record=args.record, ctx=ctx, header=header)
+    try:
+        rc = _drive(args, run.open, run.poll, lambda: run.session.pids)
+    finally:
+        run.close()
+    if rc == 0:
+        _report(run.pipeline, console)
+    return rc
+
+
+def cmd_record(args: argparse.Namespace) -> int:
+    from tracer.probes.session import CaptureSession
+
+    writer = capture.CaptureWriter(args.output, capture.new_header(command="record"))
+    session = CaptureSession(_targets(args), writer.write)
+    try:
+        rc = _drive(args, session.start, session.poll, lambda: session.pids)
+    finally:
+        session.stop()
+        writer.close()
+    if rc == 0:
+        _say(f"wrote {writer.items} items to {args.output}")
+    return rc
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    try:
+        reader = capture.CaptureReader(args.capture)
+    except (capture.CaptureError, OSError) as e:
+        _say(f"error: {e}")
+        return 1
+    ctx = ExportContext(capture_id=reader.header["capture_id"], host=reader.header.get("host", ""))
+    sinks, console = build_sinks(args, ctx)
+    pipeline = Pipeline(sinks, ctx, TrackerOptions(keep_content=args.capture_content))
+    try:
+        for item in reader:
+            pipeline.feed(item)
+    except capture.CaptureError as e:
+        _say(f"error: {e}")
+    finally:
+        pipeline.close()
+    if reader.truncated:
+        _say("warning: the capture ends mid-record (cut off while writing); "
+             "analysed what was there")
+    _report(pipeline, console)
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from tracer.doctor import format_checks, run_checks
+
+    results = run_checks(load=not args.no_load)
+    if args.json:
+        print(json.dumps([r.__dict__ for r in results], indent=2))
+    else:
+        print(format_checks(results))
+    failed = [r for r in results if r.required and not r.ok]
+    if not args.json:
+        print("\ntracing can work" if not failed else f"\n{len(failed)} required check(s) failed")
+    return 1 if failed else 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from tracer.demo import run_demo
+
+    return run_demo(requests=args.requests, out_dir=args.out, port=args.port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except BrokenPipeError:
+        return 0
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

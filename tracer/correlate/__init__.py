@@ -1,0 +1,1 @@
+"""Join events into requests, and requests to the GPU work they caused."""

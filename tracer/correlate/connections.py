@@ -1,0 +1,326 @@
+"""Connections to requests: route socket events to protocol parsers, build records.
+
+The tracker keeps one ``Connection`` per (pid, fd, conn_id). It decides which side is
+the client (accept means the traced process serves, connect means it calls; for
+sockets found open at attach, the first start line decides), sniffs the protocol from
+the client's first bytes, checks every chunk's stream offset so a capture gap becomes
+an explicit ``lost()`` on the parser, and turns parser events into ``RequestRecord``s.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+from protocols import detect, http1
+from protocols.openai import ResponseFollower, operation_for, parse_request
+from tracer.correlate.records import SAFE_HEADERS, RequestRecord, tenant_of
+from tracer.events import schema, wire
+
+C = wire.CONSTANTS
+Emit = Callable[[RequestRecord], None]
+
+SNIFF_MAX = 64  # client bytes looked at to recognise a protocol
+
+
+@dataclass
+class TrackerOptions:
+    keep_content: bool = False  # prompts and completions: off unless the user opts in
+    max_request_body: int = 8 * 1024 * 1024
+    idle_timeout_ns: int = 15 * 60 * 10**9
+
+
+class Exchange:
+    """One HTTP exchange being assembled into a record."""
+
+    def __init__(self, conn: "Connection", req: http1.Request, options: TrackerOptions) -> None:
+        self.options = options
+        headers = {}
+        for name, value in req.headers:
+            headers.setdefault(name, value)
+        self.rec = RequestRecord(
+            pid=conn.pid, fd=conn.fd, conn_id=conn.conn_id, exchange=req.exchange,
+            role=conn.role or "server", method=req.method, target=req.target,
+            http_version=req.version, start_ns=req.ts,
+            request_headers={k: v for k, v in headers.items() if k in SAFE_HEADERS},
+            tenant=tenant_of(headers), family=conn.family, local_addr=conn.local_addr,
+            local_port=conn.local_port, peer_addr=conn.peer_addr, peer_port=conn.peer_port,
+        )
+        self.operation = operation_for(req.method, req.target)
+        self.body = bytearray() if self.operation else None
+        self.body_cut = False
+        self.follower = (ResponseFollower(self.operation, options.keep_content)
+                         if self.operation else None)
+
+    def add_tid(self, tid: int) -> None:
+        if tid not in self.rec.tids:
+            self.rec.tids.append(tid)
+
+    def request_data(self, data: bytes) -> None:
+        self.rec.request_bytes += len(data)
+        if self.body is not None:
+            room = self.options.max_request_body - len(self.body)
+            if len(data) > room:
+                self.body_cut = True
+                data = data[: max(0, room)]
+            self.body += data
+
+    def request_end(self, ts: int, incomplete: bool) -> None:
+        self.rec.request_end_ns = ts
+        self.rec.request_incomplete = incomplete
+        if self.operation and self.body is not None:
+            complete = not (incomplete or self.body_cut)
+            self.rec.llm_request = parse_request(self.operation, bytes(self.body), complete,
+                                                 keep_prompt=self.options.keep_content)
+            self.body = None
+
+    def response(self, resp: http1.Response) -> None:
+        self.rec.status = resp.status
+        self.rec.response_start_ns = resp.ts
+        headers = dict(resp.headers)
+        self.rec.response_headers = {
+            k: v for k, v in headers.items()
+            if k in ("content-type", "content-length", "content-encoding", "x-request-id")
+        }
+        if self.follower:
+            self.follower.head(resp.ts, resp.status, headers)
+
+    def response_data(self, ts: int, data: bytes) -> None:
+        self.rec.response_bytes += len(data)
+        if self.follower:
+            self.follower.data(ts, data)
+
+    def finish(self, ts: int, error: str | None = None, incomplete: bool = False
+               ) -> RequestRecord:
+        rec = self.rec
+        rec.end_ns = ts
+        rec.response_incomplete = incomplete
+        if rec.llm_request is None and self.operation and self.body is not None:
+            # the response finished (or failed) before the request body did
+            rec.llm_request = parse_request(self.operation, bytes(self.body), False,
+                                            keep_prompt=self.options.keep_content)
+        if self.follower:
+            rec.llm_response = self.follower.end(ts)
+        if error:
+            rec.error = error
+        return rec
+
+
+class Connection:
+    def __init__(self, pid: int, fd: int, conn_id: int, role: str | None, synced: bool) -> None:
+        self.pid = pid
+        self.fd = fd
+        self.conn_id = conn_id
+        self.role = role  # "server" / "client" / None (not yet known)
+        self.synced = synced  # seen from its first byte
+        self.family = 0
+        self.local_addr = ""
+        self.local_port = 0
+        self.peer_addr = ""
+        self.peer_port = 0
+        self.expected = {True: 0, False: 0}  # next stream offset, by inbound
+        self.proto: str | None = None
+        self.sniff_buf = b""
+        self.sniff_ts = 0
+        self.http: http1.HTTP1Connection | None = None
+        self.exchanges: dict[int, Exchange] = {}
+        self.last_ts = 0
+        self.close_reason: str | None = None
+
+    def from_client(self, inbound: bool) -> bool:
+        return inbound if self.role == "server" else not inbound
+
+
+class ConnectionTracker:
+    """Socket events in, finished ``RequestRecord``s out (through ``emit``)."""
+
+    def __init__(self, emit: Emit, options: TrackerOptions | None = None,
+                 processes: dict[int, schema.ProcessInfo] | None = None) -> None:
+        self.emit = emit
+        self.options = options or TrackerOptions()
+        self.processes = processes if processes is not None else {}
+        self.conns: dict[tuple[int, int, int], Connection] = {}
+        self.stats: Counter[str] = Counter()
+
+    # ---- connection lifecycle ---------------------------------------------------
+
+    def conn_event(self, ev: schema.ConnEvent) -> None:
+        if ev.op in (C["CONN_ACCEPT"], C["CONN_CONNECT"]):
+            role = "server" if ev.op == C["CONN_ACCEPT"] else "client"
+            c = Connection(ev.pid, ev.fd, ev.conn_id, role, synced=True)
+            c.family, c.peer_addr, c.peer_port = ev.family, ev.peer_addr, ev.peer_port
+            c.last_ts = ev.ts
+            self.conns[ev.key] = c
+            self.stats["connections"] += 1
+        elif ev.op == C["CONN_CLOSE"]:
+            c = self.conns.pop(ev.key, None)
+            if c is not None:
+                self._close(c, ev.ts)
+
+    def socket_info(self, ev: schema.SocketInfo) -> None:
+        c = self.conns.get(ev.key)
+        if c is None:
+            role = {C["ROLE_SERVER"]: "server", C["ROLE_CLIENT"]: "client"}.get(ev.role)
+            c = Connection(ev.pid, ev.fd, ev.conn_id, role, synced=not ev.existing)
+            c.last_ts = ev.ts
+            self.conns[ev.key] = c
+            if ev.existing:
+                self.stats["connections_existing"] += 1
+        c.family = ev.family
+        c.local_addr, c.local_port = ev.local_addr, ev.local_port
+        if ev.peer_addr or not c.peer_addr:
+            c.peer_addr, c.peer_port = ev.peer_addr, ev.peer_port
+
+    def process_exit(self, pid: int, ts: int) -> None:
+        for key in [k for k in self.conns if k[0] == pid]:
+            c = self.conns.pop(key)
+            c.close_reason = "process exited before the response completed"
+            self._close(c, ts)
+
+    def finish(self, ts: int) -> int:
+        """End of capture: count exchanges still open (they are not emitted)."""
+        open_exchanges = sum(len(c.exchanges) for c in self.conns.values())
+        self.stats["in_flight_at_exit"] += open_exchanges
+        return open_exchanges
+
+    def expire(self, now_ts: int) -> None:
+        """Forget connections idle longer than the timeout (a lost close record)."""
+        limit = now_ts - self.options.idle_timeout_ns
+        for key in [k for k, c in self.conns.items() if c.last_ts < limit]:
+            c = self.conns.pop(key)
+            c.close_reason = "connection idle past the tracer's timeout"
+            self.stats["connections_expired"] += 1
+            self._close(c, now_ts)
+
+    # ---- data -------------------------------------------------------------------
+
+    def data_event(self, ev: schema.DataEvent) -> None:
+        c = self.conns.get(ev.key)
+        if c is None:
+            # its open record was lost, or it predates the capture: follow it unsynced
+            c = Connection(ev.pid, ev.fd, ev.conn_id, None, synced=False)
+            self.conns[ev.key] = c
+            self.stats["connections_unannounced"] += 1
+        ts = ev.ts_exit
+        c.last_ts = ts
+        inbound = ev.inbound
+        if ev.error or ev.eof:
+            return
+        pos = ev.position
+        gap = pos - c.expected[inbound]
+        if gap > 0:
+            self.stats["bytes_lost"] += gap
+            self._lost(c, gap, ts, inbound, ev.tid)
+        c.expected[inbound] = max(c.expected[inbound], pos + len(ev.payload))
+        if not ev.payload:
+            return
+        if c.proto is None and not self._choose_protocol(c, ev.payload, inbound, ts, ev.tid):
+            return
+        if c.proto != "http1" or c.http is None:
+            self.stats[f"bytes_{c.proto or 'unsniffed'}"] += len(ev.payload)
+            return
+        events = c.http.receive(ev.payload, ts, c.from_client(inbound))
+        self._dispatch(c, events, ev.tid)
+
+    def _choose_protocol(self, c: Connection, data: bytes, inbound: bool, ts: int,
+                         tid: int) -> bool:
+        """Decide role (if unknown) and protocol. True once HTTP/1 parsing can start."""
+        if c.role is None:
+            # Found open at attach: whoever sends a request line is the client.
+            idx = detect.find_request_line(data)
+            if idx >= 0:
+                c.role = "server" if inbound else "client"
+            elif detect.sniff(data) == detect.HTTP1_RESPONSE:
+                c.role = "client" if inbound else "server"
+            else:
+                self.stats["bytes_unsniffed"] += len(data)
+                return False
+            c.proto = "http1"
+            c.http = http1.HTTP1Connection(synced=False)
+            return True
+        if not c.synced:
+            c.proto = "http1"
+            c.http = http1.HTTP1Connection(synced=False)
+            return True
+        if not c.from_client(inbound):
+            c.proto = "opaque"  # the server spoke first: not HTTP
+            return False
+        if not c.sniff_buf:
+            c.sniff_ts = ts
+        held = c.sniff_buf + data
+        kind = detect.sniff(held[:SNIFF_MAX])
+        if kind == detect.NEED_MORE:
+            c.sniff_buf = held
+            return False
+        c.sniff_buf = b""
+        if kind == detect.HTTP1_REQUEST:
+            c.proto = "http1"
+            c.http = http1.HTTP1Connection(synced=True)
+            if len(held) > len(data):
+                # fragments were held back while sniffing: the request began with them
+                self._dispatch(c, c.http.receive(held, c.sniff_ts, True), tid)
+                return False
+            return True
+        c.proto = {detect.HTTP2_PREFACE: "http2", detect.TLS: "tls"}.get(kind, "opaque")
+        self.stats[f"connections_{c.proto}"] += 1
+        return False
+
+    def _lost(self, c: Connection, nbytes: int, ts: int, inbound: bool, tid: int) -> None:
+        if c.http is None:
+            return
+        self._dispatch(c, c.http.lost(nbytes, ts, c.from_client(inbound)), tid)
+
+    def _close(self, c: Connection, ts: int) -> None:
+        if c.http is not None:
+            self._dispatch(c, c.http.close(ts), 0)
+        for ex in list(c.exchanges.values()):
+            self._finish(c, ex, ts, c.close_reason or "connection closed before the response")
+
+    # ---- parser events -> records -------------------------------------------------
+
+    def _dispatch(self, c: Connection, events: list[http1.Event], tid: int) -> None:
+        for e in events:
+            if isinstance(e, http1.Request):
+                ex = Exchange(c, e, self.options)
+                c.exchanges[e.exchange] = ex
+                if tid:
+                    ex.add_tid(tid)
+                continue
+            if isinstance(e, http1.ProtocolError):
+                self.stats["http_protocol_errors"] += 1
+                continue
+            ex = c.exchanges.get(getattr(e, "exchange", -1))
+            if ex is None:
+                if isinstance(e, http1.Response):
+                    self.stats["responses_unpaired"] += 1
+                continue
+            if tid:
+                ex.add_tid(tid)
+            if isinstance(e, http1.Data):
+                if e.from_client:
+                    ex.request_data(e.data)
+                else:
+                    ex.response_data(e.ts, e.data)
+            elif isinstance(e, http1.EndOfMessage):
+                if e.from_client:
+                    ex.request_end(e.ts, e.incomplete)
+                else:
+                    self._finish(c, ex, e.ts, None, incomplete=e.incomplete)
+            elif isinstance(e, http1.Response):
+                ex.response(e)
+            elif isinstance(e, http1.Abandoned):
+                self._finish(c, ex, e.ts, c.close_reason or e.reason, incomplete=True)
+            elif isinstance(e, http1.Upgraded):
+                self._finish(c, ex, e.ts, None)
+                c.proto = f"upgraded:{e.protocol}"
+
+    def _finish(self, c: Connection, ex: Exchange, ts: int, error: str | None,
+                incomplete: bool = False) -> None:
+        c.exchanges.pop(ex.rec.exchange, None)
+        rec = ex.finish(ts, error, incomplete)
+        rec.process = self.processes.get(rec.pid)
+        self.stats["requests"] += 1
+        if rec.error:
+            self.stats["requests_failed"] += 1
+        self.emit(rec)

@@ -1,0 +1,120 @@
+"""Finished requests: what the correlator hands to every exporter.
+
+A ``RequestRecord`` is one request/response exchange as the traced process saw it,
+with monotonic-ns timestamps (the exporters convert them with the capture's clock
+sync). It holds no secrets: request headers are kept by name from ``SAFE_HEADERS``,
+and the API key only as a salted hash (``tenant``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocols.openai import LLMRequest, LLMResponse
+from tracer.events.schema import ProcessInfo
+
+SAFE_HEADERS = frozenset({
+    "host", "user-agent", "content-type", "content-length", "accept", "traceparent",
+    "tracestate", "x-request-id", "openai-organization", "openai-project",
+})
+
+TENANT_HEADERS = ("authorization", "api-key", "x-api-key")
+TENANT_SALT = b"tokentrace-tenant-v1"
+
+
+def tenant_of(headers: dict[str, str]) -> str | None:
+    """A stable, non-reversible tenant id from the request's API key header."""
+    for name in TENANT_HEADERS:
+        v = headers.get(name)
+        if v:
+            token = v.split(None, 1)[-1].encode()
+            return hashlib.sha256(TENANT_SALT + token).hexdigest()[:16]
+    return None
+
+
+@dataclass
+class RequestRecord:
+    pid: int
+    fd: int
+    conn_id: int
+    exchange: int
+    role: str  # "server" (the traced process answered) or "client"
+    protocol: str = "http/1.1"
+    method: str = ""
+    target: str = ""
+    http_version: str = ""
+    status: int | None = None
+    request_headers: dict[str, str] = field(default_factory=dict)
+    response_headers: dict[str, str] = field(default_factory=dict)
+    tenant: str | None = None
+    family: int = 0
+    local_addr: str = ""
+    local_port: int = 0
+    peer_addr: str = ""
+    peer_port: int = 0
+    tids: list[int] = field(default_factory=list)
+    start_ns: int = 0  # first request byte
+    request_end_ns: int | None = None
+    response_start_ns: int | None = None
+    end_ns: int = 0  # last response byte (or when the exchange was given up)
+    request_bytes: int = 0
+    response_bytes: int = 0
+    request_incomplete: bool = False
+    response_incomplete: bool = False
+    error: str | None = None  # why the exchange failed, if it did
+    llm_request: LLMRequest | None = None
+    llm_response: LLMResponse | None = None
+    process: ProcessInfo | None = None
+    # filled by the GPU correlation: attribute name suffix -> value
+    gpu: dict[str, Any] = field(default_factory=dict)
+    children: list["ChildSpan"] = field(default_factory=list)
+
+    @property
+    def key(self) -> tuple[int, int, int, int]:
+        return (self.pid, self.fd, self.conn_id, self.exchange)
+
+    @property
+    def is_llm(self) -> bool:
+        return self.llm_request is not None
+
+    @property
+    def ttft_ns(self) -> int | None:
+        r = self.llm_response
+        if r is None or r.first_token_ts is None:
+            return None
+        return r.first_token_ts - self.start_ns
+
+    @property
+    def first_chunk_ns(self) -> int | None:
+        r = self.llm_response
+        if r is None or r.first_chunk_ts is None:
+            return None
+        return r.first_chunk_ts - self.start_ns
+
+    @property
+    def tpot_ns(self) -> float | None:
+        """Mean gap between text-carrying chunks after the first one."""
+        r = self.llm_response
+        if r is None or len(r.token_ts) < 2:
+            return None
+        return (r.token_ts[-1] - r.token_ts[0]) / (len(r.token_ts) - 1)
+
+    @property
+    def failed(self) -> bool:
+        if self.error:
+            return True
+        if self.status is None:
+            return True
+        return self.status >= 500 or (self.role == "client" and self.status >= 400)
+
+
+@dataclass
+class ChildSpan:
+    """A phase of a request (queue, prefill, decode) as its own span."""
+
+    name: str
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,179 @@
+"""`tokentrace doctor`: check every prerequisite of tracing and say how to fix each.
+
+Each check returns a ``Check``; ``required`` ones must pass for `run` to work.
+Nothing here changes the machine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+CAP_SYS_ADMIN = 21
+CAP_PERFMON = 38
+CAP_BPF = 39
+CAP_SYS_PTRACE = 19
+CAP_DAC_READ_SEARCH = 2
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    required: bool = True
+
+
+def effective_caps() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return int(line.split()[1], 16)
+    return 0
+
+
+def has_bpf_caps() -> bool:
+    caps = effective_caps()
+    if caps & (1 << CAP_SYS_ADMIN):
+        return True
+    return bool(caps & (1 << CAP_BPF)) and bool(caps & (1 << CAP_PERFMON))
+
+
+def check_privileges() -> Check:
+    if os.geteuid() == 0 and has_bpf_caps():
+        return Check("privileges", True, "root with CAP_SYS_ADMIN/CAP_BPF")
+    if has_bpf_caps():
+        caps = effective_caps()
+        missing = [n for n, b in (("CAP_SYS_PTRACE", CAP_SYS_PTRACE),
+                                  ("CAP_DAC_READ_SEARCH", CAP_DAC_READ_SEARCH))
+                   if not caps & (1 << b)]
+        if missing:
+            return Check("privileges", True,
+                         f"CAP_BPF + CAP_PERFMON, but not {', '.join(missing)}: other users' "
+                         "/proc/PID/fd and maps may be unreadable",
+                         "add CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH", required=False)
+        return Check("privileges", True, "CAP_BPF + CAP_PERFMON")
+    return Check("privileges", False, f"euid {os.geteuid()} without CAP_BPF/CAP_PERFMON",
+                 "run as root (sudo tokentrace ...), or grant CAP_BPF, CAP_PERFMON, "
+                 "CAP_SYS_RESOURCE, CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH "
+                 "(see deploy/README.md for the least-privilege set)")
+
+
+def check_bpf_syscall() -> Check:
+    """Create and close a one-element array map with the bpf(2) syscall."""
+    nr = {"x86_64": 321, "aarch64": 280}.get(platform.machine())
+    if nr is None:
+        return Check("bpf syscall", False, f"unknown architecture {platform.machine()}",
+                     "tokentrace supports x86_64 and aarch64")
+    attr = (ctypes.c_uint32 * 32)()
+    attr[0], attr[1], attr[2], attr[3] = 2, 4, 4, 1  # BPF_MAP_TYPE_ARRAY, key, value, entries
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.syscall(nr, 0, ctypes.byref(attr), ctypes.sizeof(attr))  # BPF_MAP_CREATE
+    if fd >= 0:
+        os.close(fd)
+        return Check("bpf syscall", True, "BPF_MAP_CREATE works")
+    err = ctypes.get_errno()
+    hint = "run as root or with CAP_BPF"
+    unpriv = Path("/proc/sys/kernel/unprivileged_bpf_disabled")
+    if err == 38:
+        hint = "this kernel has no BPF (CONFIG_BPF_SYSCALL=n): use a kernel built with it"
+    elif err == 1 and unpriv.exists() and unpriv.read_text().strip() != "0":
+        hint = "unprivileged BPF is disabled: run as root or with CAP_BPF"
+    return Check("bpf syscall", False, f"bpf(BPF_MAP_CREATE) failed: {os.strerror(err)}", hint)
+
+
+def check_tracefs() -> Check:
+    from tracer.probes.loader import tracefs
+
+    root = tracefs()
+    if root is None:
+        return Check("tracefs", False, "no tracefs with events/ is mounted",
+                     "mount -t tracefs nodev /sys/kernel/tracing "
+                     "(in a container: mount the host's /sys/kernel/tracing)")
+    if not Path(root, "events", "syscalls", "sys_enter_read").is_dir():
+        return Check("tracefs", False, f"{root} has no syscall tracepoints",
+                     "the kernel needs CONFIG_FTRACE_SYSCALLS=y")
+    return Check("tracefs", True, f"{root} with syscall tracepoints")
+
+
+def check_uprobes() -> Check:
+    p = Path("/sys/bus/event_source/devices/uprobe/type")
+    if p.exists():
+        return Check("uprobes", True, "uprobe PMU present (GPU library probes can attach)",
+                     required=False)
+    return Check("uprobes", False, "no uprobe PMU: CUDA/NCCL/ibverbs probes cannot attach",
+                 "use a kernel with CONFIG_UPROBE_EVENTS=y; socket tracing still works",
+                 required=False)
+
+
+def check_kernel_headers() -> Check:
+    release = platform.release()
+    build = Path("/lib/modules", release, "build")
+    if Path(build, "include").is_dir():
+        target = os.path.realpath(build)
+        note = "" if release in target else f" (linked to {target})"
+        return Check("kernel headers", True, f"{build}{note}")
+    return Check("kernel headers", False, f"{build} is missing (BCC compiles against it)",
+                 f"apt-get install linux-headers-{release}; if that package does not exist, "
+                 "apt-get install linux-headers-amd64 and link its directories as "
+                 f"/lib/modules/{release}/build and /source (`make setup` does this)")
+
+
+def check_bcc() -> Check:
+    try:
+        from tracer.probes.loader import ProbeSetupError, import_bcc
+
+        bcc = import_bcc()
+    except ProbeSetupError as e:
+        return Check("bcc", False, str(e).split(":")[0],
+                     "apt-get install python3-bpfcc, then link "
+                     "/usr/lib/python3/dist-packages/bcc into this Python's site-packages "
+                     "(`make setup` does both); never `pip install bcc` (unrelated package)")
+    return Check("bcc", True, f"BCC at {os.path.dirname(bcc.__file__)}")
+
+
+def check_btf() -> Check:
+    ok = Path("/sys/kernel/btf/vmlinux").exists()
+    return Check("btf", ok, "kernel BTF present" if ok else "no /sys/kernel/btf/vmlinux",
+                 "" if ok else "optional: a kernel with CONFIG_DEBUG_INFO_BTF=y", required=False)
+
+
+def check_compile(previous: list[Check]) -> Check:
+    if not all(c.ok for c in previous if c.required):
+        return Check("bpf program", False, "skipped: fix the checks above first", "")
+    try:
+        from tracer.probes.loader import compile_program
+
+        b = compile_program(["process", "sockets"], ringbuf_mb=1)
+        b.cleanup()
+    except Exception as e:  # report any failure of the real load
+        return Check("bpf program", False, f"compiling/loading failed: {e}",
+                     "run `tokentrace doctor` as root; see the error above")
+    return Check("bpf program", True, "socket and process probes compile, load and attach")
+
+
+CHECKS: list[Callable[[], Check]] = [
+    check_privileges, check_bpf_syscall, check_tracefs, check_uprobes,
+    check_kernel_headers, check_btf, check_bcc,
+]
+
+
+def run_checks(load: bool = True) -> list[Check]:
+    results = [fn() for fn in CHECKS]
+    if load:
+        results.append(check_compile(results))
+    return results
+
+
+def format_checks(results: list[Check]) -> str:
+    lines = []
+    for c in results:
+        mark = "ok  " if c.ok else ("FAIL" if c.required else "warn")
+        lines.append(f"{mark}  {c.name:<15} {c.detail}")
+        if not c.ok and c.fix:
+            lines.append(f"      {'':<15} fix: {c.fix}")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Turn finished requests into spans, tables, files and metrics."""

@@ -1,0 +1,21 @@
+"""What exporters need to know besides the records: clock, processes, identity."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tracer.events.schema import ProcessInfo
+
+
+@dataclass
+class ExportContext:
+    """Shared, updated by the pipeline as capture items arrive."""
+
+    capture_id: str = ""
+    host: str = ""
+    clock_offset_ns: int = 0  # wall = monotonic + offset
+    processes: dict[int, ProcessInfo] = field(default_factory=dict)
+    service_name: str | None = None  # overrides the process name as service.name
+    extra_resource: dict[int, dict[str, Any]] = field(default_factory=dict)
+    drops: dict[str, int] = field(default_factory=dict)

@@ -1,0 +1,265 @@
+"""Finished requests to OpenTelemetry spans.
+
+One span per request, on the OpenTelemetry SDK, with the request's own start and end
+times. Names and attributes follow the GenAI semantic conventions where a span
+attribute exists (``gen_ai.*``), the HTTP/network conventions for the transport, and
+``tokentrace.*`` for the rest. ``gen_ai.server.time_to_first_token`` and friends are
+metric names in the conventions, so TTFT and TPOT live in ``tokentrace.*`` here.
+
+Span and trace ids are derived from the capture id and the request's identity, so a
+replay of a capture reproduces the live run's ids. An incoming ``traceparent``
+continues the caller's trace. Prompt and completion text is exported only when the
+records carry it (the user opted in).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import socket as pysocket
+import threading
+import uuid
+from typing import Any, Iterable
+
+from opentelemetry import trace as otel_trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+import tracer
+from tracer.correlate.records import RequestRecord
+from tracer.events.schema import ProcessInfo
+from tracer.export.context import ExportContext
+
+NS = 1e-9
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+class PrimedIdGenerator(IdGenerator):
+    """Hands out the ids set by ``prime`` once, random ids otherwise."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._random = RandomIdGenerator()
+
+    def prime(self, trace_id: int | None, span_id: int) -> None:
+        self._local.trace_id = trace_id
+        self._local.span_id = span_id
+
+    def generate_span_id(self) -> int:
+        v = getattr(self._local, "span_id", None)
+        self._local.span_id = None
+        return v or self._random.generate_span_id()
+
+    def generate_trace_id(self) -> int:
+        v = getattr(self._local, "trace_id", None)
+        self._local.trace_id = None
+        return v or self._random.generate_trace_id()
+
+
+def derived_id(bits: int, *parts: object) -> int:
+    """A non-zero id of ``bits`` bits from a hash of ``parts``."""
+    h = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=bits // 8).digest()
+    return int.from_bytes(h, "big") or 1
+
+
+_PYTHON = re.compile(r"python[0-9.]*$")
+
+
+def service_name_for(info: ProcessInfo) -> str:
+    """A sensible service name for a process: the module or script an interpreter runs
+    (``python -m vllm.entrypoints...`` -> ``vllm.entrypoints...``), else the program."""
+    args = list(info.cmdline)
+    prog = (args[0] if args else info.exe).rsplit("/", 1)[-1]
+    if _PYTHON.match(prog):
+        rest = args[1:]
+        while rest:
+            a = rest.pop(0)
+            if a == "-m" and rest:
+                return rest[0]
+            if a in ("-c",):
+                break
+            if a.startswith("-"):
+                if a in ("-W", "-X") and rest:
+                    rest.pop(0)
+                continue
+            return a.rsplit("/", 1)[-1].removesuffix(".py")
+    return prog or info.comm
+
+
+def resource_for(ctx: ExportContext, pid: int) -> Resource:
+    """The resource (who emitted the span) for a traced process."""
+    info = ctx.processes.get(pid)
+    host = ctx.host or pysocket.gethostname()
+    attrs: dict[str, Any] = {
+        "host.name": host,
+        "process.pid": pid,
+        # stable across a replay of the same capture (the SDK would pick a random one)
+        "service.instance.id": str(uuid.uuid5(uuid.NAMESPACE_URL,
+                                              f"tokentrace:{host}:{pid}:{ctx.capture_id}")),
+        "telemetry.sdk.name": "tokentrace",
+        "telemetry.sdk.version": tracer.__version__,
+    }
+    name = ctx.service_name
+    if info is not None:
+        if info.exe:
+            attrs["process.executable.path"] = info.exe
+            attrs["process.executable.name"] = info.exe.rsplit("/", 1)[-1]
+        if info.cmdline:
+            attrs["process.command_line"] = " ".join(info.cmdline)[:1024]
+        if info.container_id:
+            attrs["container.id"] = info.container_id
+        if info.ppid:
+            attrs["process.parent_pid"] = info.ppid
+        name = name or service_name_for(info)
+    attrs["service.name"] = name or f"pid-{pid}"
+    attrs.update(ctx.extra_resource.get(pid, {}))
+    return Resource.create(attrs)
+
+
+def _seconds(ns: int | float | None) -> float | None:
+    return None if ns is None else ns * NS
+
+
+def span_name(rec: RequestRecord) -> str:
+    if rec.llm_request is not None:
+        model = rec.llm_request.model or (rec.llm_response.model if rec.llm_response else None)
+        return f"{rec.llm_request.operation} {model}" if model else rec.llm_request.operation
+    return f"{rec.method} {rec.target.split('?', 1)[0]}" if rec.method else "HTTP"
+
+
+def span_attributes(rec: RequestRecord) -> dict[str, Any]:
+    """Every attribute of a request span (None values are left out)."""
+    a: dict[str, Any] = {}
+    q, r = rec.llm_request, rec.llm_response
+    if q is not None:
+        a["gen_ai.operation.name"] = q.operation
+        a["gen_ai.request.model"] = q.model
+        a["gen_ai.request.max_tokens"] = q.max_tokens
+        a["gen_ai.request.temperature"] = q.temperature
+        a["gen_ai.request.top_p"] = q.top_p
+        a["gen_ai.request.choice.count"] = q.n
+        a["tokentrace.request.stream"] = q.stream
+        a["tokentrace.api"] = "openai"
+        if q.prompt is not None:
+            a["tokentrace.prompt.text"] = q.prompt
+    if r is not None:
+        a["gen_ai.response.model"] = r.model
+        a["gen_ai.response.id"] = r.response_id
+        if r.finish_reasons:
+            a["gen_ai.response.finish_reasons"] = list(r.finish_reasons)
+        a["gen_ai.usage.input_tokens"] = r.input_tokens
+        a["gen_ai.usage.output_tokens"] = r.output_tokens
+        a["tokentrace.usage.source"] = r.usage_source
+        a["gen_ai.response.time_to_first_chunk"] = _seconds(rec.first_chunk_ns)
+        a["tokentrace.time_to_first_token"] = _seconds(rec.ttft_ns)
+        a["tokentrace.time_per_output_token"] = _seconds(rec.tpot_ns)
+        if len(r.token_ts) > 1:
+            gaps = [b - x for x, b in zip(r.token_ts, r.token_ts[1:])]
+            a["tokentrace.inter_token_gap.max"] = max(gaps) * NS
+            a["tokentrace.inter_token_gap.p50"] = sorted(gaps)[len(gaps) // 2] * NS
+        a["tokentrace.response.chunks"] = r.chunks if r.streamed else None
+        if r.error_type:
+            a["error.type"] = r.error_type
+            a["tokentrace.error.message"] = r.error_message
+        if r.text is not None:
+            a["tokentrace.completion.text"] = r.text
+    a["http.request.method"] = rec.method or None
+    a["url.path"] = rec.target.split("?", 1)[0] or None
+    a["http.response.status_code"] = rec.status
+    a["network.protocol.name"] = "http"
+    a["network.protocol.version"] = rec.http_version or None
+    a["network.transport"] = {1: "unix", 2: "tcp", 10: "tcp"}.get(rec.family)
+    a["network.type"] = {2: "ipv4", 10: "ipv6"}.get(rec.family)
+    if rec.role == "server":
+        a["server.address"] = rec.local_addr or None
+        a["server.port"] = rec.local_port or None
+        a["client.address"] = rec.peer_addr or None
+        a["client.port"] = rec.peer_port or None
+    else:
+        a["server.address"] = rec.peer_addr or rec.request_headers.get("host")
+        a["server.port"] = rec.peer_port or None
+    a["network.peer.address"] = rec.peer_addr or None
+    a["network.peer.port"] = rec.peer_port or None
+    a["user_agent.original"] = rec.request_headers.get("user-agent")
+    a["http.request.body.size"] = rec.request_bytes
+    a["http.response.body.size"] = rec.response_bytes
+    a["process.pid"] = rec.pid
+    a["thread.id"] = rec.tids[0] if rec.tids else None
+    a["tokentrace.thread_ids"] = list(rec.tids) if rec.tids else None
+    a["tokentrace.tenant"] = rec.tenant
+    if rec.request_incomplete:
+        a["tokentrace.request.incomplete"] = True
+    if rec.response_incomplete:
+        a["tokentrace.response.incomplete"] = True
+    if rec.failed and "error.type" not in a:
+        if rec.error:
+            a["error.type"] = "incomplete" if rec.response_incomplete else "aborted"
+        elif rec.status is not None:
+            a["error.type"] = str(rec.status)
+    if rec.error:
+        a["tokentrace.error.message"] = rec.error
+    for k, v in rec.gpu.items():
+        a[f"tokentrace.{k}"] = v
+    return {k: v for k, v in a.items() if v is not None}
+
+
+class SpanBuilder:
+    """A record sink that creates SDK spans and hands them to ``processors``."""
+
+    def __init__(self, ctx: ExportContext, processors: Iterable[SpanProcessor]) -> None:
+        self.ctx = ctx
+        self.processors = list(processors)
+        self._providers: dict[int, tuple[TracerProvider, PrimedIdGenerator]] = {}
+
+    def _tracer_for(self, pid: int) -> tuple[otel_trace.Tracer, PrimedIdGenerator]:
+        entry = self._providers.get(pid)
+        if entry is None:
+            ids = PrimedIdGenerator()
+            provider = TracerProvider(resource=resource_for(self.ctx, pid), id_generator=ids,
+                                      shutdown_on_exit=False)
+            for p in self.processors:
+                provider.add_span_processor(p)
+            entry = (provider, ids)
+            self._providers[pid] = entry
+        return entry[0].get_tracer("tokentrace", tracer.__version__), entry[1]
+
+    def wall(self, mono_ns: int) -> int:
+        return mono_ns + self.ctx.clock_offset_ns
+
+    def on_record(self, rec: RequestRecord) -> None:
+        tr, ids = self._tracer_for(rec.pid)
+        parent = None
+        if "traceparent" in rec.request_headers:
+            parent = _PROPAGATOR.extract(carrier=rec.request_headers)
+        parent_span = otel_trace.get_current_span(parent) if parent is not None else None
+        has_parent = parent_span is not None and parent_span.get_span_context().is_valid
+        ident = (self.ctx.capture_id, rec.pid, rec.fd, rec.conn_id, rec.exchange)
+        ids.prime(None if has_parent else derived_id(128, *ident), derived_id(64, *ident))
+        kind = SpanKind.SERVER if rec.role == "server" else SpanKind.CLIENT
+        span = tr.start_span(span_name(rec), context=parent if has_parent else None, kind=kind,
+                             start_time=self.wall(rec.start_ns),
+                             attributes=span_attributes(rec))
+        r = rec.llm_response
+        if r is not None and r.first_token_ts is not None:
+            span.add_event("tokentrace.first_token", timestamp=self.wall(r.first_token_ts),
+                           attributes={"tokentrace.time_to_first_token": rec.ttft_ns * NS})
+        if rec.failed:
+            desc = rec.error or (r.error_message if r and r.error_message else None)
+            span.set_status(Status(StatusCode.ERROR, desc or f"HTTP {rec.status}"))
+        child_ctx = otel_trace.set_span_in_context(span)
+        for i, child in enumerate(rec.children):
+            ids.prime(None, derived_id(64, *ident, "child", i))
+            cs = tr.start_span(child.name, context=child_ctx, kind=SpanKind.INTERNAL,
+                               start_time=self.wall(child.start_ns),
+                               attributes={k: v for k, v in child.attributes.items()
+                                           if v is not None})
+            cs.end(end_time=self.wall(child.end_ns))
+        span.end(end_time=self.wall(max(rec.end_ns, rec.start_ns)))
+
+    def close(self) -> None:
+        for p in self.processors:
+            p.force_flush()
+            p.shutdown()

@@ -1,0 +1,80 @@
+"""One tracing run: a capture session feeding the analysis pipeline (and, if asked,
+a capture file). `tokentrace run` drives it in the foreground; the demo, tests and
+benchmarks run it in a background thread with ``start()``/``stop()``."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from tracer.correlate.connections import TrackerOptions
+from tracer.events import capture
+from tracer.export.context import ExportContext
+from tracer.pipeline import Pipeline
+from tracer.probes.session import CaptureConfig, CaptureSession
+
+
+class TraceRun:
+    def __init__(self, config: CaptureConfig, sinks: list[Any],
+                 options: TrackerOptions | None = None, record: str | None = None,
+                 ctx: ExportContext | None = None, header: dict[str, Any] | None = None
+                 ) -> None:
+        self.header = header or capture.new_header(command="run")
+        self.ctx = ctx or ExportContext()
+        self.ctx.capture_id = self.ctx.capture_id or self.header["capture_id"]
+        self.ctx.host = self.ctx.host or self.header["host"]
+        self.pipeline = Pipeline(sinks, self.ctx, options)
+        self.writer = capture.CaptureWriter(record, self.header) if record else None
+        self.session = CaptureSession(config, self._sink)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.error: BaseException | None = None
+
+    def _sink(self, item: Any) -> None:
+        if self.writer is not None:
+            self.writer.write(item)
+        self.pipeline.feed(item)
+
+    def open(self) -> None:
+        """Load probes and attach (raises ProbeSetupError with a fix on failure)."""
+        self.session.start()
+
+    def poll(self, timeout_ms: int = 100) -> None:
+        self.session.poll(timeout_ms)
+
+    def close(self) -> dict[str, int]:
+        """Drain, flush every finished span, close files; returns the loss report."""
+        try:
+            self.session.stop()
+        finally:
+            self.pipeline.close()
+            if self.writer is not None:
+                self.writer.close()
+        return self.pipeline.report()
+
+    # background use ------------------------------------------------------------------
+
+    def start(self) -> "TraceRun":
+        """Attach, then keep polling in a thread until ``stop()``."""
+        self.open()
+
+        def loop() -> None:
+            try:
+                while not self._stop.is_set():
+                    self.poll(50)
+            except BaseException as e:  # surfaced by stop()
+                self.error = e
+
+        self._thread = threading.Thread(target=loop, name="tokentrace-poll", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        report = self.close()
+        if self.error is not None:
+            raise RuntimeError("the tracing thread failed") from self.error
+        return report
