@@ -22,6 +22,7 @@ C = wire.CONSTANTS
 Emit = Callable[[RequestRecord], None]
 
 SNIFF_MAX = 64  # client bytes looked at to recognise a protocol
+HUNT_GIVE_UP = 64 * 1024  # bytes of an attached-to connection searched for a start line
 
 
 @dataclass
@@ -123,6 +124,7 @@ class Connection:
         self.proto: str | None = None
         self.sniff_buf = b""
         self.sniff_ts = 0
+        self.unsniffed = 0
         self.http: http1.HTTP1Connection | None = None
         self.exchanges: dict[int, Exchange] = {}
         self.last_ts = 0
@@ -235,6 +237,10 @@ class ConnectionTracker:
                 c.role = "client" if inbound else "server"
             else:
                 self.stats["bytes_unsniffed"] += len(data)
+                c.unsniffed += len(data)
+                if c.unsniffed > HUNT_GIVE_UP:
+                    c.proto = "opaque"  # not HTTP/1 as far as we looked: stop looking
+                    self.stats["connections_opaque"] += 1
                 return False
             c.proto = "http1"
             c.http = http1.HTTP1Connection(synced=False)

@@ -110,6 +110,6 @@ def compile_program(concerns: Iterable[str], ringbuf_mb: int = 32,
     cflags += list(extra_cflags)
     text = program_text(concerns)
     try:
-        return bcc.BPF(text=text, cflags=cflags)
+        return bcc.BPF(text=text.encode(), cflags=cflags)
     except Exception as e:  # BCC raises bare Exception for compile/load/attach failures
         raise ProbeSetupError(f"loading the BPF program failed: {e}") from e

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from tracer.events import schema, wire
-from tracer.probes import loader, procfs
+from tracer.probes import loader, procfs, sockdiag
 
 C = wire.CONSTANTS
 CaptureItem = bytes | schema.Event
@@ -71,12 +71,12 @@ class CaptureSession:
     def start(self) -> None:
         """Compile, configure and attach; emit the clock sync and the first targets."""
         self.bpf = loader.compile_program(self.config.concerns, self.config.ringbuf_mb)
-        self.bpf["config"][ctypes.c_int(0)] = ctypes.c_uint64(self.config.capture_limit)
+        self.bpf[b"config"][ctypes.c_int(0)] = ctypes.c_uint64(self.config.capture_limit)
         for name in self.config.comms:
-            key = self.bpf["traced_comms"].Key()
+            key = self.bpf[b"traced_comms"].Key()
             key.comm = name.encode()[:15]
-            self.bpf["traced_comms"][key] = ctypes.c_uint32(1)
-        self.bpf["events"].open_ring_buffer(self._on_record)
+            self.bpf[b"traced_comms"][key] = ctypes.c_uint32(1)
+        self.bpf[b"events"].open_ring_buffer(self._on_record)
         self.sink(clock_sync())
         self.rescan()
 
@@ -118,7 +118,7 @@ class CaptureSession:
         """Trace ``pid``: put it in the kernel filter, describe it, adopt its sockets."""
         if pid in self._exclude:
             return
-        self.bpf["traced"][ctypes.c_uint32(pid)] = ctypes.c_uint32(1)
+        self.bpf[b"traced"][ctypes.c_uint32(pid)] = ctypes.c_uint32(1)
         self.pids.add(pid)
         self.sink(self._process_info(pid))
         if existing_sockets:
@@ -138,13 +138,20 @@ class CaptureSession:
             return
         inet = procfs.inet_sockets(pid)
         unix = procfs.unix_sockets(pid)
-        conns = self.bpf["conns"]
+        peers = sockdiag.unix_peers() if any(i in unix for i in fds.values()) else {}
+        own = set(fds.values())
+        conns = self.bpf[b"conns"]
         for fd, inode in sorted(fds.items()):
             e = inet.get(inode) or unix.get(inode)
             if e is None:
                 continue
             if e.family == socket.AF_UNIX:
                 if e.state:  # listening
+                    continue
+                if peers.get(inode) in own:
+                    # both ends in this process: an event loop's wake-up pipe
+                    self.user_counters["self_pipes_skipped"] = (
+                        self.user_counters.get("self_pipes_skipped", 0) + 1)
                     continue
             elif e.state != procfs.TCP_ESTABLISHED:
                 continue
@@ -218,7 +225,7 @@ class CaptureSession:
 
     def _forget_pid(self, pid: int) -> None:
         """A dead process's sockets were closed by the kernel, not by close(2)."""
-        conns = self.bpf["conns"]
+        conns = self.bpf[b"conns"]
         stale = [k for k in conns.keys() if (k.value >> 32) == pid]
         for k in stale:
             try:
@@ -232,7 +239,7 @@ class CaptureSession:
 
     def kernel_counters(self) -> dict[str, int]:
         out: dict[str, int] = {}
-        table = self.bpf["counters"]
+        table = self.bpf[b"counters"]
         for idx, name in wire.COUNTER_NAMES.items():
             vals = table[ctypes.c_int(idx)]
             out[name] = int(sum(vals))

@@ -1,0 +1,224 @@
+"""Helpers for tests with real probes: trace a process in the background, collect
+records and spans, and an openai client that times its own requests."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import httpcore2
+import httpx2
+import openai
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+from tracer.correlate.connections import TrackerOptions
+from tracer.export.context import ExportContext
+from tracer.export.jsonl import JsonlSpanExporter
+from tracer.export.spans import SpanBuilder
+from tracer.probes.session import CaptureConfig
+from tracer.runner import TraceRun
+
+
+class Collected:
+    """Records and JSONL spans of one traced stretch, plus the loss report."""
+
+    def __init__(self) -> None:
+        self.records: list[Any] = []
+        self.report: dict[str, int] = {}
+        self._jsonl = io.StringIO()
+
+    def on_record(self, rec: Any) -> None:
+        self.records.append(rec)
+
+    def close(self) -> None:
+        pass
+
+    @property
+    def spans(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self._jsonl.getvalue().splitlines()]
+
+
+@contextmanager
+def traced(pids: list[int] | None = None, ports: list[int] | None = None,
+           settle: float = 0.3, record: str | None = None, extra_sinks: list[Any] = (),
+           **config: Any) -> Iterator[Collected]:
+    """Trace ``pids``/``ports`` for the duration of the block; ``extra_sinks`` see each
+    record before the collector does."""
+    c = Collected()
+    ctx = ExportContext()
+    spans = SpanBuilder(ctx, [SimpleSpanProcessor(JsonlSpanExporter(c._jsonl))])
+    keep = config.pop("keep_content", False)
+    run = TraceRun(CaptureConfig(pids=pids or [], ports=ports or [], **config),
+                   [*extra_sinks, c, spans],
+                   TrackerOptions(keep_content=keep), record=record, ctx=ctx)
+    run.start()
+    try:
+        yield c
+    finally:
+        time.sleep(settle)  # the last writes and closes reach the ring buffer
+        c.report = run.stop()
+
+
+FIRST_TEXT = re.compile(rb'"(?:content|text)": ?"(?:[^"\\]|\\.)')
+
+
+class _TimedSocket(httpcore2.NetworkStream):
+    """Stamps the client's own socket calls: the first send of a request (the server
+    starts reading at its first byte) and the recv that brought the first text."""
+
+    def __init__(self, inner: Any, timing: dict[str, float]) -> None:
+        self.inner = inner
+        self.timing = timing
+        self._tail = b""
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self.inner.write(buffer, timeout)
+        self.timing.setdefault("sent", time.monotonic())
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        data = self.inner.read(max_bytes, timeout)
+        now = time.monotonic()
+        if "sent" in self.timing and "first_text" not in self.timing:
+            window = self._tail + data
+            if FIRST_TEXT.search(window):
+                self.timing["first_text"] = now
+            self._tail = window[-64:]
+        return data
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def start_tls(self, *a: Any, **kw: Any) -> Any:
+        return self.inner.start_tls(*a, **kw)
+
+    def get_extra_info(self, info: str) -> Any:
+        return self.inner.get_extra_info(info)
+
+
+class _TimedBackend(httpcore2.NetworkBackend):
+    def __init__(self, timing: dict[str, float]) -> None:
+        self.inner = httpcore2.SyncBackend()
+        self.timing = timing
+
+    def connect_tcp(self, *a: Any, **kw: Any) -> httpcore2.NetworkStream:
+        return _TimedSocket(self.inner.connect_tcp(*a, **kw), self.timing)
+
+    def sleep(self, seconds: float) -> None:
+        self.inner.sleep(seconds)
+
+
+class _TimingTransport(httpx2.HTTPTransport):
+    """One request at a time: ``timing`` is reset for each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timing: dict[str, float] = {}
+        self._pool._network_backend = _TimedBackend(self.timing)
+
+    def handle_request(self, request: Any) -> Any:
+        self.timing.clear()
+        return super().handle_request(request)
+
+
+class TimedClient:
+    """The official openai client, timing its requests at its own sockets.
+
+    ``ttft`` is from the return of the request's first send() to the return of the
+    recv() that brought the first generated text: the client's view of the wire,
+    without the SDK's request building and response parsing (``ttft_sdk`` includes
+    them)."""
+
+    def __init__(self, base_url: str, **kw: Any) -> None:
+        self.transport = _TimingTransport()
+        self._last_sent = 0.0
+        self.http = httpx2.Client(transport=self.transport, timeout=httpx2.Timeout(60.0),
+                                  event_hooks={"request": [self._hook]})
+        self.client = openai.OpenAI(base_url=base_url + "/v1", api_key="sk-test",
+                                    http_client=self.http, max_retries=0, **kw)
+
+    def _hook(self, request: Any) -> None:
+        self._last_sent = time.monotonic()
+
+    def _wire_ttft(self) -> float | None:
+        t = self.transport.timing
+        return t["first_text"] - t["sent"] if "first_text" in t and "sent" in t else None
+
+    def chat(self, stream: bool, max_tokens: int, usage: bool = True,
+             content: str = "Hello there, tiny model") -> dict[str, Any]:
+        """One chat request; returns id, usage, chunk count and client-side TTFT."""
+        kw: dict[str, Any] = {}
+        if stream and usage:
+            kw["stream_options"] = {"include_usage": True}
+        resp = self.client.chat.completions.create(
+            model="tiny-gpt", messages=[{"role": "user", "content": content}],
+            max_tokens=max_tokens, stream=stream, **kw)
+        if not stream:
+            done = time.monotonic()
+            return {"id": resp.id, "output_tokens": resp.usage.completion_tokens,
+                    "input_tokens": resp.usage.prompt_tokens, "ttft": self._wire_ttft(),
+                    "ttft_sdk": done - self._last_sent}
+        sent = self._last_sent
+        first = None
+        out = {"id": None, "text_chunks": 0, "output_tokens": None, "input_tokens": None}
+        for ch in resp:
+            out["id"] = ch.id
+            if ch.choices and ch.choices[0].delta.content:
+                out["text_chunks"] += 1
+                if first is None:
+                    first = time.monotonic()
+            if ch.usage:
+                out["output_tokens"] = ch.usage.completion_tokens
+                out["input_tokens"] = ch.usage.prompt_tokens
+        out["ttft"] = self._wire_ttft()
+        out["ttft_sdk"] = (first - sent) if first else None
+        return out
+
+
+class CLIRun:
+    """`tokentrace run` as its own process (as users run it): spans from its JSONL."""
+
+    def __init__(self, args: list[str], jsonl: str) -> None:
+        self.args = args
+        self.jsonl = jsonl
+        self.stderr = ""
+        self.returncode: int | None = None
+
+    @property
+    def spans(self) -> list[dict[str, Any]]:
+        with open(self.jsonl) as f:
+            return [json.loads(line) for line in f]
+
+
+@contextmanager
+def traced_cli(args: list[str], jsonl: str, timeout: float = 60.0) -> Iterator[CLIRun]:
+    """Start `tokentrace run ARGS --jsonl JSONL --quiet`, wait for 'attached', run the
+    block, then stop it with SIGINT as a user would and wait for it to flush."""
+    import signal
+    import subprocess
+    import sys
+
+    run = CLIRun(args, jsonl)
+    proc = subprocess.Popen([sys.executable, "-m", "tracer", "run", *args, "--jsonl", jsonl,
+                             "--quiet"], stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    lines = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            raise AssertionError("tokentrace run exited before attaching:\n" + "".join(lines))
+        lines.append(line)
+        if "attached" in line:
+            break
+    try:
+        yield run
+    finally:
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        _, rest = proc.communicate(timeout=timeout)
+        run.stderr = "".join(lines) + rest
+        run.returncode = proc.returncode
