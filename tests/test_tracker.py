@@ -128,3 +128,18 @@ def test_request_split_in_tiny_reads_is_sniffed():
     f.data(False, HEAD + b"0\r\n\r\n")
     (r,) = f.records
     assert r.method == "POST" and r.llm_request.model == "tiny"
+
+
+def test_truncated_last_read_marks_the_request_at_once():
+    """The kernel says a read moved more than it captured: the hole is known right
+    away, not only when the next bytes arrive."""
+    f = Feed()
+    head, body = REQ.split(b"\r\n\r\n", 1)
+    ev = schema.DataEvent(PID, PID, FD, CID, 10, 20, len(REQ), 0, C["SYS_READ"], C["DIR_IN"],
+                          C["FLAG_LAST"] | C["FLAG_TRUNCATED"], head + b"\r\n\r\n" + body[:20])
+    f.t.data_event(ev)
+    f.pos[True] = len(REQ)
+    f.data(False, HEAD + b"0\r\n\r\n")
+    (r,) = f.records
+    assert r.request_incomplete and r.llm_request.model == "tiny"  # salvaged from the part seen
+    assert f.t.stats["bytes_truncated"] == len(body) - 20

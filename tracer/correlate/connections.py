@@ -215,8 +215,16 @@ class ConnectionTracker:
             self.stats["bytes_lost"] += gap
             self._lost(c, gap, ts, inbound, ev.tid)
         c.expected[inbound] = max(c.expected[inbound], pos + len(ev.payload))
-        if not ev.payload:
-            return
+        # bytes this syscall moved past the capture limit: a hole right after this chunk
+        missing = ev.ret - ev.offset - len(ev.payload) if ev.last and ev.truncated else 0
+        if ev.payload:
+            self._feed(c, ev, inbound, ts)
+        if missing > 0:
+            self.stats["bytes_truncated"] += missing
+            c.expected[inbound] += missing
+            self._lost(c, missing, ts, inbound, ev.tid)
+
+    def _feed(self, c: Connection, ev: schema.DataEvent, inbound: bool, ts: int) -> None:
         if c.proto is None and not self._choose_protocol(c, ev.payload, inbound, ts, ev.tid):
             return
         if c.proto != "http1" or c.http is None:

@@ -1,0 +1,106 @@
+"""Command-line surface that needs no BPF: help, replay errors, doctor."""
+
+import gzip
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tracer.doctor import check_kernel_headers, format_checks, run_checks
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "tracer", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize("sub", ["run", "record", "replay", "doctor", "demo"])
+def test_every_subcommand_has_help_with_a_description(sub):
+    r = cli(sub, "--help")
+    assert r.returncode == 0
+    assert r.stdout.startswith("usage: tokentrace " + sub)
+    assert len(r.stdout.splitlines()) > 5
+
+
+def test_top_level_help_lists_commands_and_examples():
+    r = cli("--help")
+    assert r.returncode == 0
+    for word in ("run", "record", "replay", "doctor", "demo", "examples:"):
+        assert word in r.stdout
+
+
+def test_no_command_prints_help_and_fails():
+    r = cli()
+    assert r.returncode == 2 and "usage:" in r.stdout
+
+
+def test_replay_of_a_non_capture_is_a_clear_error(tmp_path):
+    f = tmp_path / "junk"
+    f.write_text("hello")
+    r = cli("replay", str(f))
+    assert r.returncode == 1 and "not a tokentrace capture" in r.stderr
+    r = cli("replay", str(tmp_path / "missing.ttcap"))
+    assert r.returncode == 1 and "error" in r.stderr
+
+
+def test_replay_of_the_committed_capture(openai_capture, tmp_path):
+    out = tmp_path / "s.jsonl"
+    r = cli("replay", str(openai_capture), "--jsonl", str(out))
+    assert r.returncode == 0, r.stderr
+    expected = json.loads(openai_capture.with_name("openai-http1.expected.json").read_text())
+    spans = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(spans) == len(expected)
+    spans.sort(key=lambda s: s["start_time_unix_nano"])
+    for want, s in zip(expected, spans):
+        a = s["attributes"]
+        assert a["url.path"] == want["path"]
+        assert a["http.response.status_code"] == want["status"]
+        if want["output_tokens"] is not None:
+            assert a["gen_ai.usage.output_tokens"] == want["output_tokens"]
+        if want["input_tokens"] is not None:
+            assert a["gen_ai.usage.input_tokens"] == want["input_tokens"]
+    assert "tiny-gpt" in r.stdout  # the console table
+
+
+def test_replay_of_a_cut_capture_warns_and_keeps_what_it_has(openai_capture, tmp_path):
+    raw = gzip.decompress(openai_capture.read_bytes())
+    f = tmp_path / "cut.ttcap"
+    f.write_bytes(gzip.compress(raw[: int(len(raw) * 0.7)]))
+    r = cli("replay", str(f))
+    assert r.returncode == 0 and "ends mid-record" in r.stderr
+
+
+def test_doctor_passes_here_and_loads_the_probes():
+    r = cli("doctor")
+    assert r.returncode == 0, r.stdout
+    assert "tracing can work" in r.stdout and "bpf program" in r.stdout
+
+
+def test_doctor_explains_missing_headers(monkeypatch):
+    monkeypatch.setattr("platform.release", lambda: "0.0.0-no-such-kernel")
+    c = check_kernel_headers()
+    assert not c.ok and "linux-headers-amd64" in c.fix and "0.0.0-no-such-kernel" in c.fix
+    text = format_checks([c])
+    assert "FAIL" in text and "fix:" in text
+
+
+def test_doctor_explains_missing_privileges(monkeypatch):
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    monkeypatch.setattr("tracer.doctor.effective_caps", lambda: 0)
+    results = {c.name: c for c in run_checks(load=False)}
+    assert not results["privileges"].ok and "CAP_BPF" in results["privileges"].fix
+
+
+def test_doctor_explains_missing_bcc(monkeypatch):
+    import builtins
+    real = builtins.__import__
+
+    def no_bcc(name, *a, **kw):
+        if name == "bcc":
+            raise ImportError("No module named 'bcc'")
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_bcc)
+    results = {c.name: c for c in run_checks(load=False)}
+    assert not results["bcc"].ok and "python3-bpfcc" in results["bcc"].fix
