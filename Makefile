@@ -4,7 +4,6 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-SITE = $(shell $(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 
 .PHONY: setup host venv demo test bench clean
 
@@ -24,7 +23,10 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -c 'import torch' 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0 \
 	  || $(BIN)/python -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
 	$(BIN)/python -m pip install -q -e '.[test]'
-	ln -sfn /usr/lib/python3/dist-packages/bcc $(SITE)/bcc
+	# Resolved when the recipe runs: the venv does not exist when make parses this file.
+	site=$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
+	  && test -n "$$site" && ln -sfn /usr/lib/python3/dist-packages/bcc "$$site/bcc"
+	$(BIN)/python -c 'import bcc'
 	touch $@
 
 demo: setup

@@ -203,7 +203,7 @@ def traced_cli(args: list[str], jsonl: str, timeout: float = 60.0) -> Iterator[C
 
     run = CLIRun(args, jsonl)
     proc = subprocess.Popen([sys.executable, "-m", "tracer", "run", *args, "--jsonl", jsonl,
-                             "--quiet"], stderr=subprocess.PIPE, text=True)
+                             "--quiet", "--sched-idle"], stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     lines = []
     deadline = time.monotonic() + timeout

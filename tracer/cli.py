@@ -61,6 +61,10 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     g2.add_argument("--ringbuf-mb", type=_positive_int, default=32, metavar="MB",
                     help="ring buffer size, rounded down to a power of two pages "
                          "(default: 32)")
+    g2.add_argument("--sched-idle", action="store_true",
+                    help="run the tracer under SCHED_IDLE once attached: it only takes CPU "
+                         "the traced service leaves idle (events wait in the ring buffer; "
+                         "an overflow is counted, never silent)")
 
 
 def _add_export_args(p: argparse.ArgumentParser) -> None:
@@ -217,6 +221,17 @@ def _targets(args: argparse.Namespace) -> Any:
                          capture_limit=args.capture_limit, ringbuf_mb=args.ringbuf_mb)
 
 
+def _sched_idle() -> None:
+    """Lower every thread of this process to SCHED_IDLE (threads started later inherit)."""
+    import os
+
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
+        except OSError as e:
+            _say(f"warning: SCHED_IDLE not applied to thread {tid}: {e}")
+
+
 def _drive(args: argparse.Namespace, open_: Callable[[], Any], poll: Callable[[], None],
            pids: Callable[[], set[int]]) -> int:
     """Attach, say so, poll until stopped. The caller closes in all cases."""
@@ -234,6 +249,8 @@ def _drive(args: argparse.Namespace, open_: Callable[[], Any], poll: Callable[[]
     if not pids() and not (args.comm or args.port):
         _say(f"error: no such process: {', '.join(map(str, args.pid))}")
         return 1
+    if args.sched_idle:
+        _sched_idle()
     desc = ", ".join(str(p) for p in sorted(pids())) or "none yet"
     _say(f"attached to {len(pids())} process(es) (pids: {desc}); "
          + (f"tracing for {args.duration:g}s" if args.duration else "Ctrl-C to stop"))

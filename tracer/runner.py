@@ -40,8 +40,8 @@ class TraceRun:
         """Load probes and attach (raises ProbeSetupError with a fix on failure)."""
         self.session.start()
 
-    def poll(self, timeout_ms: int = 100) -> None:
-        self.session.poll(timeout_ms)
+    def poll(self) -> None:
+        self.session.poll()
 
     def close(self) -> dict[str, int]:
         """Drain, flush every finished span, close files; returns the loss report."""
@@ -62,7 +62,7 @@ class TraceRun:
         def loop() -> None:
             try:
                 while not self._stop.is_set():
-                    self.poll(50)
+                    self.poll()
             except BaseException as e:  # surfaced by stop()
                 self.error = e
 

@@ -20,6 +20,7 @@ from tracer.probes import loader, procfs, sockdiag
 
 C = wire.CONSTANTS
 CaptureItem = bytes | schema.Event
+POLL_MS = 20  # see poll()
 Sink = Callable[[CaptureItem], None]
 
 
@@ -80,8 +81,10 @@ class CaptureSession:
         self.sink(clock_sync())
         self.rescan()
 
-    def poll(self, timeout_ms: int = 100) -> None:
-        """Deliver what the ring buffer holds, and run the periodic work."""
+    def poll(self, timeout_ms: int = POLL_MS) -> None:
+        """Deliver what the ring buffer holds, and run the periodic work. Records do
+        not wake the poller one by one (see submit() in bpf/common.h), so this sleeps
+        up to ``timeout_ms`` and then takes everything that arrived."""
         self.bpf.ring_buffer_poll(timeout_ms)
         now = time.monotonic()
         if now >= self._next_rescan and (self.config.comms or self.config.ports):
