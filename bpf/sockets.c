@@ -21,7 +21,7 @@ struct conn_state {
     u64 bytes_in;  /* stream offsets, advanced atomically at each syscall exit */
     u64 bytes_out;
     u32 role;
-    u32 pad;
+    u32 peer_known; /* 0 until the peer address has been sent to user space */
 };
 /* (tgid << 32 | fd) -> connection */
 BPF_HASH(conns, u64, struct conn_state, 65536);
@@ -92,8 +92,6 @@ static __always_inline void open_conn(void *ctx, s32 fd, u16 op, u16 role, s32 r
     struct conn_state st = {};
     st.conn_id = bpf_ktime_get_ns();
     st.role = role;
-    if (conns.update(&key, &st) != 0)
-        count(TT_CNT_CONNS_FULL);
 
     struct tt_conn c = {};
     c.kind = TT_KIND_CONN;
@@ -107,6 +105,9 @@ static __always_inline void open_conn(void *ctx, s32 fd, u16 op, u16 role, s32 r
     c.op = op;
     c.role = role;
     fill_peer(&c, uaddr);
+    st.peer_known = c.family != 0;
+    if (conns.update(&key, &st) != 0)
+        count(TT_CNT_CONNS_FULL);
     submit(&c, sizeof(c), TT_CNT_LOST_CONN);
 }
 
@@ -195,6 +196,43 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close)
     c.op = TT_CONN_CLOSE;
     c.role = st->role;
     conns.delete(&key);
+    submit(&c, sizeof(c), TT_CNT_LOST_CONN);
+    return 0;
+}
+
+/* ---- peer addresses the syscalls did not give ----------------------------------
+ * accept(fd, NULL, NULL), as libuv/uvloop call it, returns no peer, and reading it
+ * from /proc later misses short connections. tcp_recvmsg fires this tracepoint in the
+ * reading thread, inside the read syscall we already hold in io_inflight, with the
+ * socket's own addresses: a stable tracepoint ABI, no kernel structs read. */
+TRACEPOINT_PROBE(tcp, tcp_rcv_space_adjust)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    struct io_args *a = io_inflight.lookup(&id);
+    if (!a)
+        return 0;
+    u64 key = conn_key(id >> 32, a->fd);
+    struct conn_state *st = conns.lookup(&key);
+    if (!st || st->peer_known || st->conn_id != a->conn_id)
+        return 0;
+    st->peer_known = 1;
+    struct tt_conn c = {};
+    c.kind = TT_KIND_CONN;
+    c.pid = id >> 32;
+    c.tid = (u32)id;
+    c.fd = a->fd;
+    c.ts = bpf_ktime_get_ns();
+    c.conn_id = st->conn_id;
+    c.ret = args->sport; /* local port */
+    c.listen_fd = -1;
+    c.op = TT_CONN_PEER;
+    c.role = st->role;
+    c.family = args->family;
+    c.port = args->dport;
+    if (args->family == 2 /* AF_INET */)
+        __builtin_memcpy(c.addr, args->daddr, 4);
+    else
+        __builtin_memcpy(c.addr, args->daddr_v6, 16);
     submit(&c, sizeof(c), TT_CNT_LOST_CONN);
     return 0;
 }

@@ -155,6 +155,11 @@ class ConnectionTracker:
             c.last_ts = ev.ts
             self.conns[ev.key] = c
             self.stats["connections"] += 1
+        elif ev.op == C["CONN_PEER"]:
+            c = self.conns.get(ev.key)
+            if c is not None:
+                c.family, c.peer_addr, c.peer_port = ev.family, ev.peer_addr, ev.peer_port
+                c.local_port = c.local_port or ev.ret
         elif ev.op == C["CONN_CLOSE"]:
             c = self.conns.pop(ev.key, None)
             if c is not None:

@@ -55,6 +55,7 @@ CONSTANTS: dict[str, int] = {
     "CONN_ACCEPT": 1,
     "CONN_CONNECT": 2,
     "CONN_CLOSE": 3,
+    "CONN_PEER": 4,  # addresses seen in the kernel at a socket's first read; ret = local port
     # conn roles (kernel map and CONN.role)
     "ROLE_UNKNOWN": 0,
     "ROLE_SERVER": 1,
@@ -194,7 +195,7 @@ CONN = Record(
         Field("fd", "s32"),
         Field("ts", "u64", "CLOCK_MONOTONIC ns at syscall exit (close: at entry)"),
         Field("conn_id", "u64", "monotonic ns when the connection was first seen"),
-        Field("ret", "s32", "syscall return value"),
+        Field("ret", "s32", "syscall return value; CONN_PEER: the local port"),
         Field("listen_fd", "s32", "accept: the listening fd; else -1"),
         Field("op", "u16", "TT_CONN_*"),
         Field("role", "u16", "TT_ROLE_*"),
