@@ -18,7 +18,6 @@ struct comm_key { char comm[16]; };
 BPF_HASH(traced_comms, struct comm_key, u32, 64);
 
 /* Run-time settings written by Python before attaching. */
-#define TT_CFG_CAPTURE_LIMIT 0
 BPF_ARRAY(config, u64, 4);
 
 /* Loss and truncation counters (TT_CNT_*), per CPU so that counting never contends. */

@@ -54,6 +54,10 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32, tid = (u32)id;
+#ifdef TT_HAVE_GPU_THREAD_EXIT
+    if (is_traced(tgid))
+        gpu_thread_exit(tid); /* bpf/cuda.c: the thread's last burst */
+#endif
 #ifdef TT_HAVE_GROUP_DEAD
     /* The whole thread group is gone only when the last thread exits. */
     if (!args->group_dead) {

@@ -61,6 +61,9 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     g2.add_argument("--ringbuf-mb", type=_positive_int, default=32, metavar="MB",
                     help="ring buffer size, rounded down to a power of two pages "
                          "(default: 32)")
+    g2.add_argument("--burst-interval-us", type=_positive_int, default=10_000, metavar="US",
+                    help="flush a thread's summed GPU calls at least this often, even "
+                         "without a sync (default: 10000)")
     g2.add_argument("--sched-idle", action="store_true",
                     help="run the tracer under SCHED_IDLE once attached: it only takes CPU "
                          "the traced service leaves idle (events wait in the ring buffer; "
@@ -80,6 +83,11 @@ def _add_export_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--capture-content", action="store_true",
                    help="include prompt and completion text in spans (off by default: "
                         "prompts are private)")
+    g.add_argument("--summary", metavar="FILE",
+                   help="on exit, write per-process and per-thread GPU totals (kernel "
+                        "launches, graph launches, memcpy/memset bytes, device memory, "
+                        "syncs and waits, NCCL ops and bytes, top kernels) and every "
+                        "drop counter to FILE as JSON")
     g.add_argument("-q", "--quiet", action="store_true", help="no console table")
 
 
@@ -184,6 +192,15 @@ def build_sinks(args: argparse.Namespace, ctx: ExportContext) -> tuple[list[Any]
     return sinks, console
 
 
+def _write_summary(path: str | None, pipeline: Pipeline) -> None:
+    if not path:
+        return
+    doc = {"gpu": pipeline.gpu.summary(), "report": pipeline.report()}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+
+
 def _report(pipeline: Pipeline, console: Any) -> None:
     if console is not None:
         _say(console.summary())
@@ -218,7 +235,8 @@ def _targets(args: argparse.Namespace) -> Any:
     from tracer.probes.session import CaptureConfig
 
     return CaptureConfig(pids=args.pid, comms=args.comm, ports=args.port,
-                         capture_limit=args.capture_limit, ringbuf_mb=args.ringbuf_mb)
+                         capture_limit=args.capture_limit, ringbuf_mb=args.ringbuf_mb,
+                         burst_ns=args.burst_interval_us * 1000)
 
 
 def _sched_idle() -> None:
@@ -232,8 +250,18 @@ def _sched_idle() -> None:
             _say(f"warning: SCHED_IDLE not applied to thread {tid}: {e}")
 
 
+def _say_gpu(gpu: Any) -> None:
+    """Which GPU libraries got probes, and what could not be attached."""
+    if gpu is None:
+        return
+    for lib in gpu.attached.values():
+        _say(f"GPU probes: {lib.path} ({lib.kind}, {len(lib.symbols)} functions)")
+    for where, why in sorted(gpu.errors.items()):
+        _say(f"warning: GPU probe not attached: {where}: {why}")
+
+
 def _drive(args: argparse.Namespace, open_: Callable[[], Any], poll: Callable[[], None],
-           pids: Callable[[], set[int]]) -> int:
+           pids: Callable[[], set[int]], gpu: Callable[[], Any] = lambda: None) -> int:
     """Attach, say so, poll until stopped. The caller closes in all cases."""
     from tracer.probes.loader import ProbeSetupError
 
@@ -251,6 +279,7 @@ def _drive(args: argparse.Namespace, open_: Callable[[], Any], poll: Callable[[]
         return 1
     if args.sched_idle:
         _sched_idle()
+    _say_gpu(gpu())
     desc = ", ".join(str(p) for p in sorted(pids())) or "none yet"
     _say(f"attached to {len(pids())} process(es) (pids: {desc}); "
          + (f"tracing for {args.duration:g}s" if args.duration else "Ctrl-C to stop"))
@@ -271,10 +300,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     run = TraceRun(_targets(args), sinks, TrackerOptions(keep_content=args.capture_content),
                    record=args.record, ctx=ctx, header=header)
     try:
-        rc = _drive(args, run.open, run.poll, lambda: run.session.pids)
+        rc = _drive(args, run.open, run.poll, lambda: run.session.pids,
+                    lambda: run.session.gpu)
     finally:
         run.close()
     if rc == 0:
+        _write_summary(args.summary, run.pipeline)
         _report(run.pipeline, console)
     return rc
 
@@ -285,7 +316,8 @@ def cmd_record(args: argparse.Namespace) -> int:
     writer = capture.CaptureWriter(args.output, capture.new_header(command="record"))
     session = CaptureSession(_targets(args), writer.write)
     try:
-        rc = _drive(args, session.start, session.poll, lambda: session.pids)
+        rc = _drive(args, session.start, session.poll, lambda: session.pids,
+                    lambda: session.gpu)
     finally:
         session.stop()
         writer.close()
@@ -313,6 +345,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if reader.truncated:
         _say("warning: the capture ends mid-record (cut off while writing); "
              "analysed what was there")
+    _write_summary(args.summary, pipeline)
     _report(pipeline, console)
     return 0
 

@@ -11,8 +11,9 @@ from collections import Counter
 from typing import Any, Protocol
 
 from tracer.correlate.connections import ConnectionTracker, TrackerOptions
+from tracer.correlate.gpu import GpuLedger
 from tracer.correlate.records import RequestRecord
-from tracer.events import schema, wire
+from tracer.events import gpu, schema, wire
 from tracer.export.context import ExportContext
 
 C = wire.CONSTANTS
@@ -35,6 +36,7 @@ class Pipeline:
         self.last_ts = 0
         self._next_expire = 0
         self.records = 0
+        self.gpu = GpuLedger()
 
     def _emit(self, rec: RequestRecord) -> None:
         self.records += 1
@@ -54,7 +56,9 @@ class Pipeline:
 
     def handle(self, ev: Any) -> None:
         t = self.tracker
-        if isinstance(ev, schema.DataEvent):
+        if isinstance(ev, gpu.GpuEvent):
+            self.gpu.handle(ev)
+        elif isinstance(ev, schema.DataEvent):
             self.last_ts = max(self.last_ts, ev.ts_exit)
             t.data_event(ev)
         elif isinstance(ev, schema.ConnEvent):

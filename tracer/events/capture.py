@@ -106,11 +106,12 @@ class CaptureReader:
             raise CaptureError(f"{self.path}: not a tokentrace capture ({e})") from e
         if not isinstance(self.header, dict) or self.header.get("format") != MAGIC:
             raise CaptureError(f"{self.path}: not a tokentrace capture (bad header)")
-        for key, have in (("format_version", FORMAT_VERSION), ("wire_version", wire.WIRE_VERSION),
-                          ("schema_version", schema.SCHEMA_VERSION)):
-            if self.header.get(key) != have:
+        for key, have in (("format_version", (FORMAT_VERSION,)),
+                          ("wire_version", wire.READABLE_WIRE_VERSIONS),
+                          ("schema_version", (schema.SCHEMA_VERSION,))):
+            if self.header.get(key) not in have:
                 raise CaptureError(
-                    f"{self.path}: {key} {self.header.get(key)} is not {have}; "
+                    f"{self.path}: {key} {self.header.get(key)} is not one of {have}; "
                     "replay it with the tokentrace version that recorded it"
                 )
 

@@ -248,3 +248,9 @@ def decode(buf: bytes):  # type: ignore[no-untyped-def]
     if len(buf) < rec.header_size:
         raise WireError(f"{rec.cname} record of {len(buf)} bytes, header needs {rec.header_size}")
     return fn(buf)
+
+
+# GPU records decode through the same entry point.
+from tracer.events import gpu as _gpu  # noqa: E402  (needs the names above)
+
+DECODERS.update(_gpu.DECODERS)

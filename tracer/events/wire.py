@@ -15,7 +15,10 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
+# Versions whose records this code decodes: 2 added the GPU records and changed no
+# earlier layout.
+READABLE_WIRE_VERSIONS = (1, 2)
 
 # Sizes of the C scalar types used on the wire (x86-64 and arm64 alike).
 _SCALARS: dict[str, tuple[str, int]] = {
@@ -73,6 +76,46 @@ CONSTANTS: dict[str, int] = {
     "SYS_SENDTO": 6,
     "SYS_RECVMSG": 7,
     "SYS_SENDMSG": 8,
+    # GPU: KBURST.reason (why a thread's burst was flushed)
+    "BURST_SYNC": 1,
+    "BURST_QUERY": 2,
+    "BURST_INTERVAL": 3,
+    "BURST_SLOTS": 4,
+    "BURST_EXIT": 5,
+    "BURST_DRAIN": 6,
+    "BURST_SLOTS_N": 16,  # distinct kernel handles per burst before it is flushed
+    # GPU: memcpy directions (index into KBURST.copy_bytes)
+    "COPY_H2D": 0,
+    "COPY_D2H": 1,
+    "COPY_D2D": 2,
+    "COPY_OTHER": 3,  # unified-address copies (cuMemcpy, cuMemcpyAsync): direction unknown
+    "COPY_KINDS": 4,
+    # GPU: sync APIs (KBURST.sync_api)
+    "SYNC_STREAM": 1,
+    "SYNC_EVENT": 2,
+    "SYNC_CTX": 3,
+    # GPU: KNAME.source
+    "NAME_MODULE_GET_FUNCTION": 1,
+    "NAME_LIBRARY_GET_KERNEL": 2,
+    "NAME_KERNEL_GET_FUNCTION": 3,  # an alias: handle names the same kernel as alias_of
+    "NAME_LEN": 128,
+    # GPU: MEM.op
+    "MEM_ALLOC": 1,
+    "MEM_FREE": 2,
+    # NCCL.op
+    "NCCL_ALLREDUCE": 1,
+    "NCCL_ALLGATHER": 2,
+    "NCCL_REDUCESCATTER": 3,
+    "NCCL_BROADCAST": 4,
+    "NCCL_REDUCE": 5,
+    "NCCL_SEND": 6,
+    "NCCL_RECV": 7,
+    "NCCL_GROUP_START": 8,
+    "NCCL_GROUP_END": 9,
+    "NCCL_COMM_INIT": 10,
+    # run-time settings (index into the `config` array)
+    "CFG_CAPTURE_LIMIT": 0,
+    "CFG_BURST_NS": 1,
     # drop/loss counters (index into the per-CPU `counters` array)
     "CNT_LOST_CONN": 0,
     "CNT_LOST_DATA": 1,
@@ -114,15 +157,29 @@ class Field:
         return self.ctype.split("[", 1)[0]
 
     @property
+    def is_bytes(self) -> bool:
+        """u8[N]/char[N] decode to bytes; other arrays (u64[N]...) to a tuple."""
+        return self.array_len is not None and self.base in ("u8", "char")
+
+    @property
     def size(self) -> int:
         n = self.array_len
         if n is None:
             return _SCALARS[self.ctype][1]
-        return n  # arrays are byte arrays
+        return n if self.is_bytes else n * _SCALARS[self.base][1]
 
     @property
     def align(self) -> int:
-        return 1 if self.array_len is not None else _SCALARS[self.ctype][1]
+        if self.array_len is None:
+            return _SCALARS[self.ctype][1]
+        return 1 if self.is_bytes else _SCALARS[self.base][1]
+
+    @property
+    def fmt(self) -> str:
+        n = self.array_len
+        if n is None:
+            return _SCALARS[self.ctype][0]
+        return f"{n}s" if self.is_bytes else f"{n}{_SCALARS[self.base][0]}"
 
 
 class Record:
@@ -143,7 +200,7 @@ class Record:
                 fmt += f"{pad}x"
                 off += pad
             self.offsets[f.name] = off
-            fmt += f"{f.size}s" if f.array_len is not None else _SCALARS[f.ctype][0]
+            fmt += f.fmt
             off += f.size
             max_align = max(max_align, f.align)
         if tail is not None:
@@ -156,6 +213,7 @@ class Record:
         full = off + (tail.size if tail else 0)
         self.size = full + ((-full) % max_align)
         self.names = [f.name for f in fields]
+        self._typed_arrays = any(f.array_len is not None and not f.is_bytes for f in fields)
 
     def c_struct(self) -> str:
         lines = [f"struct {self.cname} {{"]
@@ -182,7 +240,19 @@ class Record:
 
     def unpack(self, buf: bytes) -> dict[str, object]:
         """Decode the fixed part; the tail (if any) is ``buf[header_size:]``."""
-        return dict(zip(self.names, self.header.unpack_from(buf, 0)))
+        values = self.header.unpack_from(buf, 0)
+        if not self._typed_arrays:
+            return dict(zip(self.names, values))
+        out: dict[str, object] = {}
+        i = 0
+        for f in self.fields:
+            if f.array_len is not None and not f.is_bytes:
+                out[f.name] = values[i : i + f.array_len]
+                i += f.array_len
+            else:
+                out[f.name] = values[i]
+                i += 1
+        return out
 
 
 CONN = Record(
@@ -244,7 +314,87 @@ PROC = Record(
     ],
 )
 
-RECORDS: dict[int, Record] = {r.kind: r for r in (CONN, DATA, PROC)}
+KBURST = Record(
+    "tt_kburst",
+    "KIND_KBURST",
+    [
+        Field("kind", "u32"),
+        Field("pid", "u32"),
+        Field("tid", "u32"),
+        Field("reason", "u16", "TT_BURST_*: why it was flushed"),
+        Field("sync_api", "u16", "TT_SYNC_* of the synchronisation that ended it, or 0"),
+        Field("first_ts", "u64", "first call of the burst (CLOCK_MONOTONIC ns)"),
+        Field("last_ts", "u64", "last call, or the end of the sync wait that flushed it"),
+        Field("launches", "u64", "kernel launches (cuLaunchKernel*, cooperative)"),
+        Field("graph_launches", "u64"),
+        Field("copy_bytes", "u64[COPY_KINDS]", "by TT_COPY_*"),
+        Field("copy_calls", "u32[COPY_KINDS]"),
+        Field("memset_bytes", "u64"),
+        Field("memset_calls", "u32"),
+        Field("sync_calls", "u32"),
+        Field("sync_wait_ns", "u64", "time spent inside synchronisation calls"),
+        Field("query_polls", "u32", "cuStreamQuery/cuEventQuery calls that found work pending"),
+        Field("nslots", "u32", "used entries of handles/handle_counts"),
+        Field("handles", "u64[BURST_SLOTS_N]", "launched CUfunction/CUkernel handles"),
+        Field("handle_counts", "u32[BURST_SLOTS_N]"),
+    ],
+)
+
+KNAME = Record(
+    "tt_kname",
+    "KIND_KNAME",
+    [
+        Field("kind", "u32"),
+        Field("pid", "u32"),
+        Field("tid", "u32"),
+        Field("source", "u16", "TT_NAME_*"),
+        Field("pad", "u16"),
+        Field("ts", "u64"),
+        Field("handle", "u64", "the handle launches will pass"),
+        Field("alias_of", "u64", "NAME_KERNEL_GET_FUNCTION: the CUkernel it came from"),
+        Field("name", "char[NAME_LEN]", "mangled kernel name, NUL-terminated"),
+    ],
+)
+
+MEM = Record(
+    "tt_mem",
+    "KIND_MEM",
+    [
+        Field("kind", "u32"),
+        Field("pid", "u32"),
+        Field("tid", "u32"),
+        Field("op", "u16", "TT_MEM_*"),
+        Field("known", "u16", "free: 1 if the allocation was seen, else its size is unknown"),
+        Field("ts", "u64"),
+        Field("ptr", "u64"),
+        Field("bytes", "u64"),
+        Field("live", "u64", "device bytes this process holds after the call"),
+    ],
+)
+
+NCCL = Record(
+    "tt_nccl",
+    "KIND_NCCL",
+    [
+        Field("kind", "u32"),
+        Field("pid", "u32"),
+        Field("tid", "u32"),
+        Field("op", "u16", "TT_NCCL_*"),
+        Field("dtype", "u16", "ncclDataType_t"),
+        Field("ts_enter", "u64"),
+        Field("ts_exit", "u64"),
+        Field("count", "u64", "elements (bytes = count x dtype size)"),
+        Field("comm", "u64", "ncclComm_t"),
+        Field("stream", "u64"),
+        Field("comm_id", "u64", "COMM_INIT: first 8 bytes of the ncclUniqueId"),
+        Field("peer", "s32", "send/recv peer, broadcast/reduce root, COMM_INIT rank"),
+        Field("nranks", "s32", "COMM_INIT"),
+        Field("ret", "s32", "ncclResult_t"),
+        Field("pad", "u32"),
+    ],
+)
+
+RECORDS: dict[int, Record] = {r.kind: r for r in (CONN, DATA, PROC, KBURST, KNAME, MEM, NCCL)}
 
 
 def register(record: Record) -> Record:

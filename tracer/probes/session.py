@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable
 
 from tracer.events import schema, wire
 from tracer.probes import loader, procfs, sockdiag
+from tracer.probes.gpu import GpuProbes
 
 C = wire.CONSTANTS
 CaptureItem = bytes | schema.Event
@@ -35,7 +36,10 @@ class CaptureConfig:
     ringbuf_mb: int = 32
     rescan_interval_s: float = 2.0  # look for new --comm/--port processes this often
     counters_interval_s: float = 1.0
-    concerns: tuple[str, ...] = ("process", "sockets")
+    # cuda must precede process: process.c flushes a thread's GPU burst at its exit
+    concerns: tuple[str, ...] = ("cuda", "nccl", "process", "sockets")
+    burst_ns: int = 10_000_000  # a thread's GPU burst is flushed at least this often
+    gpu_rescan_interval_s: float = 1.0  # look for newly loaded GPU libraries
     exclude_pids: set[int] = field(default_factory=set)
 
 
@@ -66,13 +70,19 @@ class CaptureSession:
         self._next_counters = 0.0
         self._exclude = set(config.exclude_pids) | {os.getpid()}
         self.user_counters: dict[str, int] = {"undecodable_records": 0}
+        self.gpu: GpuProbes | None = None
+        self._next_gpu_scan = 0.0
 
     # ---- lifecycle --------------------------------------------------------------
 
     def start(self) -> None:
         """Compile, configure and attach; emit the clock sync and the first targets."""
         self.bpf = loader.compile_program(self.config.concerns, self.config.ringbuf_mb)
-        self.bpf[b"config"][ctypes.c_int(0)] = ctypes.c_uint64(self.config.capture_limit)
+        config = self.bpf[b"config"]
+        config[ctypes.c_int(C["CFG_CAPTURE_LIMIT"])] = ctypes.c_uint64(self.config.capture_limit)
+        config[ctypes.c_int(C["CFG_BURST_NS"])] = ctypes.c_uint64(self.config.burst_ns)
+        if "cuda" in self.config.concerns:
+            self.gpu = GpuProbes(self.bpf)
         for name in self.config.comms:
             key = self.bpf[b"traced_comms"].Key()
             key.comm = name.encode()[:15]
@@ -90,6 +100,11 @@ class CaptureSession:
         if now >= self._next_rescan and (self.config.comms or self.config.ports):
             self._next_rescan = now + self.config.rescan_interval_s
             self.rescan()
+        if self.gpu is not None and now >= self._next_gpu_scan:
+            # libraries loaded after attach (a lazily imported torch.cuda, NCCL at init)
+            self._next_gpu_scan = now + self.config.gpu_rescan_interval_s
+            for pid in sorted(self.pids):
+                self.gpu.scan(pid)
         if now >= self._next_counters:
             self._next_counters = now + self.config.counters_interval_s
             self.report_counters()
@@ -99,6 +114,9 @@ class CaptureSession:
         if self.bpf is None:
             return
         self.bpf.ring_buffer_consume()
+        if self.gpu is not None:
+            for raw in self.gpu.drain():  # bursts not yet flushed: counts stay exact
+                self.sink(raw)
         self.report_counters(force=True)
         self.bpf.cleanup()
         self.bpf = None
@@ -124,6 +142,8 @@ class CaptureSession:
         self.bpf[b"traced"][ctypes.c_uint32(pid)] = ctypes.c_uint32(1)
         self.pids.add(pid)
         self.sink(self._process_info(pid))
+        if self.gpu is not None:
+            self.gpu.scan(pid)
         if existing_sockets:
             self._adopt_sockets(pid)
 
@@ -251,6 +271,8 @@ class CaptureSession:
     def report_counters(self, force: bool = False) -> None:
         counters = self.kernel_counters()
         counters.update(self.user_counters)
+        if self.gpu is not None:
+            counters["gpu_attach_errors"] = len(self.gpu.errors)
         if force or counters != self._last_counters:
             self._last_counters = dict(counters)
             self.sink(schema.DropReport(ts=time.monotonic_ns(), counters=counters))

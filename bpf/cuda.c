@@ -1,0 +1,387 @@
+/*
+ * CUDA driver API uprobes (libcuda.so.1). The runtime, cuBLAS, cuDNN and Triton all
+ * launch through these entry points, so each launch is counted exactly once here
+ * (never probe cudaLaunchKernel as well: that double-counts).
+ *
+ * Launches, copies and memsets happen tens of thousands of times a second, so they
+ * are summed per thread in `bursts` (a struct tt_kburst per thread) and sent as one
+ * record when the thread synchronises, when a query finds its work done, after
+ * TT_CFG_BURST_NS, when the burst has seen TT_BURST_SLOTS_N distinct kernels (so the
+ * per-kernel counts stay exact), or when the thread exits. Python never sees a single
+ * launch. Name resolution, allocations and frees are rare and sent one by one.
+ *
+ * tracer/probes/gpu.py attaches each exported symbol to the handler named in its
+ * table; the handlers below are named by what they read from the arguments.
+ */
+
+BPF_HASH(bursts, u32, struct tt_kburst, 16384);
+BPF_PERCPU_ARRAY(burst_zero, struct tt_kburst, 1); /* never written: the empty burst */
+
+static __always_inline struct tt_kburst *burst_of(u64 id, u64 now)
+{
+    u32 tid = (u32)id;
+    struct tt_kburst *b = bursts.lookup(&tid);
+    if (b)
+        return b;
+    u32 zero = 0;
+    struct tt_kburst *z = burst_zero.lookup(&zero);
+    if (!z)
+        return NULL;
+    if (bursts.update(&tid, z) != 0) {
+        count(TT_CNT_BURSTS_FULL);
+        return NULL;
+    }
+    b = bursts.lookup(&tid);
+    if (b) {
+        b->kind = TT_KIND_KBURST;
+        b->pid = id >> 32;
+        b->tid = tid;
+        b->first_ts = now;
+    }
+    return b;
+}
+
+static __always_inline void flush(u32 tid, struct tt_kburst *b, u16 reason)
+{
+    b->reason = reason;
+    submit(b, sizeof(*b), TT_CNT_LOST_GPU);
+    bursts.delete(&tid);
+}
+
+/* The burst of a traced thread, ready for one more call; NULL if not traced. */
+static __always_inline struct tt_kburst *begin_call(u64 id, u64 now)
+{
+    if (!is_traced(id >> 32))
+        return NULL;
+    struct tt_kburst *b = burst_of(id, now);
+    if (!b)
+        return NULL;
+    if (now - b->first_ts > config_get(TT_CFG_BURST_NS, 10000000ULL)) {
+        flush((u32)id, b, TT_BURST_INTERVAL);
+        b = burst_of(id, now);
+    }
+    return b;
+}
+
+static __always_inline int on_launch(struct pt_regs *ctx, u64 handle, int graph)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u64 now = bpf_ktime_get_ns();
+    struct tt_kburst *b = begin_call(id, now);
+    if (!b)
+        return 0;
+    b->last_ts = now;
+    if (graph) {
+        b->graph_launches++;
+        return 0;
+    }
+    /* find the handle's slot; a full table flushes first so counts stay exact */
+    u32 n = b->nslots;
+    /* Spelled out: constant offsets, which the verifier checks without the range
+     * tracking a compiled loop's moving pointers defeat. */
+#define TT_SLOT(i)                                                               \
+    if ((i) < n && b->handles[i] == handle) {                                    \
+        b->handle_counts[i]++;                                                   \
+        b->launches++;                                                           \
+        return 0;                                                                \
+    }
+    TT_SLOT(0) TT_SLOT(1) TT_SLOT(2) TT_SLOT(3) TT_SLOT(4) TT_SLOT(5) TT_SLOT(6)
+    TT_SLOT(7) TT_SLOT(8) TT_SLOT(9) TT_SLOT(10) TT_SLOT(11) TT_SLOT(12) TT_SLOT(13)
+    TT_SLOT(14) TT_SLOT(15)
+#undef TT_SLOT
+    _Static_assert(TT_BURST_SLOTS_N == 16, "one TT_SLOT line per slot");
+    if (n >= TT_BURST_SLOTS_N) {
+        flush((u32)id, b, TT_BURST_SLOTS);
+        b = burst_of(id, now);
+        if (!b)
+            return 0;
+        b->last_ts = now;
+        n = 0;
+    }
+    u32 slot = n & (TT_BURST_SLOTS_N - 1); /* n < TT_BURST_SLOTS_N here; the mask proves it */
+    b->handles[slot] = handle;
+    b->handle_counts[slot] = 1;
+    b->nslots = slot + 1;
+    b->launches++;
+    return 0;
+}
+
+/* cuLaunchKernel(f, ...), cuLaunchCooperativeKernel(f, ...), _ptsz variants */
+int tt_launch_arg1(struct pt_regs *ctx) { return on_launch(ctx, PT_REGS_PARM1(ctx), 0); }
+/* cuLaunchKernelEx(config, f, params, extra) */
+int tt_launch_arg2(struct pt_regs *ctx) { return on_launch(ctx, PT_REGS_PARM2(ctx), 0); }
+/* cuGraphLaunch(exec, stream) */
+int tt_graph_launch(struct pt_regs *ctx) { return on_launch(ctx, 0, 1); }
+
+static __always_inline int on_copy(u32 kind, u64 bytes)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u64 now = bpf_ktime_get_ns();
+    struct tt_kburst *b = begin_call(id, now);
+    if (!b)
+        return 0;
+    b->last_ts = now;
+    if (kind < TT_COPY_KINDS) {
+        b->copy_bytes[kind] += bytes;
+        b->copy_calls[kind]++;
+    }
+    return 0;
+}
+
+/* cuMemcpy{HtoD,DtoH,DtoD}[Async]_v2(dst, src, bytes[, stream]), cuMemcpy[Async] */
+int tt_copy_h2d_arg3(struct pt_regs *ctx) { return on_copy(TT_COPY_H2D, PT_REGS_PARM3(ctx)); }
+int tt_copy_d2h_arg3(struct pt_regs *ctx) { return on_copy(TT_COPY_D2H, PT_REGS_PARM3(ctx)); }
+int tt_copy_d2d_arg3(struct pt_regs *ctx) { return on_copy(TT_COPY_D2D, PT_REGS_PARM3(ctx)); }
+int tt_copy_other_arg3(struct pt_regs *ctx) { return on_copy(TT_COPY_OTHER, PT_REGS_PARM3(ctx)); }
+/* cuMemcpyPeer[Async](dst, dstCtx, src, srcCtx, bytes[, stream]) */
+int tt_copy_d2d_arg5(struct pt_regs *ctx) { return on_copy(TT_COPY_D2D, PT_REGS_PARM5(ctx)); }
+
+static __always_inline int on_memset(u64 elems, u64 elem_size)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u64 now = bpf_ktime_get_ns();
+    struct tt_kburst *b = begin_call(id, now);
+    if (!b)
+        return 0;
+    b->last_ts = now;
+    b->memset_bytes += elems * elem_size;
+    b->memset_calls++;
+    return 0;
+}
+
+/* cuMemsetD{8,16,32}[Async][_v2](dst, value, N[, stream]) */
+int tt_memset8_arg3(struct pt_regs *ctx) { return on_memset(PT_REGS_PARM3(ctx), 1); }
+int tt_memset16_arg3(struct pt_regs *ctx) { return on_memset(PT_REGS_PARM3(ctx), 2); }
+int tt_memset32_arg3(struct pt_regs *ctx) { return on_memset(PT_REGS_PARM3(ctx), 4); }
+
+/* ---- synchronisation: time the wait, then flush the burst it ends ------------- */
+
+struct sync_args {
+    u64 ts;
+    u32 api;
+    u32 pad;
+};
+BPF_HASH(sync_inflight, u64, struct sync_args, 16384);
+
+static __always_inline int sync_enter(u32 api)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!is_traced(id >> 32))
+        return 0;
+    struct sync_args a = {.ts = bpf_ktime_get_ns(), .api = api};
+    if (sync_inflight.update(&id, &a) != 0)
+        count(TT_CNT_INFLIGHT_FULL);
+    return 0;
+}
+
+int tt_sync_stream(struct pt_regs *ctx) { return sync_enter(TT_SYNC_STREAM); }
+int tt_sync_event(struct pt_regs *ctx) { return sync_enter(TT_SYNC_EVENT); }
+int tt_sync_ctx(struct pt_regs *ctx) { return sync_enter(TT_SYNC_CTX); }
+
+int tt_sync_return(struct pt_regs *ctx)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    struct sync_args *a = sync_inflight.lookup(&id);
+    if (!a)
+        return 0;
+    u64 now = bpf_ktime_get_ns();
+    u64 start = a->ts;
+    u32 api = a->api;
+    sync_inflight.delete(&id);
+    /* a sync with no launches before it still ends a (then empty) burst: its wait
+     * is GPU time the thread spent blocked */
+    struct tt_kburst *b = burst_of(id, start);
+    if (!b)
+        return 0;
+    b->sync_calls++;
+    b->sync_wait_ns += now - start;
+    b->sync_api = api;
+    b->last_ts = now;
+    flush((u32)id, b, TT_BURST_SYNC);
+    return 0;
+}
+
+/* cuStreamQuery / cuEventQuery: CUDA_SUCCESS (0) means the work is done, a sync point
+ * for a polling thread; CUDA_ERROR_NOT_READY (600) is a poll, counted. */
+int tt_query_return(struct pt_regs *ctx)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!is_traced(id >> 32))
+        return 0;
+    u32 tid = (u32)id;
+    struct tt_kburst *b = bursts.lookup(&tid);
+    if (!b)
+        return 0; /* nothing launched since the last flush: a bare poll */
+    if (PT_REGS_RC(ctx) == 0) {
+        b->last_ts = bpf_ktime_get_ns();
+        flush(tid, b, TT_BURST_QUERY);
+    } else {
+        b->query_polls++;
+    }
+    return 0;
+}
+
+/* ---- kernel names ---------------------------------------------------------------- */
+
+struct name_args {
+    u64 out;   /* where the driver writes the handle */
+    u64 name;  /* const char *, or the CUkernel for cuKernelGetFunction */
+    u32 source;
+    u32 pad;
+};
+BPF_HASH(name_inflight, u64, struct name_args, 4096);
+BPF_PERCPU_ARRAY(name_scratch, struct tt_kname, 1);
+
+static __always_inline int name_enter(u64 out, u64 name, u32 source)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!is_traced(id >> 32))
+        return 0;
+    struct name_args a = {.out = out, .name = name, .source = source};
+    if (name_inflight.update(&id, &a) != 0)
+        count(TT_CNT_INFLIGHT_FULL);
+    return 0;
+}
+
+/* cuModuleGetFunction(CUfunction *out, CUmodule, const char *name) */
+int tt_module_get_function(struct pt_regs *ctx)
+{
+    return name_enter(PT_REGS_PARM1(ctx), PT_REGS_PARM3(ctx), TT_NAME_MODULE_GET_FUNCTION);
+}
+/* cuLibraryGetKernel(CUkernel *out, CUlibrary, const char *name) */
+int tt_library_get_kernel(struct pt_regs *ctx)
+{
+    return name_enter(PT_REGS_PARM1(ctx), PT_REGS_PARM3(ctx), TT_NAME_LIBRARY_GET_KERNEL);
+}
+/* cuKernelGetFunction(CUfunction *out, CUkernel kernel) */
+int tt_kernel_get_function(struct pt_regs *ctx)
+{
+    return name_enter(PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), TT_NAME_KERNEL_GET_FUNCTION);
+}
+
+int tt_name_return(struct pt_regs *ctx)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    struct name_args *a = name_inflight.lookup(&id);
+    if (!a)
+        return 0;
+    struct name_args args = *a;
+    name_inflight.delete(&id);
+    if (PT_REGS_RC(ctx) != 0)
+        return 0; /* the driver failed: no handle was written */
+    u32 zero = 0;
+    struct tt_kname *n = name_scratch.lookup(&zero);
+    if (!n)
+        return 0;
+    n->kind = TT_KIND_KNAME;
+    n->pid = id >> 32;
+    n->tid = (u32)id;
+    n->source = args.source;
+    n->ts = bpf_ktime_get_ns();
+    n->handle = 0;
+    n->alias_of = 0;
+    n->name[0] = 0;
+    bpf_probe_read_user(&n->handle, sizeof(n->handle), (void *)args.out);
+    if (args.source == TT_NAME_KERNEL_GET_FUNCTION)
+        n->alias_of = args.name;
+    else if (bpf_probe_read_user_str(n->name, sizeof(n->name), (void *)args.name) < 0)
+        count(TT_CNT_NAMES_FULL);
+    submit(n, sizeof(*n), TT_CNT_LOST_GPU);
+    return 0;
+}
+
+/* ---- device memory --------------------------------------------------------------- */
+
+struct alloc_args {
+    u64 out;
+    u64 bytes;
+};
+BPF_HASH(alloc_inflight, u64, struct alloc_args, 4096);
+struct alloc_key {
+    u32 tgid;
+    u32 pad;
+    u64 ptr;
+};
+BPF_HASH(allocations, struct alloc_key, u64, 262144);
+BPF_HASH(live_bytes, u32, u64, 16384); /* tgid -> device bytes held */
+
+/* cuMemAlloc_v2 / cuMemAllocAsync / cuMemAllocFromPoolAsync / cuMemAllocManaged:
+ * (CUdeviceptr *out, size_t bytes, ...) */
+int tt_alloc(struct pt_regs *ctx)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!is_traced(id >> 32))
+        return 0;
+    struct alloc_args a = {.out = PT_REGS_PARM1(ctx), .bytes = PT_REGS_PARM2(ctx)};
+    if (alloc_inflight.update(&id, &a) != 0)
+        count(TT_CNT_INFLIGHT_FULL);
+    return 0;
+}
+
+static __always_inline void send_mem(u64 id, u16 op, u64 ptr, u64 bytes, u64 live, u16 known)
+{
+    struct tt_mem m = {};
+    m.kind = TT_KIND_MEM;
+    m.pid = id >> 32;
+    m.tid = (u32)id;
+    m.op = op;
+    m.known = known;
+    m.ts = bpf_ktime_get_ns();
+    m.ptr = ptr;
+    m.bytes = bytes;
+    m.live = live;
+    submit(&m, sizeof(m), TT_CNT_LOST_GPU);
+}
+
+int tt_alloc_return(struct pt_regs *ctx)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    struct alloc_args *a = alloc_inflight.lookup(&id);
+    if (!a)
+        return 0;
+    struct alloc_args args = *a;
+    alloc_inflight.delete(&id);
+    if (PT_REGS_RC(ctx) != 0)
+        return 0;
+    struct alloc_key k = {.tgid = id >> 32};
+    bpf_probe_read_user(&k.ptr, sizeof(k.ptr), (void *)args.out);
+    allocations.update(&k, &args.bytes);
+    u64 zero = 0;
+    u64 *live = live_bytes.lookup_or_try_init(&k.tgid, &zero);
+    u64 now_live = args.bytes;
+    if (live)
+        now_live = __sync_fetch_and_add(live, args.bytes) + args.bytes;
+    send_mem(id, TT_MEM_ALLOC, k.ptr, args.bytes, now_live, 1);
+    return 0;
+}
+
+/* cuMemFree_v2(ptr) / cuMemFreeAsync(ptr, stream) */
+int tt_free(struct pt_regs *ctx)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!is_traced(id >> 32))
+        return 0;
+    struct alloc_key k = {.tgid = id >> 32, .ptr = PT_REGS_PARM1(ctx)};
+    u64 *size = allocations.lookup(&k);
+    u64 bytes = size ? *size : 0;
+    u64 now_live = 0;
+    u64 *live = live_bytes.lookup(&k.tgid);
+    if (size) {
+        allocations.delete(&k);
+        if (live)
+            now_live = __sync_fetch_and_add(live, -bytes) - bytes;
+    } else if (live) {
+        now_live = *live;
+    }
+    send_mem(id, TT_MEM_FREE, k.ptr, bytes, now_live, size != NULL);
+    return 0;
+}
+
+/* Called from process.c when a traced thread exits: its last burst is not lost. */
+static __always_inline void gpu_thread_exit(u32 tid)
+{
+    struct tt_kburst *b = bursts.lookup(&tid);
+    if (b)
+        flush(tid, b, TT_BURST_EXIT);
+}
+#define TT_HAVE_GPU_THREAD_EXIT 1

@@ -1,0 +1,188 @@
+/*
+ * A stand-in libcuda.so.1 for machines without a GPU: the real soname, the real
+ * exported symbols and signatures (cuda.h, CUDA 12/13 driver API) of the calls
+ * tokentrace probes. Launches and copies do no work; synchronisation sleeps for the
+ * GPU time the work queued since the last sync would have taken
+ * (TT_STANDIN_KERNEL_NS per launch, default 20000), so waits look like a GPU's.
+ *
+ * Every call is counted here too: at exit the counts are written as JSON to the file
+ * named by TT_STANDIN_COUNTS, the ground truth the tests compare the tracer with.
+ */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef struct CUctx_st *CUcontext;
+typedef struct CUmod_st *CUmodule;
+typedef struct CUlib_st *CUlibrary;
+typedef struct CUfunc_st *CUfunction;
+typedef struct CUkern_st *CUkernel;
+typedef struct CUstream_st *CUstream;
+typedef struct CUevent_st *CUevent;
+typedef struct CUgraphExec_st *CUgraphExec;
+typedef struct CUmemPoolHandle_st *CUmemoryPool;
+typedef struct CUlaunchConfig_st CUlaunchConfig;
+
+#define CUDA_SUCCESS 0
+#define CUDA_ERROR_NOT_READY 600
+#define EXPORT __attribute__((visibility("default"), noinline))
+
+enum { C_LAUNCH, C_GRAPH, C_H2D, C_D2H, C_D2D, C_OTHER, C_H2D_BYTES, C_D2H_BYTES,
+       C_D2D_BYTES, C_OTHER_BYTES, C_MEMSET, C_MEMSET_BYTES, C_SYNC, C_QUERY,
+       C_QUERY_NOT_READY, C_ALLOC, C_ALLOC_BYTES, C_FREE, C_NAMES, C_N };
+static const char *count_names[C_N] = {
+    "launches", "graph_launches", "h2d_calls", "d2h_calls", "d2d_calls", "other_calls",
+    "h2d_bytes", "d2h_bytes", "d2d_bytes", "other_bytes", "memset_calls", "memset_bytes",
+    "sync_calls", "query_calls", "query_not_ready", "alloc_calls", "alloc_bytes",
+    "free_calls", "names_resolved"};
+static _Atomic unsigned long long counts[C_N];
+static _Atomic unsigned long long next_ptr = 0x7f0000000000ULL;
+static __thread unsigned long long pending_ns; /* GPU time queued by this thread */
+
+static void add(int which, unsigned long long n) { atomic_fetch_add(&counts[which], n); }
+
+static unsigned long long kernel_ns(void)
+{
+    const char *v = getenv("TT_STANDIN_KERNEL_NS");
+    return v ? strtoull(v, NULL, 10) : 20000ULL;
+}
+
+static void wait_gpu(void)
+{
+    if (pending_ns) {
+        struct timespec ts = {pending_ns / 1000000000ULL, pending_ns % 1000000000ULL};
+        nanosleep(&ts, NULL);
+        pending_ns = 0;
+    }
+}
+
+__attribute__((destructor)) static void write_counts(void)
+{
+    const char *path = getenv("TT_STANDIN_COUNTS");
+    if (!path)
+        return;
+    FILE *f = fopen(path, "w");
+    if (!f)
+        return;
+    fprintf(f, "{");
+    for (int i = 0; i < C_N; i++)
+        fprintf(f, "%s\"%s\": %llu", i ? ", " : "", count_names[i],
+                (unsigned long long)counts[i]);
+    fprintf(f, "}\n");
+    fclose(f);
+}
+
+EXPORT CUresult cuInit(unsigned int flags) { (void)flags; return CUDA_SUCCESS; }
+EXPORT CUresult cuDriverGetVersion(int *v) { *v = 13000; return CUDA_SUCCESS; }
+EXPORT CUresult cuDeviceGet(CUdevice *d, int ordinal) { *d = ordinal; return CUDA_SUCCESS; }
+EXPORT CUresult cuCtxCreate_v2(CUcontext *c, unsigned int f, CUdevice d)
+{
+    (void)f; (void)d;
+    *c = (CUcontext)malloc(8);
+    return CUDA_SUCCESS;
+}
+
+/* ---- kernel handles: a heap object per name, as a driver's handles are pointers ---- */
+struct CUfunc_st { char name[128]; };
+
+static void *new_handle(const char *name)
+{
+    struct CUfunc_st *h = calloc(1, sizeof(*h));
+    if (name)
+        strncpy(h->name, name, sizeof(h->name) - 1);
+    add(C_NAMES, 1);
+    return h;
+}
+
+EXPORT CUresult cuModuleGetFunction(CUfunction *out, CUmodule mod, const char *name)
+{
+    (void)mod;
+    *out = new_handle(name);
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuLibraryGetKernel(CUkernel *out, CUlibrary lib, const char *name)
+{
+    (void)lib;
+    *out = new_handle(name);
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuKernelGetFunction(CUfunction *out, CUkernel kernel)
+{
+    *out = new_handle(((struct CUfunc_st *)kernel)->name);
+    return CUDA_SUCCESS;
+}
+
+/* ---- launches ---------------------------------------------------------------------- */
+static CUresult launched(void)
+{
+    add(C_LAUNCH, 1);
+    pending_ns += kernel_ns();
+    return CUDA_SUCCESS;
+}
+#define LAUNCH_ARGS CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, \
+    unsigned by, unsigned bz, unsigned shmem, CUstream s, void **params
+EXPORT CUresult cuLaunchKernel(LAUNCH_ARGS, void **extra) { return launched(); }
+EXPORT CUresult cuLaunchKernel_ptsz(LAUNCH_ARGS, void **extra) { return launched(); }
+EXPORT CUresult cuLaunchCooperativeKernel(LAUNCH_ARGS) { return launched(); }
+EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *cfg, CUfunction f, void **params,
+                                 void **extra) { return launched(); }
+EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *cfg, CUfunction f,
+                                      void **params, void **extra) { return launched(); }
+EXPORT CUresult cuGraphLaunch(CUgraphExec g, CUstream s)
+{
+    add(C_GRAPH, 1);
+    pending_ns += 10 * kernel_ns();
+    return CUDA_SUCCESS;
+}
+
+/* ---- copies and memsets ------------------------------------------------------------ */
+#define COPY(kind, bytes) (add(C_##kind, 1), add(C_##kind##_BYTES, (bytes)), CUDA_SUCCESS)
+EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *h, size_t n) { wait_gpu(); return COPY(H2D, n); }
+EXPORT CUresult cuMemcpyDtoH_v2(void *h, CUdeviceptr d, size_t n) { wait_gpu(); return COPY(D2H, n); }
+EXPORT CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n) { return COPY(D2D, n); }
+EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *h, size_t n, CUstream s) { return COPY(H2D, n); }
+EXPORT CUresult cuMemcpyDtoHAsync_v2(void *h, CUdeviceptr d, size_t n, CUstream s) { return COPY(D2H, n); }
+EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) { return COPY(D2D, n); }
+EXPORT CUresult cuMemcpy(CUdeviceptr d, CUdeviceptr s, size_t n) { return COPY(OTHER, n); }
+EXPORT CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) { return COPY(OTHER, n); }
+EXPORT CUresult cuMemcpyPeerAsync(CUdeviceptr d, CUcontext dc, CUdeviceptr s, CUcontext sc,
+                                  size_t n, CUstream st) { return COPY(D2D, n); }
+EXPORT CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char v, size_t n) { add(C_MEMSET, 1); add(C_MEMSET_BYTES, n); return CUDA_SUCCESS; }
+EXPORT CUresult cuMemsetD32Async(CUdeviceptr d, unsigned int v, size_t n, CUstream s) { add(C_MEMSET, 1); add(C_MEMSET_BYTES, 4 * n); return CUDA_SUCCESS; }
+
+/* ---- synchronisation ----------------------------------------------------------------- */
+EXPORT CUresult cuStreamSynchronize(CUstream s) { add(C_SYNC, 1); wait_gpu(); return CUDA_SUCCESS; }
+EXPORT CUresult cuEventSynchronize(CUevent e) { add(C_SYNC, 1); wait_gpu(); return CUDA_SUCCESS; }
+EXPORT CUresult cuCtxSynchronize(void) { add(C_SYNC, 1); wait_gpu(); return CUDA_SUCCESS; }
+/* Polling: NOT_READY while work is queued; the GPU finishes it between two polls. */
+EXPORT CUresult cuStreamQuery(CUstream s)
+{
+    add(C_QUERY, 1);
+    if (pending_ns) {
+        add(C_QUERY_NOT_READY, 1);
+        wait_gpu();
+        return CUDA_ERROR_NOT_READY;
+    }
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuEventQuery(CUevent e) { return cuStreamQuery(NULL); }
+
+/* ---- device memory: fake device addresses, never dereferenced ----------------------- */
+static CUresult alloc(CUdeviceptr *out, size_t n)
+{
+    *out = atomic_fetch_add(&next_ptr, (n + 4095) & ~4095ULL);
+    add(C_ALLOC, 1);
+    add(C_ALLOC_BYTES, n);
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *out, size_t n) { return alloc(out, n); }
+EXPORT CUresult cuMemAllocAsync(CUdeviceptr *out, size_t n, CUstream s) { return alloc(out, n); }
+EXPORT CUresult cuMemFree_v2(CUdeviceptr p) { add(C_FREE, 1); return CUDA_SUCCESS; }
+EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { add(C_FREE, 1); return CUDA_SUCCESS; }

@@ -1,0 +1,138 @@
+"""A real PyTorch GPU workload driven line by line on stdin, for validating the CUDA and
+NCCL probes on a GPU machine (bench/gpu_validate.py drives it).
+
+Commands (one per line; each answers one JSON line on stdout):
+  init            build the tiny GPT on cuda (first kernels resolve here)
+  decode N        eager decode loop, N tokens, synchronised per token
+  suite_eager     under torch.profiler (CUPTI): eager decode, cuBLAS GEMMs, a Triton
+                  kernel (torch.compile) if Triton works here
+  suite_graph     under the profiler: 100 replays of a CUDA graph captured before
+                  Each suite answers the profiler's GPU kernel and launch-API counts.
+  quit
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import Counter
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/samples/", 1)[0])
+from samples.tinygpt import load_model  # noqa: E402
+
+LAUNCH_APIS = ("cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernel",
+               "cudaLaunchKernelExC", "cuLaunchCooperativeKernel")
+
+
+def say(obj: dict) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+class Work:
+    def __init__(self) -> None:
+        self.model = None
+        self.dev = torch.device("cuda")
+
+    def init(self) -> dict:
+        self.model, self.dev = load_model("cuda")
+        self.decode(4)
+        return {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+
+    def decode(self, n: int) -> dict:
+        ctx = torch.zeros((1, 8), dtype=torch.long, device=self.dev)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            nxt = self.model.step(ctx, temperature=0)
+            ctx = torch.cat([ctx[:, 1:], nxt[:, None]], dim=1)
+            nxt.item()  # one D2H copy + sync per token, as a server's decode loop does
+        dt = time.perf_counter() - t0
+        return {"tokens": n, "seconds": dt, "tokens_per_s": n / dt}
+
+    def gemms(self, n: int) -> None:
+        a = torch.randn(512, 512, device=self.dev, dtype=torch.float16)
+        for _ in range(n):
+            a = (a @ a).clamp_(-1, 1)
+        torch.cuda.synchronize()
+
+    def triton(self, n: int) -> str:
+        try:
+            f = torch.compile(lambda t: torch.sin(t) * 2 + t.cos())
+            x = torch.randn(4096, device=self.dev)
+            f(x)
+            torch.cuda.synchronize()
+        except Exception as e:  # no Triton/compiler here: say so
+            return f"unavailable: {type(e).__name__}: {str(e)[:200]}"
+        for _ in range(n):
+            x = f(x)
+        torch.cuda.synchronize()
+        return "ok"
+
+    def suite(self, window: str) -> dict:
+        """Profile one window with CUPTI. "eager": decode, GEMMs and the Triton kernel,
+        where every GPU kernel comes from one launch call; "graph": only replays of a
+        graph captured beforehand, where one cuGraphLaunch runs several kernels."""
+        from torch.profiler import ProfilerActivity, profile
+
+        triton_state = self.triton(1)  # compile outside the profiled window
+        g = self.make_graph() if window == "graph" else None
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            if window == "eager":
+                self.decode(16)
+                self.gemms(100)
+                if triton_state == "ok":
+                    self.triton(100)
+            else:
+                for _ in range(100):
+                    g.replay()
+            torch.cuda.synchronize()
+        api: Counter[str] = Counter()
+        kernels = 0
+        for ev in prof.events():
+            if ev.name in LAUNCH_APIS or ev.name in ("cudaGraphLaunch", "cuGraphLaunch"):
+                api[ev.name] += 1
+            if getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA and \
+                    not ev.name.startswith("Memcpy") and not ev.name.startswith("Memset"):
+                kernels += 1
+        return {"profiler_api_calls": dict(api), "profiler_gpu_kernels": kernels,
+                "triton": triton_state}
+
+    def make_graph(self) -> "torch.cuda.CUDAGraph":
+        x = torch.randn(256, 256, device=self.dev)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                torch.relu(x @ x)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            self._graph_out = torch.relu(x @ x) + 1
+        self._graph_in = x
+        return g
+
+
+def main() -> None:
+    w = Work()
+    torch.cuda.init()  # libcuda is mapped from here on: the tracer can attach
+    say({"ready": True})
+    for line in sys.stdin:
+        cmd, *rest = line.split()
+        if cmd == "quit":
+            break
+        if cmd == "init":
+            say(w.init())
+        elif cmd == "decode":
+            say(w.decode(int(rest[0])))
+        elif cmd.startswith("suite_"):
+            say(w.suite(cmd[6:]))
+        else:
+            say({"error": f"unknown command {cmd}"})
+
+
+if __name__ == "__main__":
+    main()

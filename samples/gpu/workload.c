@@ -1,0 +1,134 @@
+/*
+ * A decode-loop-shaped GPU workload, linked against libcuda.so.1 and libnccl.so.2 like
+ * any CUDA program: the stand-ins here, the real driver on a GPU machine is NOT the
+ * target (it passes no valid modules); PyTorch workloads cover that.
+ *
+ *   workload [--steps N] [--kernels K] [--threads T] [--graph-every G] [--nccl]
+ *            [--wait]
+ *
+ * Each thread resolves K kernels (even ones with cuLibraryGetKernel, odd ones with
+ * cuModuleGetFunction, kernel 1 also through cuKernelGetFunction), then per step:
+ * an H2D copy, K launches (every 4th with cuLaunchKernelEx), a graph launch every G
+ * steps, a memset, an NCCL all-reduce in a group when --nccl, a D2H copy, and a
+ * stream sync (every 4th step polls cuStreamQuery instead). --wait prints "ready" and
+ * waits for a line on stdin before resolving anything, so a tracer can attach first.
+ */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+typedef void *CUfunction, *CUkernel, *CUstream, *CUgraphExec, *CUmodule, *CUlibrary;
+typedef struct ncclComm *ncclComm_t;
+typedef struct { char internal[128]; } ncclUniqueId;
+typedef struct { unsigned gx, gy, gz, bx, by, bz, shmem; CUstream s; void *attrs; unsigned n; } CUlaunchConfig;
+
+CUresult cuInit(unsigned);
+CUresult cuModuleGetFunction(CUfunction *, CUmodule, const char *);
+CUresult cuLibraryGetKernel(CUkernel *, CUlibrary, const char *);
+CUresult cuKernelGetFunction(CUfunction *, CUkernel);
+CUresult cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
+                        unsigned, unsigned, CUstream, void **, void **);
+CUresult cuLaunchKernelEx(const CUlaunchConfig *, CUfunction, void **, void **);
+CUresult cuGraphLaunch(CUgraphExec, CUstream);
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr, const void *, size_t, CUstream);
+CUresult cuMemcpyDtoHAsync_v2(void *, CUdeviceptr, size_t, CUstream);
+CUresult cuMemsetD32Async(CUdeviceptr, unsigned, size_t, CUstream);
+CUresult cuStreamSynchronize(CUstream);
+CUresult cuStreamQuery(CUstream);
+CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
+CUresult cuMemFree_v2(CUdeviceptr);
+int ncclGetUniqueId(ncclUniqueId *);
+int ncclCommInitRank(ncclComm_t *, int, ncclUniqueId, int);
+int ncclAllReduce(const void *, void *, size_t, int, int, ncclComm_t, CUstream);
+int ncclGroupStart(void);
+int ncclGroupEnd(void);
+
+static int steps = 100, kernels = 8, threads = 1, graph_every = 0, use_nccl = 0;
+static ncclComm_t comm;
+
+static void *run(void *arg)
+{
+    long t = (long)arg;
+    CUfunction *f = calloc(kernels, sizeof(*f));
+    char name[64];
+    for (int k = 0; k < kernels; k++) {
+        snprintf(name, sizeof(name), "_Z11tt_kernel_%02dPfS_i", k);
+        if (k % 2 == 0)
+            cuLibraryGetKernel((CUkernel *)&f[k], NULL, name);
+        else
+            cuModuleGetFunction(&f[k], NULL, name);
+        if (k == 1)
+            cuKernelGetFunction(&f[k], f[k]); /* launch through the alias */
+    }
+    CUdeviceptr buf, out;
+    cuMemAlloc_v2(&buf, 1 << 20);
+    cuMemAlloc_v2(&out, 4096 + t);
+    static char host[1 << 16];
+    CUstream s = (CUstream)(t + 1);
+    CUlaunchConfig cfg = {1, 1, 1, 128, 1, 1, 0, s, NULL, 0};
+    for (int step = 0; step < steps; step++) {
+        cuMemcpyHtoDAsync_v2(buf, host, 1000 + step, s);
+        for (int k = 0; k < kernels; k++) {
+            if (k % 4 == 3)
+                cuLaunchKernelEx(&cfg, f[k], NULL, NULL);
+            else
+                cuLaunchKernel(f[k], 1, 1, 1, 128, 1, 1, 0, s, NULL, NULL);
+        }
+        if (graph_every && step % graph_every == 0)
+            cuGraphLaunch((CUgraphExec)0x1, s);
+        cuMemsetD32Async(out, 0, 256, s);
+        if (use_nccl) {
+            ncclGroupStart();
+            ncclAllReduce((void *)buf, (void *)buf, 4096, 6 /* fp16 */, 0, comm, s);
+            ncclGroupEnd();
+        }
+        cuMemcpyDtoHAsync_v2(host, out, 64, s);
+        if (step % 4 == 3)
+            while (cuStreamQuery(s) != 0)
+                ;
+        else
+            cuStreamSynchronize(s);
+    }
+    cuMemFree_v2(buf);
+    cuMemFree_v2(out);
+    free(f);
+    return NULL;
+}
+
+int main(int argc, char **argv)
+{
+    int wait = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--steps") && i + 1 < argc) steps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--kernels") && i + 1 < argc) kernels = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--graph-every") && i + 1 < argc) graph_every = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--nccl")) use_nccl = 1;
+        else if (!strcmp(argv[i], "--wait")) wait = 1;
+        else { fprintf(stderr, "workload: unknown argument %s\n", argv[i]); return 2; }
+    }
+    if (wait) {
+        char line[16];
+        printf("ready\n");
+        fflush(stdout);
+        if (!fgets(line, sizeof(line), stdin))
+            return 1;
+    }
+    cuInit(0);
+    if (use_nccl) {
+        ncclUniqueId id;
+        ncclGetUniqueId(&id);
+        ncclCommInitRank(&comm, 1, id, 0);
+    }
+    pthread_t th[64];
+    if (threads > 64) threads = 64;
+    for (long t = 0; t < threads; t++)
+        pthread_create(&th[t], NULL, run, (void *)t);
+    for (int t = 0; t < threads; t++)
+        pthread_join(th[t], NULL);
+    printf("done\n");
+    return 0;
+}
