@@ -128,13 +128,25 @@ def validate_torch(out: Path) -> dict:
     res["summary_after_capture"] = ledger.summary(top=15)["processes"]
     # overhead: the same decode loop with no probes attached and with them, alternating
     rounds = []
+    micro = []
     for _ in range(2):
         untraced = w.ask("decode 300")
-        tr = Tracer([w.p.pid], GpuLedger(), None)
+        micro_u = w.ask("microbench 100000")
+        led = GpuLedger()
+        tr = Tracer([w.p.pid], led, None)
         traced = w.ask("decode 300")
-        tr.stop()
+        micro_t = w.ask("microbench 100000")
+        tr.settle()
+        drops = tr.stop()
         rounds.append({"untraced_tokens_per_s": untraced["tokens_per_s"],
-                       "traced_tokens_per_s": traced["tokens_per_s"]})
+                       "traced_tokens_per_s": traced["tokens_per_s"],
+                       "traced_launches_seen": totals(led, w.p.pid)["launches"],
+                       "lost_gpu": drops.get("lost_gpu")})
+        micro.append({"untraced_ns": micro_u["ns_per_call"], "traced_ns": micro_t["ns_per_call"]})
+    res["probe_cost_ns"] = {
+        api: sum(m["traced_ns"][api] - m["untraced_ns"][api] for m in micro) / len(micro)
+        for api in micro[0]["traced_ns"]}
+    res["microbench"] = micro
     res["decode_overhead"] = {
         "rounds": rounds,
         "traced_over_untraced": sum(r["traced_tokens_per_s"] for r in rounds)

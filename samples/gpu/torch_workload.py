@@ -101,6 +101,26 @@ class Work:
         return {"profiler_api_calls": dict(api), "profiler_gpu_kernels": kernels,
                 "triton": triton_state}
 
+    def microbench(self, n: int) -> dict:
+        """ns per call of two probed driver entry points, called through ctypes:
+        cuLaunchKernel with a NULL function (rejected at once by the driver; the entry
+        probe still fires) and cuStreamQuery on the idle default stream (return probe)."""
+        import ctypes
+
+        lib = ctypes.CDLL("libcuda.so.1")
+        launch, query = lib.cuLaunchKernel, lib.cuStreamQuery
+        launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+        query.argtypes = [ctypes.c_void_p]
+        out = {}
+        for name, call in (("cuLaunchKernel", lambda: launch(None, 1, 1, 1, 1, 1, 1, 0,
+                                                              None, None, None)),
+                           ("cuStreamQuery", lambda: query(None))):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                call()
+            out[name] = (time.perf_counter() - t0) / n * 1e9
+        return {"calls": n, "ns_per_call": out}
+
     def make_graph(self) -> "torch.cuda.CUDAGraph":
         x = torch.randn(256, 256, device=self.dev)
         s = torch.cuda.Stream()
@@ -128,6 +148,8 @@ def main() -> None:
             say(w.init())
         elif cmd == "decode":
             say(w.decode(int(rest[0])))
+        elif cmd == "microbench":
+            say(w.microbench(int(rest[0])))
         elif cmd.startswith("suite_"):
             say(w.suite(cmd[6:]))
         else:
