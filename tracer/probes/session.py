@@ -156,6 +156,8 @@ class CaptureSession:
 
     def _adopt_sockets(self, pid: int) -> None:
         """Register sockets that were connected before we attached (or inherited)."""
+        if "sockets" not in self.config.concerns:
+            return
         fds = procfs.socket_fds(pid)
         if not fds:
             return
@@ -248,6 +250,8 @@ class CaptureSession:
 
     def _forget_pid(self, pid: int) -> None:
         """A dead process's sockets were closed by the kernel, not by close(2)."""
+        if "sockets" not in self.config.concerns:
+            return
         conns = self.bpf[b"conns"]
         stale = [k for k in conns.keys() if (k.value >> 32) == pid]
         for k in stale:
