@@ -117,6 +117,8 @@ def validate_torch(out: Path) -> dict:
                        for lib in tr.session.gpu.attached.values()]
     res["attach_errors"] = tr.session.gpu.errors
     res["init"] = w.ask("init")
+    res["prep"] = w.ask("prep")
+    res["driver_symbols"] = driver_symbols(tr.session.gpu)
     for window in ("eager", "graph"):
         tr.settle()
         before = totals(ledger, w.p.pid)
@@ -129,13 +131,13 @@ def validate_torch(out: Path) -> dict:
     # overhead: the same decode loop with no probes attached and with them, alternating
     rounds = []
     micro = []
-    for _ in range(2):
-        untraced = w.ask("decode 300")
-        micro_u = w.ask("microbench 100000")
+    for _ in range(3):
+        untraced = w.ask("decode 1500")
+        micro_u = w.ask("microbench 300000")
         led = GpuLedger()
         tr = Tracer([w.p.pid], led, None)
-        traced = w.ask("decode 300")
-        micro_t = w.ask("microbench 100000")
+        traced = w.ask("decode 1500")
+        micro_t = w.ask("microbench 300000")
         tr.settle()
         drops = tr.stop()
         rounds.append({"untraced_tokens_per_s": untraced["tokens_per_s"],
@@ -153,6 +155,25 @@ def validate_torch(out: Path) -> dict:
         / sum(r["untraced_tokens_per_s"] for r in rounds)}
     w.quit()
     return res
+
+
+def driver_symbols(gpu) -> dict:
+    """Exported libcuda functions in the families we probe: shows which ones this
+    driver has that the probe table does not name."""
+    import re
+
+    import bcc
+
+    out = {}
+    for lib in gpu.attached.values():
+        if lib.kind != "cuda":
+            continue
+        names = {n.decode() for n, _ in bcc.BPF.get_user_functions_and_addresses(
+            lib.path.encode(), b".*")}
+        pat = re.compile(r"Synchronize|Query|Launch|Memcpy|Memset|MemAlloc|MemFree|"
+                         r"GetFunction|GetKernel|Wait")
+        out[lib.path] = sorted(n for n in names if pat.search(n))
+    return out
 
 
 def validate_nccl() -> dict:
