@@ -131,20 +131,24 @@ def validate_torch(out: Path) -> dict:
     # overhead: the same decode loop with no probes attached and with them, alternating
     rounds = []
     micro = []
-    for _ in range(3):
-        untraced = w.ask("decode 1500")
-        micro_u = w.ask("microbench 300000")
-        led = GpuLedger()
-        tr = Tracer([w.p.pid], led, None)
-        traced = w.ask("decode 1500")
-        micro_t = w.ask("microbench 300000")
-        tr.settle()
-        drops = tr.stop()
-        rounds.append({"untraced_tokens_per_s": untraced["tokens_per_s"],
-                       "traced_tokens_per_s": traced["tokens_per_s"],
-                       "traced_launches_seen": totals(led, w.p.pid)["launches"],
-                       "lost_gpu": drops.get("lost_gpu")})
-        micro.append({"untraced_ns": micro_u["ns_per_call"], "traced_ns": micro_t["ns_per_call"]})
+    for i in range(4):  # alternate which phase goes first, so drift cancels
+        order = ("untraced", "traced") if i % 2 == 0 else ("traced", "untraced")
+        got: dict = {}
+        for phase in order:
+            led = GpuLedger()
+            tr = Tracer([w.p.pid], led, None) if phase == "traced" else None
+            got[phase] = (w.ask("decode 1000"), w.ask("microbench 300000"))
+            if tr is not None:
+                tr.settle()
+                drops = tr.stop()
+                got["launches"] = totals(led, w.p.pid)["launches"]
+                got["lost_gpu"] = drops.get("lost_gpu")
+        rounds.append({"order": order,
+                       "untraced_tokens_per_s": got["untraced"][0]["tokens_per_s"],
+                       "traced_tokens_per_s": got["traced"][0]["tokens_per_s"],
+                       "traced_launches_seen": got["launches"], "lost_gpu": got["lost_gpu"]})
+        micro.append({"untraced_ns": got["untraced"][1]["ns_per_call"],
+                      "traced_ns": got["traced"][1]["ns_per_call"]})
     res["probe_cost_ns"] = {
         api: sum(m["traced_ns"][api] - m["untraced_ns"][api] for m in micro) / len(micro)
         for api in micro[0]["traced_ns"]}

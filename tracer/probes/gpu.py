@@ -52,7 +52,9 @@ CUDA_PROBES: list[Probe] = [
            "tt_memset32_arg3"),
     *_each("cuStreamSynchronize cuStreamSynchronize_ptsz", "tt_sync_stream", "tt_sync_return"),
     *_each("cuEventSynchronize", "tt_sync_event", "tt_sync_return"),
-    *_each("cuCtxSynchronize", "tt_sync_ctx", "tt_sync_return"),
+    # cudaDeviceSynchronize goes through cuCtxSynchronize_v2 on CUDA 13 (seen on an H200,
+    # driver 580): without it, a device-wide sync would not end the thread's burst
+    *_each("cuCtxSynchronize cuCtxSynchronize_v2", "tt_sync_ctx", "tt_sync_return"),
     *_each("cuStreamQuery cuStreamQuery_ptsz cuEventQuery", None, "tt_query_return"),
     *_each("cuModuleGetFunction", "tt_module_get_function", "tt_name_return"),
     *_each("cuLibraryGetKernel", "tt_library_get_kernel", "tt_name_return"),
