@@ -78,8 +78,16 @@ NCCL_PROBES: list[Probe] = [
     Probe("ncclCommInitRankConfig", "tt_nccl_comm_init", "tt_nccl_return"),
 ]
 
+# libcudart: only device-wide synchronisation, which does not pass through an exported
+# libcuda function on CUDA 13 (seen on an H200, driver 580). Launches are never probed
+# here: they all reach cuLaunchKernel*, and probing both would count them twice.
+CUDART_PROBES: list[Probe] = [
+    Probe("cudaDeviceSynchronize", "tt_sync_ctx", "tt_sync_return"),
+]
+
 LIBRARIES: dict[str, tuple[re.Pattern[str], list[Probe]]] = {
     "cuda": (re.compile(r"/libcuda\.so(\.\d+)*$"), CUDA_PROBES),
+    "cudart": (re.compile(r"/libcudart\.so(\.\d+)*$"), CUDART_PROBES),
     "nccl": (re.compile(r"/libnccl\.so(\.\d+)*$"), NCCL_PROBES),
 }
 
