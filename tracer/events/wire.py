@@ -214,6 +214,9 @@ class Record:
         self.size = full + ((-full) % max_align)
         self.names = [f.name for f in fields]
         self._typed_arrays = any(f.array_len is not None and not f.is_bytes for f in fields)
+        # (name, element count of a typed array or 0): unpack runs per record
+        self._layout = [(f.name, f.array_len if f.array_len and not f.is_bytes else 0)
+                        for f in fields]
 
     def c_struct(self) -> str:
         lines = [f"struct {self.cname} {{"]
@@ -245,12 +248,12 @@ class Record:
             return dict(zip(self.names, values))
         out: dict[str, object] = {}
         i = 0
-        for f in self.fields:
-            if f.array_len is not None and not f.is_bytes:
-                out[f.name] = values[i : i + f.array_len]
-                i += f.array_len
+        for name, n in self._layout:
+            if n:
+                out[name] = values[i : i + n]
+                i += n
             else:
-                out[f.name] = values[i]
+                out[name] = values[i]
                 i += 1
         return out
 
