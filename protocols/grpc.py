@@ -243,7 +243,7 @@ class GrpcConnection:
                 if e.stream_id % 2 == 0:
                     self.stats["http2_client_even_streams"] += 1
                     return
-                call = Call(e.stream_id, e.ts, hdrs, e.unknown_header_fields)
+                call = Call(e.stream_id, e.ts, hdrs, e.unknown_fields)
                 self.streams[e.stream_id] = _Stream(call)
                 self.stats["http2_streams"] += 1
                 out.append(CallStarted(call))
@@ -251,7 +251,7 @@ class GrpcConnection:
                     call.request_end_ns = e.ts
                 return
             # request trailers (rare in gRPC)
-            st.call.unknown_header_fields += e.unknown_header_fields
+            st.call.unknown_header_fields += e.unknown_fields
             if e.end_stream:
                 st.call.request_end_ns = e.ts
             return
@@ -259,7 +259,7 @@ class GrpcConnection:
             self.stats["http2_streams_unseen_start"] += 1
             return
         call = st.call
-        call.unknown_header_fields += e.unknown_header_fields
+        call.unknown_header_fields += e.unknown_fields
         if not st.response_head_seen:
             st.response_head_seen = True
             call.response_start_ns = e.ts

@@ -222,19 +222,41 @@ def plausible_frame_header(buf: bytes | bytearray | memoryview, i: int,
     return size is None or length == size
 
 
+RESYNC_MAX_STREAM = 1 << 24  # stream ids believed while resynchronising (8M calls)
+
+
+def likely_frame_header(buf: bytes | bytearray | memoryview, i: int,
+                        max_frame: int = MAX_FRAME) -> bool:
+    """Stricter than ``plausible_frame_header``, for finding frame boundaries in bytes
+    of unknown alignment: also no empty DATA without END_STREAM, no empty header
+    frame, no zero WINDOW_UPDATE, and stream ids below ``RESYNC_MAX_STREAM``."""
+    if not plausible_frame_header(buf, i, max_frame):
+        return False
+    length, ftype, flags, sid = parse_frame_header(buf, i)
+    if sid >= RESYNC_MAX_STREAM:
+        return False
+    if ftype == DATA and length == 0 and not flags & END_STREAM:
+        return False
+    if ftype in (HEADERS, CONTINUATION, PUSH_PROMISE) and length == 0:
+        return False
+    if ftype == WINDOW_UPDATE and len(buf) >= i + 13:
+        return struct.unpack_from(">I", buf, i + 9)[0] & 0x7FFFFFFF != 0
+    return True
+
+
 def find_frame_boundary(buf: bytes | bytearray, start: int = 0, max_frame: int = MAX_FRAME
                         ) -> int:
-    """The first offset from ``start`` where a chain of plausible frame headers runs to
+    """The first offset from ``start`` where a chain of likely frame headers runs to
     the end of ``buf`` (exactly, or through at least two whole frames into a partial
     one), else -1. A CONTINUATION cannot start a chain: its HEADERS was not seen."""
     n = len(buf)
     for i in range(start, n - 8):
-        if not plausible_frame_header(buf, i, max_frame):
+        if not likely_frame_header(buf, i, max_frame):
             continue
         if buf[i + 3] == CONTINUATION:
             continue
         j, whole = i, 0
-        while j + 9 <= n and plausible_frame_header(buf, j, max_frame):
+        while j + 9 <= n and likely_frame_header(buf, j, max_frame):
             j += 9 + parse_frame_header(buf, j)[0]
             if j <= n:
                 whole += 1

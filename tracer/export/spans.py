@@ -131,7 +131,7 @@ def span_name(rec: RequestRecord) -> str:
         svc, meth = rec.rpc.service_method
         if svc and meth:
             return f"{svc}/{meth}"  # the OpenTelemetry RPC span name
-    return f"{rec.method} {rec.target.split('?', 1)[0]}" if rec.method else "HTTP"
+    return f"{rec.method} {rec.target.split('?', 1)[0]}".rstrip() if rec.method else "HTTP"
 
 
 def span_attributes(rec: RequestRecord) -> dict[str, Any]:
