@@ -16,6 +16,7 @@ observer attached late) is counted, not reported: its method would be a guess.
 
 from __future__ import annotations
 
+import re
 import struct
 from collections import Counter
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from urllib.parse import unquote
 
 from protocols import http2
 
+GRPC_PATH = re.compile(r"/[A-Za-z_][\w]*(?:\.[A-Za-z_][\w]*)+/[A-Za-z_][\w]*")
 MAX_MESSAGE = 8 * 1024 * 1024  # bytes kept per message (longer ones: length only)
 
 # gRPC status codes (grpc/doc/statuscodes.md)
@@ -83,8 +85,17 @@ class Call:
 
     @property
     def is_grpc(self) -> bool:
-        ct = self.request_headers.get("content-type", "")
-        return ct.startswith("application/grpc")
+        """``content-type: application/grpc...``; or, when the content type could not
+        be decoded (a late attach), a decoded ``:path`` of the gRPC form
+        ``/package.Service/Method`` (see ``content_type_unknown``)."""
+        ct = self.request_headers.get("content-type")
+        if ct is not None:
+            return ct.startswith("application/grpc")
+        return self.content_type_unknown and bool(GRPC_PATH.fullmatch(self.path or ""))
+
+    @property
+    def content_type_unknown(self) -> bool:
+        return "content-type" not in self.request_headers and self.unknown_header_fields > 0
 
     @property
     def service_method(self) -> tuple[str | None, str | None]:

@@ -14,6 +14,8 @@ records the OpenAI path makes, so spans carry the same attribute names:
   Triton backend does, on request), summed over responses; else, for a stream, one
   per response that carries output (``stream_chunks``, as for OpenAI SSE); else
   unknown. Input tokens: ``num_input_tokens`` where returned.
+- TTFT counts from the first byte of the first request message (``request_ts``):
+  a client may open a ModelStreamInfer stream well before it sends a request on it.
 """
 
 from __future__ import annotations
@@ -123,11 +125,15 @@ class KServeFollower:
         self._texts: list[str] = []
         self._counted = 0  # responses that carried num_output_tokens
         self._in_counted = False
+        self.request_ts: int | None = None  # first byte of the first request message
 
     # ---- request --------------------------------------------------------------------
 
-    def request_message(self, ts: int, data: bytes | None, compressed: bool) -> None:
+    def request_message(self, ts: int, data: bytes | None, compressed: bool,
+                        first_ts: int | None = None) -> None:
         self.req.requests += 1
+        if self.request_ts is None:
+            self.request_ts = first_ts if first_ts is not None else ts
         if self.req.requests > 1 or data is None or compressed:
             if data is None or compressed:
                 self.req.error = ("request message compressed" if compressed

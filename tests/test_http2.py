@@ -313,7 +313,8 @@ def test_real_capture_of_the_sample_grpc_server():
     path = CAPTURES / "kserve-grpc.ttcap"
     expected = json.loads((CAPTURES / "kserve-grpc.expected.json").read_text())
     streams = capture_streams(path)
-    h2conns = [k for k, chunks in streams.items() if chunks[0][2].startswith(http2.PREFACE)]
+    h2conns = [k for k, chunks in streams.items()
+               if next(d for inb, _, d in chunks if inb).startswith(http2.PREFACE)]
     assert h2conns, "the capture holds an HTTP/2 connection from its preface"
     paths = []
     for key in h2conns:

@@ -68,7 +68,7 @@ class H2Calls:
             if isinstance(e, grpc.CallMessage) and f is not None:
                 m = e.message
                 if m.from_client:
-                    f.request_message(m.ts, m.data, m.compressed)
+                    f.request_message(m.ts, m.data, m.compressed, m.first_ts)
                 else:
                     f.response_message(m.ts, m.data, m.compressed)
             elif isinstance(e, grpc.CallResponseHeaders):
@@ -109,4 +109,5 @@ class H2Calls:
         rec.error = call.error
         if f is not None:
             rec.llm_request, rec.llm_response = f.end(call.end_ns)
+            rec.llm_start_ns = f.request_ts
         return rec

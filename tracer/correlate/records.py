@@ -69,6 +69,9 @@ class RequestRecord:
     llm_response: LLMResponse | None = None
     process: ProcessInfo | None = None
     rpc: Call | None = None  # the HTTP/2 stream (gRPC call) this record came from
+    # when the inference request itself began, if later than start_ns (a gRPC stream
+    # opened before its first request message): TTFT counts from here
+    llm_start_ns: int | None = None
     # filled by the GPU correlation: attribute name suffix -> value
     gpu: dict[str, Any] = field(default_factory=dict)
     children: list["ChildSpan"] = field(default_factory=list)
@@ -86,14 +89,14 @@ class RequestRecord:
         r = self.llm_response
         if r is None or r.first_token_ts is None:
             return None
-        return r.first_token_ts - self.start_ns
+        return r.first_token_ts - (self.llm_start_ns or self.start_ns)
 
     @property
     def first_chunk_ns(self) -> int | None:
         r = self.llm_response
         if r is None or r.first_chunk_ts is None:
             return None
-        return r.first_chunk_ts - self.start_ns
+        return r.first_chunk_ts - (self.llm_start_ns or self.start_ns)
 
     @property
     def tpot_ns(self) -> float | None:
