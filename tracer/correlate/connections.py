@@ -13,8 +13,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
-from protocols import detect, http1
+from protocols import detect, http1, http2
 from protocols.openai import ResponseFollower, operation_for, parse_request
+from tracer.correlate.h2calls import H2Calls
 from tracer.correlate.records import SAFE_HEADERS, RequestRecord, tenant_of
 from tracer.events import schema, wire
 
@@ -126,6 +127,7 @@ class Connection:
         self.sniff_ts = 0
         self.unsniffed = 0
         self.http: http1.HTTP1Connection | None = None
+        self.h2: H2Calls | None = None
         self.exchanges: dict[int, Exchange] = {}
         self.last_ts = 0
         self.close_reason: str | None = None
@@ -187,7 +189,8 @@ class ConnectionTracker:
 
     def finish(self, ts: int) -> int:
         """End of capture: count exchanges still open (they are not emitted)."""
-        open_exchanges = sum(len(c.exchanges) for c in self.conns.values())
+        open_exchanges = sum(len(c.exchanges) + (c.h2.open_calls if c.h2 else 0)
+                             for c in self.conns.values())
         self.stats["in_flight_at_exit"] += open_exchanges
         return open_exchanges
 
@@ -232,6 +235,9 @@ class ConnectionTracker:
     def _feed(self, c: Connection, ev: schema.DataEvent, inbound: bool, ts: int) -> None:
         if c.proto is None and not self._choose_protocol(c, ev.payload, inbound, ts, ev.tid):
             return
+        if c.h2 is not None:
+            self._emit_h2(c.h2.receive(ev.payload, ts, c.from_client(inbound), ev.tid))
+            return
         if c.proto != "http1" or c.http is None:
             self.stats[f"bytes_{c.proto or 'unsniffed'}"] += len(ev.payload)
             return
@@ -241,6 +247,13 @@ class ConnectionTracker:
     def _choose_protocol(self, c: Connection, data: bytes, inbound: bool, ts: int,
                          tid: int) -> bool:
         """Decide role (if unknown) and protocol. True once HTTP/1 parsing can start."""
+        if c.role is None and http2.looks_like_frames(data):
+            # Found open at attach, HTTP/2: the sender of :method is the client.
+            sender = http2.header_block_sender(data)
+            if sender is not None:
+                c.role = "server" if (sender == "client") == inbound else "client"
+                self._start_h2(c, synced=False)
+                return True
         if c.role is None:
             # Found open at attach: whoever sends a request line is the client.
             idx = detect.find_request_line(data)
@@ -258,11 +271,17 @@ class ConnectionTracker:
             c.proto = "http1"
             c.http = http1.HTTP1Connection(synced=False)
             return True
+        if not c.synced and http2.looks_like_frames(data):
+            self._start_h2(c, synced=False)
+            return True
         if not c.synced:
             c.proto = "http1"
             c.http = http1.HTTP1Connection(synced=False)
             return True
         if not c.from_client(inbound):
+            if http2.server_settings_first(data):  # an HTTP/2 server may not wait
+                self._start_h2(c, synced=True)
+                return True
             c.proto = "opaque"  # the server spoke first: not HTTP
             return False
         if not c.sniff_buf:
@@ -281,11 +300,22 @@ class ConnectionTracker:
                 self._dispatch(c, c.http.receive(held, c.sniff_ts, True), tid)
                 return False
             return True
-        c.proto = {detect.HTTP2_PREFACE: "http2", detect.TLS: "tls"}.get(kind, "opaque")
+        if kind == detect.HTTP2_PREFACE:
+            self._start_h2(c, synced=True)
+            self._emit_h2(c.h2.receive(held, c.sniff_ts, True, tid))  # type: ignore[union-attr]
+            return False
+        c.proto = {detect.TLS: "tls"}.get(kind, "opaque")
         self.stats[f"connections_{c.proto}"] += 1
         return False
 
+    def _start_h2(self, c: Connection, synced: bool) -> None:
+        c.proto = "http2"
+        c.h2 = H2Calls(c, self.options, synced, self.stats)
+        self.stats["connections_http2"] += 1
+
     def _lost(self, c: Connection, nbytes: int, ts: int, inbound: bool, tid: int) -> None:
+        if c.h2 is not None:
+            self._emit_h2(c.h2.lost(nbytes, ts, c.from_client(inbound), tid))
         if c.http is None:
             return
         self._dispatch(c, c.http.lost(nbytes, ts, c.from_client(inbound)), tid)
@@ -293,6 +323,8 @@ class ConnectionTracker:
     def _close(self, c: Connection, ts: int) -> None:
         if c.http is not None:
             self._dispatch(c, c.http.close(ts), 0)
+        if c.h2 is not None:
+            self._emit_h2(c.h2.close(ts, c.close_reason))
         for ex in list(c.exchanges.values()):
             self._finish(c, ex, ts, c.close_reason or "connection closed before the response")
 
@@ -334,10 +366,16 @@ class ConnectionTracker:
                 self._finish(c, ex, e.ts, None)
                 c.proto = f"upgraded:{e.protocol}"
 
+    def _emit_h2(self, records: list[RequestRecord]) -> None:
+        for rec in records:
+            self._emit(rec)
+
     def _finish(self, c: Connection, ex: Exchange, ts: int, error: str | None,
                 incomplete: bool = False) -> None:
         c.exchanges.pop(ex.rec.exchange, None)
-        rec = ex.finish(ts, error, incomplete)
+        self._emit(ex.finish(ts, error, incomplete))
+
+    def _emit(self, rec: RequestRecord) -> None:
         rec.process = self.processes.get(rec.pid)
         self.stats["requests"] += 1
         if rec.error:

@@ -12,6 +12,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from protocols.grpc import SERVER_ERROR_CODES, Call
 from protocols.openai import LLMRequest, LLMResponse
 from tracer.events.schema import ProcessInfo
 
@@ -67,6 +68,10 @@ class RequestRecord:
     llm_request: LLMRequest | None = None
     llm_response: LLMResponse | None = None
     process: ProcessInfo | None = None
+    rpc: Call | None = None  # the HTTP/2 stream (gRPC call) this record came from
+    # when the inference request itself began, if later than start_ns (a gRPC stream
+    # opened before its first request message): TTFT counts from here
+    llm_start_ns: int | None = None
     # filled by the GPU correlation: attribute name suffix -> value
     gpu: dict[str, Any] = field(default_factory=dict)
     children: list["ChildSpan"] = field(default_factory=list)
@@ -84,14 +89,14 @@ class RequestRecord:
         r = self.llm_response
         if r is None or r.first_token_ts is None:
             return None
-        return r.first_token_ts - self.start_ns
+        return r.first_token_ts - (self.llm_start_ns or self.start_ns)
 
     @property
     def first_chunk_ns(self) -> int | None:
         r = self.llm_response
         if r is None or r.first_chunk_ts is None:
             return None
-        return r.first_chunk_ts - self.start_ns
+        return r.first_chunk_ts - (self.llm_start_ns or self.start_ns)
 
     @property
     def tpot_ns(self) -> float | None:
@@ -105,6 +110,10 @@ class RequestRecord:
     def failed(self) -> bool:
         if self.error:
             return True
+        if self.rpc is not None and self.rpc.is_grpc:
+            code = self.rpc.grpc_status  # unknown (undecodable trailers): not a failure
+            return code is not None and (code in SERVER_ERROR_CODES or
+                                         (self.role == "client" and code != 0))
         if self.status is None:
             return True
         return self.status >= 500 or (self.role == "client" and self.status >= 400)

@@ -127,7 +127,11 @@ def span_name(rec: RequestRecord) -> str:
     if rec.llm_request is not None:
         model = rec.llm_request.model or (rec.llm_response.model if rec.llm_response else None)
         return f"{rec.llm_request.operation} {model}" if model else rec.llm_request.operation
-    return f"{rec.method} {rec.target.split('?', 1)[0]}" if rec.method else "HTTP"
+    if rec.rpc is not None and rec.rpc.is_grpc:
+        svc, meth = rec.rpc.service_method
+        if svc and meth:
+            return f"{svc}/{meth}"  # the OpenTelemetry RPC span name
+    return f"{rec.method} {rec.target.split('?', 1)[0]}".rstrip() if rec.method else "HTTP"
 
 
 def span_attributes(rec: RequestRecord) -> dict[str, Any]:
@@ -142,7 +146,7 @@ def span_attributes(rec: RequestRecord) -> dict[str, Any]:
         a["gen_ai.request.top_p"] = q.top_p
         a["gen_ai.request.choice.count"] = q.n
         a["tokentrace.request.stream"] = q.stream
-        a["tokentrace.api"] = "openai"
+        a["tokentrace.api"] = getattr(q, "api", "openai")
         if q.prompt is not None:
             a["tokentrace.prompt.text"] = q.prompt
     if r is not None:
@@ -166,6 +170,8 @@ def span_attributes(rec: RequestRecord) -> dict[str, Any]:
             a["tokentrace.error.message"] = r.error_message
         if r.text is not None:
             a["tokentrace.completion.text"] = r.text
+    if rec.rpc is not None:
+        a.update(rpc_attributes(rec))
     a["http.request.method"] = rec.method or None
     a["url.path"] = rec.target.split("?", 1)[0] or None
     a["http.response.status_code"] = rec.status
@@ -204,6 +210,40 @@ def span_attributes(rec: RequestRecord) -> dict[str, Any]:
     for k, v in rec.gpu.items():
         a[f"tokentrace.{k}"] = v
     return {k: v for k, v in a.items() if v is not None}
+
+
+def rpc_attributes(rec: RequestRecord) -> dict[str, Any]:
+    """OpenTelemetry RPC attributes (and ``tokentrace.*`` extras) of an HTTP/2 stream."""
+    call = rec.rpc
+    assert call is not None
+    a: dict[str, Any] = {"tokentrace.http2.stream_id": call.stream_id}
+    if call.unknown_header_fields:
+        a["tokentrace.http2.unknown_header_fields"] = call.unknown_header_fields
+    if not call.is_grpc:
+        return a
+    svc, meth = call.service_method
+    a["rpc.system"] = "grpc"
+    a["rpc.service"] = svc
+    a["rpc.method"] = meth
+    a["rpc.grpc.status_code"] = call.grpc_status
+    if call.grpc_status:
+        a["tokentrace.grpc.status_message"] = call.grpc_message
+    a["tokentrace.grpc.request_messages"] = call.request_messages
+    a["tokentrace.grpc.response_messages"] = call.response_messages
+    if call.content_type_unknown:
+        a["tokentrace.grpc.content_type_unknown"] = True  # gRPC by its decoded :path
+    if call.trailers_only:
+        a["tokentrace.grpc.trailers_only"] = True
+    if call.reset_code is not None:
+        a["tokentrace.http2.reset_code"] = call.reset_code
+    q = rec.llm_request
+    for name in ("model_version", "request_id"):
+        a[f"tokentrace.kserve.{name}"] = getattr(q, name, None)
+    if getattr(q, "inputs", None):
+        a["tokentrace.kserve.inputs"] = list(q.inputs)  # type: ignore[union-attr]
+    if getattr(q, "requests", 0) > 1:
+        a["tokentrace.kserve.requests"] = q.requests  # type: ignore[union-attr]
+    return a
 
 
 class SpanBuilder:
@@ -248,6 +288,8 @@ class SpanBuilder:
                            attributes={"tokentrace.time_to_first_token": rec.ttft_ns * NS})
         if rec.failed:
             desc = rec.error or (r.error_message if r and r.error_message else None)
+            if rec.rpc is not None and rec.rpc.grpc_status is not None:
+                desc = desc or rec.rpc.grpc_message or f"gRPC {rec.rpc.grpc_status}"
             span.set_status(Status(StatusCode.ERROR, desc or f"HTTP {rec.status}"))
         child_ctx = otel_trace.set_span_in_context(span)
         for i, child in enumerate(rec.children):

@@ -1,0 +1,351 @@
+"""gRPC over HTTP/2 for an observer, sans-I/O: frame events in, calls and messages out.
+
+``GrpcConnection`` feeds an ``http2.H2Observer`` and follows every stream as a call:
+the request headers (``:path`` = ``/package.Service/Method``), the length-prefixed
+messages in each direction (1 byte compressed flag, 4 bytes big-endian length, then
+the message, split across DATA frames at any byte), the response headers and the
+``grpc-status``/``grpc-message`` trailers (or a trailers-only response: one HEADERS
+block with END_STREAM). Unary, client-, server-streaming and bidi calls are the same
+thing here: messages in each direction, each stamped with the time its last byte was
+seen.
+
+A stream that is not gRPC (other content type, or plain HTTP/2) is still a call, with
+its headers and byte counts and no messages. A stream whose start was never seen (the
+observer attached late) is counted, not reported: its method would be a guess.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from collections import Counter
+from dataclasses import dataclass, field
+from urllib.parse import unquote
+
+from protocols import http2
+
+GRPC_PATH = re.compile(r"/[A-Za-z_][\w]*(?:\.[A-Za-z_][\w]*)+/[A-Za-z_][\w]*")
+MAX_MESSAGE = 8 * 1024 * 1024  # bytes kept per message (longer ones: length only)
+
+# gRPC status codes (grpc/doc/statuscodes.md)
+STATUS_NAMES = ("OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED",
+                "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED",
+                "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED",
+                "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED")
+# codes that mean the server failed (OpenTelemetry RPC conventions, server spans)
+SERVER_ERROR_CODES = frozenset({2, 4, 12, 13, 14, 15})
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One length-prefixed gRPC message. ``data`` is None when it was longer than
+    ``MAX_MESSAGE`` (``length`` still says how long). ``ts`` is when its last byte was
+    seen, ``first_ts`` its first."""
+
+    from_client: bool
+    first_ts: int
+    ts: int
+    compressed: bool
+    length: int
+    data: bytes | None
+
+
+@dataclass
+class Call:
+    """One HTTP/2 stream seen from its request headers: a gRPC call when
+    ``is_grpc``. Header values are decoded ones only (see ``unknown_header_fields``)."""
+
+    stream_id: int
+    start_ns: int
+    request_headers: dict[str, str]
+    unknown_header_fields: int = 0
+    request_end_ns: int | None = None
+    response_start_ns: int | None = None
+    end_ns: int | None = None
+    response_headers: dict[str, str] = field(default_factory=dict)
+    trailers: dict[str, str] = field(default_factory=dict)
+    trailers_only: bool = False
+    http_status: int | None = None
+    grpc_status: int | None = None
+    grpc_message: str | None = None
+    reset_code: int | None = None  # RST_STREAM error code, if the stream was reset
+    reset_by_client: bool | None = None
+    request_messages: int = 0
+    response_messages: int = 0
+    compressed_messages: int = 0
+    request_bytes: int = 0  # DATA payload bytes
+    response_bytes: int = 0
+    request_incomplete: bool = False  # bytes of this call were lost
+    response_incomplete: bool = False
+    error: str | None = None
+
+    @property
+    def path(self) -> str | None:
+        return self.request_headers.get(":path")
+
+    @property
+    def is_grpc(self) -> bool:
+        """``content-type: application/grpc...``; or, when the content type could not
+        be decoded (a late attach), a decoded ``:path`` of the gRPC form
+        ``/package.Service/Method`` (see ``content_type_unknown``)."""
+        ct = self.request_headers.get("content-type")
+        if ct is not None:
+            return ct.startswith("application/grpc")
+        return self.content_type_unknown and bool(GRPC_PATH.fullmatch(self.path or ""))
+
+    @property
+    def content_type_unknown(self) -> bool:
+        return "content-type" not in self.request_headers and self.unknown_header_fields > 0
+
+    @property
+    def service_method(self) -> tuple[str | None, str | None]:
+        """(``package.Service``, ``Method``) from ``:path``, or (None, None)."""
+        p = self.path
+        if not p or not p.startswith("/") or p.count("/") != 2:
+            return None, None
+        svc, meth = unquote(p[1:]).split("/")
+        return (svc or None), (meth or None)
+
+
+@dataclass(frozen=True, slots=True)
+class CallStarted:
+    call: Call
+
+
+@dataclass(frozen=True, slots=True)
+class CallMessage:
+    call: Call
+    message: Message
+
+
+@dataclass(frozen=True, slots=True)
+class CallResponseHeaders:
+    call: Call
+
+
+@dataclass(frozen=True, slots=True)
+class CallEnded:
+    """The call is over (trailers, reset, or the connection went away)."""
+
+    call: Call
+
+
+CallEvent = CallStarted | CallMessage | CallResponseHeaders | CallEnded
+
+
+class MessageReader:
+    """Splits one direction of one stream into length-prefixed messages."""
+
+    def __init__(self, from_client: bool) -> None:
+        self.from_client = from_client
+        self.buf = bytearray()
+        self.need = 5  # bytes wanted for the current prefix or message
+        self.prefix: tuple[bool, int] | None = None
+        self.first_ts = 0
+        self.dropping = 0  # bytes of an oversized message still to skip
+        self.broken = False  # bytes were lost: message boundaries unknown
+
+    def feed(self, data: bytes, ts: int) -> list[Message]:
+        out: list[Message] = []
+        if self.broken:
+            return out
+        pos = 0
+        while pos < len(data):
+            if self.prefix is None:
+                if not self.buf:
+                    self.first_ts = ts
+                take = min(5 - len(self.buf), len(data) - pos)
+                self.buf += data[pos:pos + take]
+                pos += take
+                if len(self.buf) < 5:
+                    break
+                flag, length = struct.unpack(">BI", self.buf)
+                self.buf.clear()
+                self.prefix = (bool(flag & 1), length)
+                self.dropping = length if length > MAX_MESSAGE else 0
+            compressed, length = self.prefix
+            if self.dropping:
+                n = min(self.dropping, len(data) - pos)
+                self.dropping -= n
+                pos += n
+                if self.dropping:
+                    break
+                out.append(Message(self.from_client, self.first_ts, ts, compressed, length, None))
+                self.prefix = None
+                continue
+            take = min(length - len(self.buf), len(data) - pos)
+            self.buf += data[pos:pos + take]
+            pos += take
+            if len(self.buf) == length:
+                out.append(Message(self.from_client, self.first_ts, ts, compressed, length,
+                                   bytes(self.buf)))
+                self.buf.clear()
+                self.prefix = None
+        return out
+
+    @property
+    def partial(self) -> bool:
+        """A message was started and not finished."""
+        return bool(self.buf) or self.prefix is not None
+
+
+class _Stream:
+    def __init__(self, call: Call) -> None:
+        self.call = call
+        self.readers = {True: MessageReader(True), False: MessageReader(False)}
+        self.response_head_seen = False
+
+
+class GrpcConnection:
+    """Calls on one HTTP/2 connection, from both directions' bytes."""
+
+    def __init__(self, synced: bool = True, stats: Counter[str] | None = None) -> None:
+        self.stats: Counter[str] = stats if stats is not None else Counter()
+        self.h2 = http2.H2Observer(synced, self.stats)
+        self.streams: dict[int, _Stream] = {}
+
+    def receive(self, data: bytes, ts: int, from_client: bool) -> list[CallEvent]:
+        return self._events(self.h2.receive(data, ts, from_client))
+
+    def lost(self, nbytes: int, ts: int, from_client: bool) -> list[CallEvent]:
+        return self._events(self.h2.lost(nbytes, ts, from_client))
+
+    def close(self, ts: int, reason: str = "connection closed before the call ended"
+              ) -> list[CallEvent]:
+        """The connection is gone: every open call ends, incomplete."""
+        out: list[CallEvent] = []
+        for sid in list(self.streams):
+            out.append(self._end(sid, ts, reason))
+        return out
+
+    # ---- frame events -> call events ------------------------------------------------
+
+    def _events(self, events: list[http2.Event]) -> list[CallEvent]:
+        out: list[CallEvent] = []
+        for e in events:
+            if isinstance(e, http2.Headers):
+                self._headers(e, out)
+            elif isinstance(e, http2.Data):
+                self._data(e, out)
+            elif isinstance(e, http2.StreamReset):
+                st = self.streams.get(e.stream_id)
+                if st is not None:
+                    st.call.reset_code = e.error_code
+                    st.call.reset_by_client = e.from_client
+                    out.append(self._end(e.stream_id, e.ts,
+                                         f"stream reset by the {'client' if e.from_client else 'server'}"
+                                         f" (HTTP/2 error {e.error_code})"))
+            elif isinstance(e, http2.GoAway):
+                for sid in [s for s in self.streams if s > e.last_stream_id]:
+                    out.append(self._end(sid, e.ts, "refused by GOAWAY"))
+            elif isinstance(e, http2.Lost):
+                self._lost(e)
+            elif isinstance(e, http2.ProtocolError):
+                self.stats["http2_protocol_errors"] += 1
+        return out
+
+    def _headers(self, e: http2.Headers, out: list[CallEvent]) -> None:
+        st = self.streams.get(e.stream_id)
+        hdrs: dict[str, str] = {}
+        for name, value in e.headers:
+            hdrs.setdefault(name, value)
+        if e.from_client:
+            if st is None:
+                if e.stream_id % 2 == 0:
+                    self.stats["http2_client_even_streams"] += 1
+                    return
+                call = Call(e.stream_id, e.ts, hdrs, e.unknown_fields)
+                self.streams[e.stream_id] = _Stream(call)
+                self.stats["http2_streams"] += 1
+                out.append(CallStarted(call))
+                if e.end_stream:
+                    call.request_end_ns = e.ts
+                return
+            # request trailers (rare in gRPC)
+            st.call.unknown_header_fields += e.unknown_fields
+            if e.end_stream:
+                st.call.request_end_ns = e.ts
+            return
+        if st is None:
+            self.stats["http2_streams_unseen_start"] += 1
+            return
+        call = st.call
+        call.unknown_header_fields += e.unknown_fields
+        if not st.response_head_seen:
+            st.response_head_seen = True
+            call.response_start_ns = e.ts
+            call.response_headers = hdrs
+            status = hdrs.get(":status")
+            call.http_status = int(status) if status and status.isdigit() else None
+            if e.end_stream:
+                call.trailers_only = True
+                call.trailers = hdrs
+            out.append(CallResponseHeaders(call))
+        elif e.end_stream or not hdrs.get(":status", "").startswith("1"):
+            call.trailers = hdrs
+        if e.end_stream:
+            out.append(self._end(e.stream_id, e.ts, None))
+
+    def _data(self, e: http2.Data, out: list[CallEvent]) -> None:
+        st = self.streams.get(e.stream_id)
+        if st is None:
+            self.stats["http2_data_unseen_stream"] += len(e.data)
+            return
+        call = st.call
+        if e.from_client:
+            call.request_bytes += len(e.data)
+        else:
+            call.response_bytes += len(e.data)
+        if call.is_grpc:
+            for m in st.readers[e.from_client].feed(e.data, e.ts):
+                if m.from_client:
+                    call.request_messages += 1
+                else:
+                    call.response_messages += 1
+                call.compressed_messages += m.compressed
+                out.append(CallMessage(call, m))
+        if e.end_stream:
+            if e.from_client:
+                call.request_end_ns = e.ts
+                if st.readers[True].partial:
+                    call.request_incomplete = True
+            else:
+                out.append(self._end(e.stream_id, e.ts, None))
+
+    def _lost(self, e: http2.Lost) -> None:
+        targets = ([e.stream_id] if e.stream_id is not None else list(self.streams))
+        for sid in targets:
+            st = self.streams.get(sid)
+            if st is None:
+                continue
+            st.readers[e.from_client].broken = True
+            if e.from_client:
+                st.call.request_incomplete = True
+            else:
+                st.call.response_incomplete = True
+
+    def _end(self, sid: int, ts: int, error: str | None) -> CallEnded:
+        st = self.streams.pop(sid)
+        call = st.call
+        call.end_ns = ts
+        if st.readers[False].partial:
+            call.response_incomplete = True
+        t = call.trailers
+        gs = t.get("grpc-status")
+        if gs is not None and gs.strip().isdigit():
+            call.grpc_status = int(gs)
+        if "grpc-message" in t:
+            call.grpc_message = unquote(t["grpc-message"])
+        if error is not None:
+            call.error = error
+            if call.response_start_ns is None or call.grpc_status is None:
+                call.response_incomplete = True
+        elif call.is_grpc and call.grpc_status is None and call.unknown_header_fields == 0:
+            call.error = "the response ended without grpc-status"
+        return CallEnded(call)
+
+
+def status_name(code: int | None) -> str | None:
+    if code is None:
+        return None
+    return STATUS_NAMES[code] if 0 <= code < len(STATUS_NAMES) else str(code)

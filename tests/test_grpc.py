@@ -1,0 +1,298 @@
+"""gRPC calls on HTTP/2 bytes: messages across frames, trailers, trailers-only, streams,
+resets; the KServe v2 layer; and calls through the tracker into spans."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import struct
+
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+from protocols import grpc, kserve
+from protocols.proto import messages
+from tests.h2wire import Wire, grpc_message
+from tracer.correlate.connections import ConnectionTracker
+from tracer.events import schema, wire
+from tracer.export.context import ExportContext
+from tracer.export.jsonl import JsonlSpanExporter
+from tracer.export.spans import SpanBuilder
+
+C = wire.CONSTANTS
+M = messages()
+INFER = "/inference.GRPCInferenceService/ModelInfer"
+STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
+
+
+def run(chunks, synced=True):
+    conn = grpc.GrpcConnection(synced)
+    events = []
+    for i, (fc, data) in enumerate(chunks):
+        events += conn.receive(data, (i + 1) * 1000, fc)
+    return conn, events
+
+
+def ended(events):
+    return [e.call for e in events if isinstance(e, grpc.CallEnded)]
+
+
+def test_message_reader_splits_messages_at_any_byte():
+    msgs = [grpc_message(bytes([i]) * i, compressed=i % 3 == 0) for i in range(40)]
+    wire_ = b"".join(msgs)
+    rng = random.Random(1)
+    for _ in range(20):
+        r = grpc.MessageReader(False)
+        out = []
+        pos = 0
+        while pos < len(wire_):
+            n = rng.randint(1, 17)
+            out += r.feed(wire_[pos:pos + n], pos)
+            pos += n
+        assert [(m.compressed, m.data) for m in out] == [(i % 3 == 0, bytes([i]) * i)
+                                                         for i in range(40)]
+        assert not r.partial
+        assert all(m.first_ts <= m.ts for m in out)
+
+
+def test_oversized_message_keeps_its_length_not_its_bytes(monkeypatch):
+    monkeypatch.setattr(grpc, "MAX_MESSAGE", 100)
+    r = grpc.MessageReader(True)
+    out = r.feed(grpc_message(b"x" * 500) + grpc_message(b"ok"), 1)
+    assert [(m.length, m.data) for m in out] == [(500, None), (2, b"ok")]
+
+
+def test_unary_call_with_trailers():
+    w = Wire()
+    sid = w.request("/pkg.Echo/Say", body=grpc_message(b"hi"))
+    w.respond(sid, [grpc_message(b"hello")], status=0)
+    _, ev = run(w.chunks)
+    (call,) = ended(ev)
+    assert call.service_method == ("pkg.Echo", "Say") and call.is_grpc
+    assert (call.grpc_status, call.request_messages, call.response_messages) == (0, 1, 1)
+    assert call.error is None and not call.response_incomplete
+    msgs = [e.message for e in ev if isinstance(e, grpc.CallMessage)]
+    assert [(m.from_client, m.data) for m in msgs] == [(True, b"hi"), (False, b"hello")]
+
+
+def test_trailers_only_error_response():
+    w = Wire()
+    sid = w.request("/pkg.Echo/Say", body=grpc_message(b"hi"))
+    w.respond(sid, trailers_only=True, status=5, message="no such thing: caf%C3%A9")
+    _, ev = run(w.chunks)
+    (call,) = ended(ev)
+    assert call.trailers_only and call.grpc_status == 5
+    assert call.grpc_message == "no such thing: café"
+    assert grpc.status_name(call.grpc_status) == "NOT_FOUND"
+
+
+def test_server_streaming_and_bidi_message_times():
+    w = Wire()
+    sid = w.request("/pkg.Chat/Talk", body=grpc_message(b"q1"), end=False)
+    w.server.send_headers(sid, [(b":status", b"200"), (b"content-type", b"application/grpc")])
+    for k in range(5):
+        w.server.send_data(sid, grpc_message(f"a{k}".encode()))
+        w.pump()
+        w.client.send_data(sid, grpc_message(f"q{k + 2}".encode()), end_stream=k == 4)
+        w.pump()
+    w.server.send_headers(sid, [(b"grpc-status", b"0")], end_stream=True)
+    w.pump()
+    _, ev = run(w.chunks)
+    msgs = [e.message for e in ev if isinstance(e, grpc.CallMessage)]
+    assert [m.data for m in msgs if not m.from_client] == [f"a{k}".encode() for k in range(5)]
+    assert [m.data for m in msgs if m.from_client] == [f"q{k}".encode() for k in range(1, 7)]
+    ts = [m.ts for m in msgs]
+    assert ts == sorted(ts) and len(set(ts)) > 5  # each stamped when its bytes came
+    (call,) = ended(ev)
+    assert (call.request_messages, call.response_messages) == (6, 5)
+
+
+def test_reset_stream_ends_the_call_with_an_error():
+    w = Wire()
+    sid = w.request("/pkg.Chat/Talk", body=grpc_message(b"q"), end=False)
+    w.client.reset_stream(sid, error_code=8)  # CANCEL
+    w.pump()
+    _, ev = run(w.chunks)
+    (call,) = ended(ev)
+    assert call.reset_code == 8 and call.reset_by_client and "reset" in call.error
+
+
+def test_close_ends_open_calls_incomplete():
+    w = Wire()
+    w.request("/pkg.Chat/Talk", body=grpc_message(b"q"))
+    conn, ev = run(w.chunks)
+    assert not ended(ev)
+    (end,) = conn.close(99)
+    assert end.call.response_incomplete and "closed" in end.call.error
+
+
+# ---- KServe v2 ---------------------------------------------------------------------------
+
+
+def bytes_tensor(*vals):
+    return b"".join(struct.pack("<I", len(v)) + v for v in vals)
+
+
+def infer_request(model="tiny-gpt", rid="req-1", prompt=b"hello there", max_tokens=4,
+                  counts=False):
+    r = M.ModelInferRequest(model_name=model, model_version="1", id=rid)
+    r.inputs.add(name="text_input", datatype="BYTES", shape=[1])
+    r.inputs.add(name="max_tokens", datatype="INT32", shape=[1])
+    r.raw_input_contents.extend([bytes_tensor(prompt), struct.pack("<i", max_tokens)])
+    if counts:
+        r.outputs.add(name="num_output_tokens")
+    return r.SerializeToString()
+
+
+def infer_response(text=b"", rid="req-1", out_tokens=None, final=None):
+    r = M.ModelInferResponse(model_name="tiny-gpt", model_version="1", id=rid)
+    if text:
+        r.outputs.add(name="text_output", datatype="BYTES", shape=[1])
+        r.raw_output_contents.append(bytes_tensor(text))
+    if out_tokens is not None:
+        r.outputs.add(name="num_output_tokens", datatype="UINT32", shape=[1])
+        r.raw_output_contents.append(struct.pack("<I", out_tokens))
+    if final is not None:
+        r.parameters["triton_final_response"].bool_param = final
+    return r
+
+
+def test_kserve_unary_request_and_response():
+    f = kserve.KServeFollower("ModelInfer")
+    f.request_message(10, infer_request(max_tokens=7), False)
+    f.response_message(50, infer_response(b" a b c", out_tokens=7).SerializeToString(), False)
+    q, r = f.end(60)
+    assert (q.model, q.model_version, q.request_id, q.max_tokens) == ("tiny-gpt", "1", "req-1", 7)
+    assert q.inputs == ["text_input:BYTES[1]", "max_tokens:INT32[1]"]
+    assert q.operation == "text_completion" and not q.stream
+    assert (r.output_tokens, r.usage_source, r.first_token_ts) == (7, "num_output_tokens", 50)
+
+
+def test_kserve_stream_counts_responses_that_carry_output():
+    f = kserve.KServeFollower("ModelStreamInfer")
+    f.request_message(10, infer_request(), False)
+    for k in range(3):
+        sm = M.ModelStreamInferResponse(infer_response=infer_response(b" t%d" % k))
+        f.response_message(100 + k, sm.SerializeToString(), False)
+    empty_final = M.ModelStreamInferResponse(infer_response=infer_response(final=True))
+    f.response_message(200, empty_final.SerializeToString(), False)
+    q, r = f.end(201)
+    assert q.stream and r.streamed
+    assert (r.output_tokens, r.usage_source, r.chunks) == (3, "stream_chunks", 4)
+    assert r.first_token_ts == 100 and r.token_ts == [100, 101, 102] and r.done_marker
+
+
+def test_kserve_stream_error_message_and_garbage():
+    f = kserve.KServeFollower("ModelStreamInfer")
+    f.request_message(1, b"\xff\xff\xff", False)
+    f.response_message(2, M.ModelStreamInferResponse(error_message="boom").SerializeToString(),
+                       False)
+    f.response_message(3, b"\x0a\xff", False)
+    q, r = f.end(4)
+    assert not q.parsed and q.error
+    assert (r.error_type, r.error_message, r.parse_errors) == ("stream_error", "boom", 1)
+    assert r.first_token_ts is None and r.output_tokens is None
+
+
+# ---- through the tracker, into spans ------------------------------------------------------
+
+
+def track(chunks, existing=False):
+    """Feed (from_client, bytes) chunks as a server's socket events; records and spans."""
+    records = []
+    out = io.StringIO()
+    spans = SpanBuilder(ExportContext(), [SimpleSpanProcessor(JsonlSpanExporter(out))])
+    t = ConnectionTracker(lambda r: (records.append(r), spans.on_record(r)))
+    pid, fd, cid = 100, 7, 5000
+    if existing:
+        t.socket_info(schema.SocketInfo(pid, fd, cid, 1, 2, "127.0.0.1", 8001, "127.0.0.1",
+                                        5555, existing=True))
+    else:
+        t.conn_event(schema.ConnEvent(pid, pid, fd, 1, cid, C["CONN_ACCEPT"], 0, 0, 3, 2,
+                                      "127.0.0.1", 5555))
+    pos = {True: 0, False: 0}
+    for i, (fc, data) in enumerate(chunks):
+        ts = (i + 1) * 1000
+        t.data_event(schema.DataEvent(pid, pid, fd, cid, ts - 10, ts, len(data), 0,
+                                      C["SYS_READ"], C["DIR_IN"] if fc else C["DIR_OUT"],
+                                      C["FLAG_LAST"], data, stream_off=pos[fc]))
+        pos[fc] += len(data)
+    spans.close()
+    return t, records, [json.loads(x) for x in out.getvalue().splitlines()]
+
+
+def kserve_conversation():
+    w = Wire()
+    a = w.request(INFER, body=grpc_message(infer_request(rid="u1", counts=True)))
+    w.respond(a, [grpc_message(infer_response(b" x y", rid="u1", out_tokens=2)
+                               .SerializeToString())])
+    b = w.request(STREAM, body=grpc_message(infer_request(rid="s1")))
+    w.respond(b, [grpc_message(M.ModelStreamInferResponse(
+        infer_response=infer_response(b" t%d" % k, rid="s1", final=k == 4)).SerializeToString())
+        for k in range(5)])
+    c = w.request(INFER, body=grpc_message(infer_request(model="nope", rid="u2")))
+    w.respond(c, trailers_only=True, status=5, message="unknown model")
+    d = w.request("/pkg.Other/Thing", body=grpc_message(b"generic"))
+    w.respond(d, [grpc_message(b"ok")], status=13, message="internal")
+    return w
+
+
+def test_kserve_calls_become_spans_with_rpc_and_genai_attributes():
+    t, records, spans = track(kserve_conversation().chunks)
+    assert len(records) == len(spans) == 4
+    by_id = {s["attributes"].get("tokentrace.kserve.request_id"): s for s in spans}
+    u1 = by_id["u1"]["attributes"]
+    assert by_id["u1"]["name"] == "text_completion tiny-gpt"
+    assert (u1["rpc.system"], u1["rpc.service"], u1["rpc.method"], u1["rpc.grpc.status_code"]) \
+        == ("grpc", "inference.GRPCInferenceService", "ModelInfer", 0)
+    assert u1["gen_ai.request.model"] == "tiny-gpt" and u1["gen_ai.usage.output_tokens"] == 2
+    assert u1["tokentrace.api"] == "kserve-v2" and u1["network.protocol.version"] == "2"
+    s1 = by_id["s1"]["attributes"]
+    assert s1["rpc.method"] == "ModelStreamInfer" and s1["gen_ai.usage.output_tokens"] == 5
+    assert s1["tokentrace.response.chunks"] == 5 and s1["tokentrace.request.stream"] is True
+    assert s1["tokentrace.time_to_first_token"] > 0
+    u2 = by_id["u2"]
+    assert u2["attributes"]["rpc.grpc.status_code"] == 5 and u2["status"] != "ERROR"  # NOT_FOUND: client's fault
+    (other,) = [s for s in spans if s["attributes"]["rpc.service"] == "pkg.Other"]
+    assert other["name"] == "pkg.Other/Thing" and other["status"] == "ERROR"
+    assert other["attributes"]["rpc.grpc.status_code"] == 13
+    assert "gen_ai.request.model" not in other["attributes"]
+    assert t.stats["connections_http2"] == 1 and t.stats["requests"] == 4
+
+
+def test_ttft_is_request_start_to_first_output_message():
+    _, records, _ = track(kserve_conversation().chunks)
+    rec = next(r for r in records if r.rpc.service_method[1] == "ModelStreamInfer")
+    assert rec.llm_response.first_token_ts is not None
+    assert rec.ttft_ns == rec.llm_response.first_token_ts - rec.start_ns > 0
+    assert rec.start_ns <= rec.ttft_ns + rec.start_ns <= rec.end_ns
+
+
+def test_server_settings_sent_before_the_client_preface():
+    w = kserve_conversation()
+    chunks = list(w.chunks)
+    # reorder: the server's first SETTINGS reaches the socket before the client's preface
+    first_server = next(i for i, (fc, _) in enumerate(chunks) if not fc)
+    chunks.insert(0, chunks.pop(first_server))
+    _, records, _ = track(chunks)
+    assert len(records) == 4
+
+
+def test_existing_connection_found_at_attach_is_traced_from_its_next_request():
+    w = kserve_conversation()
+    before = len(w.chunks)
+    e = w.request(STREAM, body=grpc_message(infer_request(rid="late")))
+    w.respond(e, [grpc_message(M.ModelStreamInferResponse(
+        infer_response=infer_response(b" z", rid="late")).SerializeToString())])
+    t, records, spans = track(w.chunks[before:], existing=True)
+    (rec,) = records
+    assert rec.role == "server"
+    # the repeated :path and content-type were inserted into the table before the
+    # attach: not decodable, so the call is not named (never guessed) but counted
+    assert rec.rpc.unknown_header_fields > 0
+    assert t.stats["http2_header_blocks_undecodable"] >= 1
+    assert rec.target == "" and rec.llm_request is None and rec.rpc.grpc_status is None
+    (span,) = spans
+    assert span["name"] == "POST" and "rpc.method" not in span["attributes"]
+    assert span["attributes"]["tokentrace.http2.unknown_header_fields"] == 6
+    assert span["status"] != "ERROR"  # unknown status is not reported as a failure

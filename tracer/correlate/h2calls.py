@@ -1,0 +1,113 @@
+"""HTTP/2 connections to records: one ``RequestRecord`` per stream (gRPC call).
+
+``H2Calls`` is what ``ConnectionTracker`` keeps for a connection it chose HTTP/2 for.
+It runs ``protocols.grpc.GrpcConnection`` over the bytes, starts a record at each
+call's request headers, hands KServe v2 inference calls' messages to
+``protocols.kserve.KServeFollower`` (the LLM layer), and returns each record when its
+call ends. Any other gRPC service is traced generically (service, method, status,
+message counts); a stream that is not gRPC is an HTTP/2 request record.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from protocols import grpc, kserve
+from tracer.correlate.records import SAFE_HEADERS, RequestRecord, tenant_of
+
+if TYPE_CHECKING:
+    from tracer.correlate.connections import Connection, TrackerOptions
+
+SAFE_GRPC_HEADERS = SAFE_HEADERS | {"grpc-timeout", "grpc-encoding", "grpc-accept-encoding",
+                                    "te", ":authority", ":scheme"}
+
+
+class H2Calls:
+    """Calls of one HTTP/2 connection in, finished records out."""
+
+    def __init__(self, conn: "Connection", options: "TrackerOptions", synced: bool,
+                 stats: Counter[str]) -> None:
+        self.conn = conn
+        self.options = options
+        self.grpc = grpc.GrpcConnection(synced, stats)
+        self.records: dict[int, RequestRecord] = {}
+        self.followers: dict[int, kserve.KServeFollower] = {}
+
+    def receive(self, data: bytes, ts: int, from_client: bool, tid: int
+                ) -> list[RequestRecord]:
+        return self._calls(self.grpc.receive(data, ts, from_client), tid)
+
+    def lost(self, nbytes: int, ts: int, from_client: bool, tid: int) -> list[RequestRecord]:
+        return self._calls(self.grpc.lost(nbytes, ts, from_client), tid)
+
+    def close(self, ts: int, reason: str | None) -> list[RequestRecord]:
+        return self._calls(self.grpc.close(ts, reason or "connection closed before the call "
+                                                         "ended"), 0)
+
+    @property
+    def open_calls(self) -> int:
+        return len(self.records)
+
+    def _calls(self, events: list[grpc.CallEvent], tid: int) -> list[RequestRecord]:
+        done: list[RequestRecord] = []
+        for e in events:
+            call = e.call
+            sid = call.stream_id
+            if isinstance(e, grpc.CallStarted):
+                self.records[sid] = self._start(call)
+                svc, meth = call.service_method
+                if call.is_grpc and kserve.is_kserve(svc, meth) and meth is not None:
+                    self.followers[sid] = kserve.KServeFollower(meth, self.options.keep_content)
+            rec = self.records.get(sid)
+            if rec is None:
+                continue
+            if tid and tid not in rec.tids:
+                rec.tids.append(tid)
+            f = self.followers.get(sid)
+            if isinstance(e, grpc.CallMessage) and f is not None:
+                m = e.message
+                if m.from_client:
+                    f.request_message(m.ts, m.data, m.compressed, m.first_ts)
+                else:
+                    f.response_message(m.ts, m.data, m.compressed)
+            elif isinstance(e, grpc.CallResponseHeaders):
+                rec.response_start_ns = call.response_start_ns
+                rec.status = call.http_status
+            elif isinstance(e, grpc.CallEnded):
+                done.append(self._end(rec, call, f))
+                del self.records[sid]
+                self.followers.pop(sid, None)
+        return done
+
+    def _start(self, call: grpc.Call) -> RequestRecord:
+        c = self.conn
+        h = call.request_headers
+        return RequestRecord(
+            pid=c.pid, fd=c.fd, conn_id=c.conn_id, exchange=call.stream_id,
+            role=c.role or "server", protocol="grpc" if call.is_grpc else "http/2",
+            method=h.get(":method", ""), target=h.get(":path", ""), http_version="2",
+            start_ns=call.start_ns,
+            request_headers={k: v for k, v in h.items() if k in SAFE_GRPC_HEADERS},
+            tenant=tenant_of(h), family=c.family, local_addr=c.local_addr,
+            local_port=c.local_port, peer_addr=c.peer_addr, peer_port=c.peer_port, rpc=call,
+        )
+
+    def _end(self, rec: RequestRecord, call: grpc.Call, f: kserve.KServeFollower | None
+             ) -> RequestRecord:
+        assert call.end_ns is not None
+        rec.end_ns = call.end_ns
+        rec.request_end_ns = call.request_end_ns
+        rec.response_start_ns = call.response_start_ns
+        rec.status = call.http_status
+        rec.request_bytes = call.request_bytes
+        rec.response_bytes = call.response_bytes
+        rec.request_incomplete = call.request_incomplete
+        rec.response_incomplete = call.response_incomplete
+        rec.response_headers = {k: v for k, v in call.response_headers.items()
+                                if k in ("content-type", "grpc-encoding")}
+        rec.error = call.error
+        if f is not None:
+            rec.llm_request, rec.llm_response = f.end(call.end_ns)
+            rec.llm_start_ns = f.request_ts
+        return rec
