@@ -14,6 +14,7 @@ arch=$(dpkg --print-architecture)
 
 need=()
 dpkg -s python3-bpfcc >/dev/null 2>&1 || need+=(python3-bpfcc)
+dpkg -s python3-venv >/dev/null 2>&1 || need+=(python3-venv)  # the image recipe test
 if [ ! -d "/lib/modules/$kv/build/include" ]; then
   if apt-cache show "linux-headers-$kv" >/dev/null 2>&1; then
     need+=("linux-headers-$kv")

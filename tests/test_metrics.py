@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from collections import defaultdict
 from pathlib import Path
@@ -253,3 +254,38 @@ def test_otlp_metrics_of_a_replay_reach_a_real_endpoint(openai_capture: Path,
             assert sum(p.bucket_counts) == p.count
             assert p.bucket_counts[0] == sum(1 for v in m["ttft_ok"] if v <= TTFT_BUCKETS[0])
     assert sum(p.count for p in points["gen_ai.server.time_to_first_token"]) > 0
+
+
+@pytest.mark.bpf
+def test_prometheus_of_a_live_run_matches_its_spans(tmp_path: Path) -> None:
+    """`tokentrace run --prometheus` on the sample server: scraped while it runs, the
+    metrics count exactly the requests the client made and agree with the spans."""
+    from samples.launch import SampleServer
+    from tests.live import TimedClient, traced_cli
+
+    prom = free_port()
+    out = tmp_path / "spans.jsonl"
+    with SampleServer(port=free_port(), log=tmp_path / "server.log") as server:
+        client = TimedClient(server.base_url)
+        with traced_cli(["--port", str(server.port), "--prometheus", f"127.0.0.1:{prom}"],
+                        str(out)) as run:
+            made = [client.chat(stream=i % 2 == 0, max_tokens=2 + i) for i in range(6)]
+            deadline = time.monotonic() + 30
+            while True:  # the last response's record lands after its last byte
+                samples = scrape(prom)
+                done = sum(v for (n, _), v in samples.items()
+                           if n == "tokentrace_request_success_total")
+                if done >= len(made) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+    assert run.returncode == 0, run.stderr
+    spans = jsonl_spans(out)
+    assert check_prometheus(samples, spans) == len(made) == 6
+    lab = (("model_name", "tiny-gpt"),)
+    assert samples[("tokentrace_generation_tokens_total", lab)] == \
+        sum(m["output_tokens"] for m in made)
+    assert samples[("tokentrace_time_to_first_token_seconds_count", lab)] == 6
+
+
+def jsonl_spans(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
