@@ -86,6 +86,9 @@ class CaptureSession:
         not wake the poller one by one (see submit() in bpf/common.h), so this sleeps
         up to ``timeout_ms`` and then takes everything that arrived."""
         self.bpf.ring_buffer_poll(timeout_ms)
+        # Records sent without a wake-up do not make epoll report the ring ready, so
+        # ring_buffer_poll alone would leave them until a forced wake-up: take them now.
+        self.bpf.ring_buffer_consume()
         now = time.monotonic()
         if now >= self._next_rescan and (self.config.comms or self.config.ports):
             self._next_rescan = now + self.config.rescan_interval_s
