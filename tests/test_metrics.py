@@ -259,28 +259,18 @@ def test_otlp_metrics_of_a_replay_reach_a_real_endpoint(openai_capture: Path,
 @pytest.mark.bpf
 def test_prometheus_of_a_live_run_matches_its_spans(tmp_path: Path) -> None:
     """`tokentrace run --prometheus` on the sample server: scraped while it runs, the
-    metrics count exactly the requests the client made and agree with the spans.
-    (Not --sched-idle: on a busy 2-core machine an idle-priority tracer may be starved
-    for longer than the test waits.)"""
-    import signal
-
+    metrics count exactly the requests the client made and agree with the spans."""
     from samples.launch import SampleServer
-    from tests.live import TimedClient
+    from tests.live import TimedClient, traced_cli
 
     prom = free_port()
     out = tmp_path / "spans.jsonl"
     with SampleServer(port=free_port(), log=tmp_path / "server.log") as server:
         client = TimedClient(server.base_url)
-        proc = subprocess.Popen([sys.executable, "-m", "tracer", "run", "--port",
-                                 str(server.port), "--prometheus", f"127.0.0.1:{prom}",
-                                 "--jsonl", str(out), "--quiet"],
-                                stderr=subprocess.PIPE, text=True)
-        try:
-            assert proc.stderr is not None
-            first = proc.stderr.readline()
-            assert "attached" in first, first
+        with traced_cli(["--port", str(server.port), "--prometheus", f"127.0.0.1:{prom}"],
+                        str(out)) as run:
             made = [client.chat(stream=i % 2 == 0, max_tokens=2 + i) for i in range(6)]
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + 30
             while True:  # the last response's record lands after its last byte
                 samples = scrape(prom)
                 done = sum(v for (n, _), v in samples.items()
@@ -288,10 +278,7 @@ def test_prometheus_of_a_live_run_matches_its_spans(tmp_path: Path) -> None:
                 if done >= len(made) or time.monotonic() > deadline:
                     break
                 time.sleep(0.2)
-        finally:
-            proc.send_signal(signal.SIGINT)
-            _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
+    assert run.returncode == 0, run.stderr
     spans = jsonl_spans(out)
     assert check_prometheus(samples, spans) == len(made) == 6
     lab = (("model_name", "tiny-gpt"),)
