@@ -289,3 +289,21 @@ def test_prometheus_of_a_live_run_matches_its_spans(tmp_path: Path) -> None:
 
 def jsonl_spans(path: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_metric_flags_fail_clearly(openai_capture: Path) -> None:
+    def replay_with(*flags: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "tracer", "replay", str(openai_capture),
+                               "--quiet", *flags], capture_output=True, text=True, timeout=60)
+
+    r = replay_with("--otlp-metrics")
+    assert r.returncode != 0 and "--otlp-metrics needs --otlp" in r.stderr
+    r = replay_with("--prometheus", "not-a-port")
+    assert r.returncode == 2 and "PORT or ADDR:PORT" in r.stderr
+    sink = PrometheusSink(0, "127.0.0.1")  # the port is taken
+    try:
+        r = replay_with("--prometheus", f"127.0.0.1:{sink.port}")
+    finally:
+        sink.close()
+    assert r.returncode != 0 and "cannot serve metrics" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -236,7 +236,11 @@ def metric_sinks(args: argparse.Namespace, ctx: ExportContext) -> list[Any]:
     sinks: list[Any] = []
     if getattr(args, "prometheus", None):
         addr, port = args.prometheus
-        sinks.append(PrometheusSink(port, addr))
+        try:
+            sinks.append(PrometheusSink(port, addr))
+        except OSError as e:
+            raise SystemExit(f"tokentrace: error: cannot serve metrics on {addr}:{port}: "
+                             f"{e.strerror or e}") from None
     if getattr(args, "otlp_metrics", False):
         if not args.otlp:
             raise SystemExit("tokentrace: error: --otlp-metrics needs --otlp ENDPOINT")
