@@ -23,6 +23,8 @@ if [ ! -d "/lib/modules/$kv/build/include" ]; then
     dpkg -s "linux-headers-$arch" >/dev/null 2>&1 || need+=("linux-headers-$arch")
   fi
 fi
+# venv for Debian's python3: tests/test_deploy.py runs the image recipe with it
+dpkg -s python3-venv >/dev/null 2>&1 || need+=(python3-venv)
 if [ ${#need[@]} -gt 0 ]; then
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null

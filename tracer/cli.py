@@ -89,6 +89,9 @@ def _add_export_args(p: argparse.ArgumentParser) -> None:
                         "syncs and waits, NCCL ops and bytes, top kernels) and every "
                         "drop counter to FILE as JSON")
     g.add_argument("-q", "--quiet", action="store_true", help="no console table")
+    from tracer.export.metrics import add_metric_args
+
+    add_metric_args(g)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -189,6 +192,11 @@ def build_sinks(args: argparse.Namespace, ctx: ExportContext) -> tuple[list[Any]
         processors.append(otlp_processor(args.otlp, args.otlp_protocol))
     if processors:
         sinks.append(SpanBuilder(ctx, processors))
+    from tracer.export.identity import IdentityResolver
+    from tracer.export.metrics import metric_sinks
+
+    ctx.identity = IdentityResolver.from_env(live=getattr(args, "command", "") == "run")
+    sinks.extend(metric_sinks(args, ctx))
     return sinks, console
 
 
@@ -209,7 +217,7 @@ def _report(pipeline: Pipeline, console: Any) -> None:
             if v and (k.startswith("capture.lost") or k in (
                 "bytes_lost", "capture.truncated", "capture.iov_cut", "capture.inflight_full",
                 "capture.conns_full", "http_protocol_errors", "undecodable_records",
-                "in_flight_at_exit"))}
+                "in_flight_at_exit", "identity.k8s_errors"))}
     _say(f"{pipeline.records} requests exported; "
          + ("loss and truncation: " + ", ".join(f"{k}={v}" for k, v in lost.items())
             if lost else "no events lost"))

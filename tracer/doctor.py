@@ -60,7 +60,7 @@ def check_privileges() -> Check:
     return Check("privileges", False, f"euid {os.geteuid()} without CAP_BPF/CAP_PERFMON",
                  "run as root (sudo tokentrace ...), or grant CAP_BPF, CAP_PERFMON, "
                  "CAP_SYS_RESOURCE, CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH "
-                 "(see deploy/README.md for the least-privilege set)")
+                 "(docs/deploy.md explains the least-privilege set)")
 
 
 def check_bpf_syscall() -> Check:
@@ -91,13 +91,71 @@ def check_tracefs() -> Check:
 
     root = tracefs()
     if root is None:
-        return Check("tracefs", False, "no tracefs with events/ is mounted",
-                     "mount -t tracefs nodev /sys/kernel/tracing "
-                     "(in a container: mount the host's /sys/kernel/tracing)")
+        return Check("tracefs", False, "no tracefs with events/ is mounted at "
+                     "/sys/kernel/tracing or /sys/kernel/debug/tracing (syscall "
+                     "tracepoints are found there)",
+                     "mount -t tracefs nodev /sys/kernel/tracing (`make setup` does; add "
+                     "`tracefs /sys/kernel/tracing tracefs defaults 0 0` to /etc/fstab to "
+                     "keep it); in a container, mount the host's /sys/kernel/tracing "
+                     "(deploy/k8s/tokentrace.yaml does)")
     if not Path(root, "events", "syscalls", "sys_enter_read").is_dir():
         return Check("tracefs", False, f"{root} has no syscall tracepoints",
                      "the kernel needs CONFIG_FTRACE_SYSCALLS=y")
     return Check("tracefs", True, f"{root} with syscall tracepoints")
+
+
+def check_debugfs(mounts: str = "/proc/self/mounts") -> Check:
+    """debugfs: where tracefs lives on kernels older than 4.1 (and where some tools
+    look for it); optional when tracefs is mounted on its own."""
+    try:
+        types = {line.split()[2] for line in Path(mounts).read_text().splitlines()
+                 if len(line.split()) > 2}
+    except OSError:
+        types = set()
+    if "debugfs" in types:
+        return Check("debugfs", True, "mounted", required=False)
+    return Check("debugfs", False, "debugfs is not mounted (only needed where the kernel "
+                 "has tracefs under /sys/kernel/debug/tracing)",
+                 "mount -t debugfs nodev /sys/kernel/debug (`make setup` does); in a "
+                 "container, mount the host's /sys/kernel/debug", required=False)
+
+
+def check_lockdown(path: str = "/sys/kernel/security/lockdown") -> Check:
+    """Kernel lockdown in confidentiality mode forbids BPF reading kernel memory."""
+    try:
+        text = Path(path).read_text().strip()
+    except OSError:
+        return Check("lockdown", True, "no lockdown LSM", required=False)
+    mode = text.split("[", 1)[-1].split("]", 1)[0] if "[" in text else text
+    if mode == "confidentiality":
+        return Check("lockdown", False, "kernel lockdown is 'confidentiality': BPF may not "
+                     "read kernel or user memory",
+                     "boot with lockdown=integrity (or none); with Secure Boot, lockdown "
+                     "follows it: see mokutil --disable-validation")
+    return Check("lockdown", True, f"lockdown mode '{mode}' allows tracing", required=False)
+
+
+def check_memlock(release: str | None = None, limit: int | None = None,
+                  caps: int | None = None) -> Check:
+    """Kernels before 5.11 charge BPF maps to RLIMIT_MEMLOCK; BCC raises the limit only
+    with CAP_SYS_RESOURCE."""
+    import resource
+
+    release = release or platform.release()
+    nums = [int(x) for x in release.split("-")[0].split(".")[:2] if x.isdigit()]
+    if nums >= [5, 11]:
+        return Check("memlock", True, f"kernel {release} accounts BPF memory to cgroups, "
+                     "RLIMIT_MEMLOCK does not apply", required=False)
+    limit = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0] if limit is None else limit
+    caps = effective_caps() if caps is None else caps
+    CAP_SYS_RESOURCE = 24
+    if limit == resource.RLIM_INFINITY or caps & (1 << CAP_SYS_RESOURCE):
+        return Check("memlock", True, "RLIMIT_MEMLOCK is unlimited or can be raised",
+                     required=False)
+    return Check("memlock", False, f"kernel {release} charges BPF maps to RLIMIT_MEMLOCK "
+                 f"({limit} bytes) and CAP_SYS_RESOURCE is missing to raise it",
+                 "run as root, add CAP_SYS_RESOURCE, or raise the limit "
+                 "(ulimit -l unlimited; LimitMEMLOCK=infinity in a systemd unit)")
 
 
 def check_uprobes() -> Check:
@@ -157,8 +215,8 @@ def check_compile(previous: list[Check]) -> Check:
 
 
 CHECKS: list[Callable[[], Check]] = [
-    check_privileges, check_bpf_syscall, check_tracefs, check_uprobes,
-    check_kernel_headers, check_btf, check_bcc,
+    check_privileges, check_bpf_syscall, check_tracefs, check_debugfs, check_lockdown,
+    check_memlock, check_uprobes, check_kernel_headers, check_btf, check_bcc,
 ]
 
 

@@ -92,6 +92,7 @@ class Pipeline:
         out: dict[str, int] = {}
         for k, v in sorted(self.ctx.drops.items()):
             out[f"capture.{k}"] = v
-        for k, v in sorted((self.tracker.stats + self.stats).items()):
+        extra = getattr(self.ctx.identity, "stats", None) or {}
+        for k, v in sorted((self.tracker.stats + self.stats + Counter(extra)).items()):
             out[k] = v
         return out

@@ -19,3 +19,4 @@ class ExportContext:
     service_name: str | None = None  # overrides the process name as service.name
     extra_resource: dict[int, dict[str, Any]] = field(default_factory=dict)
     drops: dict[str, int] = field(default_factory=dict)
+    identity: Any = None  # an identity.IdentityResolver: container and pod of each pid

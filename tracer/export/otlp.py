@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from urllib.parse import urlparse
 
+from opentelemetry.sdk.metrics.export import MetricExporter
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
 
@@ -37,3 +38,26 @@ def otlp_exporter(endpoint: str, protocol: str | None = None) -> SpanExporter:
 
 def otlp_processor(endpoint: str, protocol: str | None = None) -> BatchSpanProcessor:
     return BatchSpanProcessor(otlp_exporter(endpoint, protocol), schedule_delay_millis=1000)
+
+
+def otlp_metric_exporter(endpoint: str, protocol: str | None = None) -> MetricExporter:
+    """An OTLP metric exporter for the same ``endpoint`` and protocol rules as
+    ``otlp_exporter`` (OTLP/HTTP posts to ``/v1/metrics``)."""
+    u = urlparse(endpoint if "://" in endpoint else f"grpc://{endpoint}")
+    if protocol is None:
+        protocol = "http" if u.scheme in ("http", "https") and (
+            u.port == 4318 or (u.path not in ("", "/"))) else "grpc"
+    if protocol == "http":
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
+            OTLPMetricExporter as HTTPMetricExporter,
+        )
+        base = endpoint if "://" in endpoint else f"http://{endpoint}"
+        p = urlparse(base)
+        return HTTPMetricExporter(endpoint=f"{p.scheme}://{p.netloc}/v1/metrics")
+    if protocol != "grpc":
+        raise ValueError(f"OTLP protocol must be grpc or http, not {protocol!r}")
+    from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
+        OTLPMetricExporter as GRPCMetricExporter,
+    )
+    return GRPCMetricExporter(endpoint=f"{u.hostname}:{u.port or 4317}",
+                              insecure=u.scheme != "https")

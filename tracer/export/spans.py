@@ -32,6 +32,7 @@ import tracer
 from tracer.correlate.records import RequestRecord
 from tracer.events.schema import ProcessInfo
 from tracer.export.context import ExportContext
+from tracer.export.identity import identity_attributes
 
 NS = 1e-9
 _PROPAGATOR = TraceContextTextMapPropagator()
@@ -109,12 +110,13 @@ def resource_for(ctx: ExportContext, pid: int) -> Resource:
             attrs["process.executable.name"] = info.exe.rsplit("/", 1)[-1]
         if info.cmdline:
             attrs["process.command_line"] = " ".join(info.cmdline)[:1024]
-        if info.container_id:
-            attrs["container.id"] = info.container_id
         if info.ppid:
             attrs["process.parent_pid"] = info.ppid
         name = name or service_name_for(info)
-    attrs["service.name"] = name or f"pid-{pid}"
+    ident = identity_attributes(ctx, pid, info)  # container.id, k8s.* (pod labels name it)
+    label_name = ident.pop("service.name", None)
+    attrs.update(ident)
+    attrs["service.name"] = ctx.service_name or label_name or name or f"pid-{pid}"
     attrs.update(ctx.extra_resource.get(pid, {}))
     return Resource.create(attrs)
 

@@ -1,0 +1,248 @@
+"""Request metrics: OpenTelemetry GenAI server histograms and a Prometheus endpoint.
+
+Both sinks read what the span of a request says (``spans.span_attributes``), so a
+metric never disagrees with the trace it summarises. Only LLM requests (an OpenAI
+request was parsed) are counted; health checks and model listings are not.
+
+OTLP (``OtlpMetricsSink``): the GenAI semantic conventions' server histograms, in
+seconds, with ``gen_ai.operation.name``, ``gen_ai.request.model`` and (on failure)
+``error.type``; one MeterProvider per traced process, with the span resource.
+
+Prometheus (``PrometheusSink``): the same histograms under vLLM's names with a
+``tokentrace_`` prefix, and counters; label ``model_name`` as in vLLM.
+
+========================================  ==========================================
+tokentrace                                vLLM
+========================================  ==========================================
+tokentrace_time_to_first_token_seconds    vllm:time_to_first_token_seconds
+tokentrace_time_per_output_token_seconds  vllm:time_per_output_token_seconds
+tokentrace_e2e_request_latency_seconds    vllm:e2e_request_latency_seconds
+tokentrace_request_success_total          vllm:request_success_total
+tokentrace_prompt_tokens_total            vllm:prompt_tokens_total
+tokentrace_generation_tokens_total        vllm:generation_tokens_total
+tokentrace_request_failure_total          (none: errors by error_type)
+tokentrace_gpu_kernel_launches_total      (none: span tokentrace.gpu.kernel_launches)
+tokentrace_gpu_time_seconds_total         (none: span tokentrace.gpu.time_ms / 1000)
+tokentrace_cost_usd_total                 (none: span tokentrace.cost.usd)
+========================================  ==========================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+from typing import Any
+
+from tracer.correlate.records import RequestRecord
+from tracer.export.context import ExportContext
+
+# The GenAI semantic conventions' advised bucket boundaries (seconds).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
+                    40.96, 81.92)
+
+
+class RequestFacts:
+    """What the metrics take from one request, read from its span attributes."""
+
+    __slots__ = ("model", "operation", "ttft", "tpot", "duration", "input_tokens",
+                 "output_tokens", "error_type", "finish_reason", "kernel_launches",
+                 "gpu_seconds", "cost_usd")
+
+    def __init__(self, rec: RequestRecord) -> None:
+        from tracer.export.spans import span_attributes
+
+        a = span_attributes(rec)
+        self.model: str = a.get("gen_ai.request.model") or a.get("gen_ai.response.model") or ""
+        self.operation: str = a.get("gen_ai.operation.name", "")
+        self.ttft: float | None = a.get("tokentrace.time_to_first_token")
+        self.tpot: float | None = a.get("tokentrace.time_per_output_token")
+        self.duration: float = max(rec.end_ns - rec.start_ns, 0) * 1e-9
+        self.input_tokens: int | None = a.get("gen_ai.usage.input_tokens")
+        self.output_tokens: int | None = a.get("gen_ai.usage.output_tokens")
+        self.error_type: str | None = a.get("error.type") if rec.failed else None
+        reasons = a.get("gen_ai.response.finish_reasons") or []
+        self.finish_reason: str = reasons[0] if reasons else "unknown"
+        self.kernel_launches: int | None = a.get("tokentrace.gpu.kernel_launches")
+        ms = a.get("tokentrace.gpu.time_ms")
+        self.gpu_seconds: float | None = None if ms is None else ms / 1000.0
+        self.cost_usd: float | None = a.get("tokentrace.cost.usd")
+
+
+class PrometheusSink:
+    """A record sink serving ``/metrics`` on ``port`` (0: any free port, see ``.port``).
+
+    Metrics live in their own registry, so several sinks (tests) do not collide."""
+
+    def __init__(self, port: int, addr: str = "0.0.0.0") -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+        self.registry = CollectorRegistry()
+        r, lab = self.registry, ["model_name"]
+        self.ttft = Histogram("tokentrace_time_to_first_token_seconds",
+                              "Time to first generated token (first text-carrying chunk).",
+                              lab, registry=r, buckets=TTFT_BUCKETS)
+        self.tpot = Histogram("tokentrace_time_per_output_token_seconds",
+                              "Mean time between generated chunks after the first.",
+                              lab, registry=r, buckets=TPOT_BUCKETS)
+        self.e2e = Histogram("tokentrace_e2e_request_latency_seconds",
+                             "First request byte read to last response byte written.",
+                             lab, registry=r, buckets=DURATION_BUCKETS)
+        self.success = Counter("tokentrace_request_success", "Requests answered successfully.",
+                               ["model_name", "finished_reason"], registry=r)
+        self.failure = Counter("tokentrace_request_failure", "Requests that failed.",
+                               ["model_name", "error_type"], registry=r)
+        self.prompt_tokens = Counter("tokentrace_prompt_tokens", "Prompt (input) tokens.",
+                                     lab, registry=r)
+        self.generation_tokens = Counter("tokentrace_generation_tokens",
+                                         "Generated (output) tokens.", lab, registry=r)
+        self.kernels = Counter("tokentrace_gpu_kernel_launches",
+                               "GPU kernel launches attributed to requests.", lab, registry=r)
+        self.gpu_time = Counter("tokentrace_gpu_time_seconds",
+                                "GPU time attributed to requests.", lab, registry=r)
+        self.cost = Counter("tokentrace_cost_usd", "Cost attributed to requests, in USD.",
+                            lab, registry=r)
+        self._server, self._thread = start_http_server(port, addr, registry=r)
+        self.port: int = self._server.server_port
+
+    def on_record(self, rec: RequestRecord) -> None:
+        if not rec.is_llm:
+            return
+        f = RequestFacts(rec)
+        m = f.model
+        self.e2e.labels(m).observe(f.duration)
+        if f.ttft is not None:
+            self.ttft.labels(m).observe(f.ttft)
+        if f.tpot is not None:
+            self.tpot.labels(m).observe(f.tpot)
+        if f.error_type is not None:
+            self.failure.labels(m, f.error_type).inc()
+        else:
+            self.success.labels(m, f.finish_reason).inc()
+        for counter, v in ((self.prompt_tokens, f.input_tokens),
+                           (self.generation_tokens, f.output_tokens),
+                           (self.kernels, f.kernel_launches), (self.gpu_time, f.gpu_seconds),
+                           (self.cost, f.cost_usd)):
+            if v is not None:
+                counter.labels(m).inc(v)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class OtlpMetricsSink:
+    """A record sink recording the GenAI server histograms with the OpenTelemetry SDK
+    and exporting them over OTLP every ``interval_s`` (and at close)."""
+
+    def __init__(self, ctx: ExportContext, endpoint: str, protocol: str | None = None,
+                 interval_s: float = 10.0) -> None:
+        self.ctx = ctx
+        self.endpoint = endpoint
+        self.protocol = protocol
+        self.interval_ms = int(interval_s * 1000)
+        self._meters: dict[int, tuple[Any, dict[str, Any]]] = {}
+        self._lock = threading.Lock()
+
+    def _instruments(self, pid: int) -> dict[str, Any]:
+        with self._lock:
+            entry = self._meters.get(pid)
+            if entry is None:
+                entry = self._new_provider(pid)
+                self._meters[pid] = entry
+            return entry[1]
+
+    def _new_provider(self, pid: int) -> tuple[Any, dict[str, Any]]:
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+        from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
+
+        import tracer
+        from tracer.export.otlp import otlp_metric_exporter
+        from tracer.export.spans import resource_for
+
+        views = [View(instrument_name=name,
+                      aggregation=ExplicitBucketHistogramAggregation(list(buckets)))
+                 for name, buckets in (("gen_ai.server.time_to_first_token", TTFT_BUCKETS),
+                                       ("gen_ai.server.time_per_output_token", TPOT_BUCKETS),
+                                       ("gen_ai.server.request.duration", DURATION_BUCKETS))]
+        reader = PeriodicExportingMetricReader(
+            otlp_metric_exporter(self.endpoint, self.protocol),
+            export_interval_millis=self.interval_ms)
+        provider = MeterProvider(metric_readers=[reader], resource=resource_for(self.ctx, pid),
+                                 views=views, shutdown_on_exit=False)
+        meter = provider.get_meter("tokentrace", tracer.__version__)
+        inst = {
+            "ttft": meter.create_histogram(
+                "gen_ai.server.time_to_first_token", unit="s",
+                description="Time to generate the first token for successful responses"),
+            "tpot": meter.create_histogram(
+                "gen_ai.server.time_per_output_token", unit="s",
+                description="Time per output token generated after the first token "
+                            "for successful responses"),
+            "duration": meter.create_histogram(
+                "gen_ai.server.request.duration", unit="s",
+                description="Generative AI server request duration such as time-to-last "
+                            "byte or last output token"),
+        }
+        return provider, inst
+
+    def on_record(self, rec: RequestRecord) -> None:
+        if not rec.is_llm:
+            return
+        f = RequestFacts(rec)
+        inst = self._instruments(rec.pid)
+        attrs: dict[str, Any] = {"gen_ai.operation.name": f.operation}
+        if f.model:
+            attrs["gen_ai.request.model"] = f.model
+        if f.error_type is not None:
+            attrs["error.type"] = f.error_type
+        inst["duration"].record(f.duration, attrs)
+        if f.error_type is None:  # the conventions: TTFT and TPOT of successful responses
+            if f.ttft is not None:
+                inst["ttft"].record(f.ttft, attrs)
+            if f.tpot is not None:
+                inst["tpot"].record(f.tpot, attrs)
+
+    def close(self) -> None:
+        for provider, _ in self._meters.values():
+            provider.shutdown()  # collects and exports once more
+
+
+# ---- command line ----------------------------------------------------------------------
+
+
+def _listen(text: str) -> tuple[str, int]:
+    addr, _, port = text.rpartition(":")
+    if not port.isdigit() or not 0 <= int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected PORT or ADDR:PORT, not {text!r}")
+    return addr.strip("[]") or "0.0.0.0", int(port)
+
+
+def add_metric_args(g: argparse._ArgumentGroup) -> None:
+    """The metrics flags, in the export group of `run` and `replay`."""
+    g.add_argument("--prometheus", type=_listen, metavar="[ADDR:]PORT",
+                   help="serve Prometheus metrics (TTFT, TPOT, latency, requests, tokens, "
+                        "GPU work, cost by model) at http://ADDR:PORT/metrics")
+    g.add_argument("--otlp-metrics", action="store_true",
+                   help="also send the GenAI server metrics (gen_ai.server.*) to the "
+                        "--otlp endpoint")
+
+
+def metric_sinks(args: argparse.Namespace, ctx: ExportContext) -> list[Any]:
+    """The metric sinks the flags ask for (after the span sinks)."""
+    sinks: list[Any] = []
+    if getattr(args, "prometheus", None):
+        addr, port = args.prometheus
+        try:
+            sinks.append(PrometheusSink(port, addr))
+        except OSError as e:
+            raise SystemExit(f"tokentrace: error: cannot serve metrics on {addr}:{port}: "
+                             f"{e.strerror or e}") from None
+    if getattr(args, "otlp_metrics", False):
+        if not args.otlp:
+            raise SystemExit("tokentrace: error: --otlp-metrics needs --otlp ENDPOINT")
+        sinks.append(OtlpMetricsSink(ctx, args.otlp, args.otlp_protocol))
+    return sinks
