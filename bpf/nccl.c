@@ -16,12 +16,13 @@ static __always_inline u64 stack_arg(struct pt_regs *ctx, int n)
     return v;
 }
 
-static __always_inline int nccl_enter(u16 op, u64 elems, u64 dtype, u64 comm, u64 stream,
-                                      s32 peer)
+/* Record a call's arguments until it returns; the in-flight record, or NULL. */
+static __always_inline struct tt_nccl *nccl_begin(u16 op, u64 elems, u64 dtype, u64 comm,
+                                                   u64 stream, s32 peer)
 {
     u64 id = bpf_get_current_pid_tgid();
     if (!is_traced(id >> 32))
-        return 0;
+        return NULL;
     struct tt_nccl r = {};
     r.kind = TT_KIND_NCCL;
     r.pid = id >> 32;
@@ -33,8 +34,17 @@ static __always_inline int nccl_enter(u16 op, u64 elems, u64 dtype, u64 comm, u6
     r.comm = comm;
     r.stream = stream;
     r.peer = peer;
-    if (nccl_inflight.update(&id, &r) != 0)
+    if (nccl_inflight.update(&id, &r) != 0) {
         count(TT_CNT_INFLIGHT_FULL);
+        return NULL;
+    }
+    return nccl_inflight.lookup(&id);
+}
+
+static __always_inline int nccl_enter(u16 op, u64 elems, u64 dtype, u64 comm, u64 stream,
+                                      s32 peer)
+{
+    nccl_begin(op, elems, dtype, comm, stream, peer);
     return 0;
 }
 
@@ -93,21 +103,13 @@ int tt_nccl_group_end(struct pt_regs *ctx)
  * so rank is the third integer register. The comm handle is read at return. */
 int tt_nccl_comm_init(struct pt_regs *ctx)
 {
-    u64 id = bpf_get_current_pid_tgid();
-    if (!is_traced(id >> 32))
-        return 0;
-    struct tt_nccl r = {};
-    r.kind = TT_KIND_NCCL;
-    r.pid = id >> 32;
-    r.tid = (u32)id;
-    r.op = TT_NCCL_COMM_INIT;
-    r.ts_enter = bpf_ktime_get_ns();
-    r.comm = PT_REGS_PARM1(ctx); /* the out pointer until return */
-    r.nranks = (s32)PT_REGS_PARM2(ctx);
-    r.peer = (s32)PT_REGS_PARM3(ctx);
-    r.comm_id = stack_arg(ctx, 7);
-    if (nccl_inflight.update(&id, &r) != 0)
-        count(TT_CNT_INFLIGHT_FULL);
+    /* comm holds the out pointer until return */
+    struct tt_nccl *r = nccl_begin(TT_NCCL_COMM_INIT, 0, 0, PT_REGS_PARM1(ctx), 0,
+                                   (s32)PT_REGS_PARM3(ctx));
+    if (r) {
+        r->nranks = (s32)PT_REGS_PARM2(ctx);
+        r->comm_id = stack_arg(ctx, 7);
+    }
     return 0;
 }
 
