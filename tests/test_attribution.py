@@ -69,17 +69,25 @@ def test_a_lone_request_gets_whole_counts_and_same_thread():
     assert h.out[0].gpu["gpu.attribution"] == "time_share"  # the second burst was by time
 
 
+def test_records_of_processes_without_gpu_work_are_not_held():
+    h = Harness()
+    a = rec(3, 5, 10, 0, 100)
+    h.a.finished(a)
+    assert h.out == [a] and a.gpu == {}
+
+
 def test_records_wait_for_bursts_up_to_their_end():
     h = Harness(hold_ns=1000)
     a = rec(1, 5, 10, 0, 100)
     h.open.append(a)
+    h.a.burst(burst(1, 10, 5, 6, 2))
     h.finish(a)
     h.a.advance(500)
     assert h.out == []  # held: a burst from before its end may still come
     h.a.burst(burst(1, 10, 90, 150, 5))  # overlaps a's end: a's
     assert h.out == []
     h.a.burst(burst(1, 10, 200, 210, 5))  # after a's end: releases it, not charged
-    assert [r.gpu["gpu.kernel_launches"] for r in h.out] == [5]
+    assert [r.gpu["gpu.kernel_launches"] for r in h.out] == [7]
     b = rec(1, 6, 10, 300, 400)
     h.a.finished(b)
     h.a.advance(1399)

@@ -85,11 +85,13 @@ class GpuAttribution:
         self.held: dict[int, list[RequestRecord]] = {}
         self.shares: dict[Key, GpuShare] = {}
         self.released: dict[int, int] = {}  # pid -> latest end_ns of a released record
+        self.gpu_pids: set[int] = set()  # processes seen launching on the GPU
 
     def burst(self, b: KernelBurst) -> None:
         """Charge one burst to its process's requests in flight, then release the
         records it proves complete."""
         self.stats["gpu_bursts"] += 1
+        self.gpu_pids.add(b.pid)
         held = self.held.get(b.pid, [])
         sharers = [r for r in self.open_records(b.pid) if r.start_ns <= b.last_ts]
         sharers += [r for r in held if r.start_ns <= b.last_ts and r.end_ns >= b.first_ts]
@@ -109,8 +111,11 @@ class GpuAttribution:
         self._release(b.pid, lambda r: r.end_ns < b.first_ts)
 
     def finished(self, rec: RequestRecord) -> None:
-        """A finished record: held until its bursts can no longer arrive."""
+        """A finished record: held until its bursts can no longer arrive (emitted at
+        once if its process has not been seen on the GPU)."""
         self.held.setdefault(rec.pid, []).append(rec)
+        if rec.pid not in self.gpu_pids:
+            self._release(rec.pid, lambda r: True)
 
     def advance(self, now_ns: int) -> None:
         """The stream's clock: release records that ended more than ``hold_ns`` ago."""
