@@ -8,8 +8,9 @@ produces exactly what the live run produced.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
+from tracer.correlate.attribution import GpuAttribution
 from tracer.correlate.connections import ConnectionTracker, TrackerOptions
 from tracer.correlate.gpu import GpuLedger
 from tracer.correlate.records import RequestRecord
@@ -37,8 +38,20 @@ class Pipeline:
         self._next_expire = 0
         self.records = 0
         self.gpu = GpuLedger()
+        self.attribution = GpuAttribution(self._export, self._open_records, self.stats)
 
     def _emit(self, rec: RequestRecord) -> None:
+        """A finished record: held by the GPU attribution until its bursts are in."""
+        self.attribution.finished(rec)
+
+    def _open_records(self, pid: int) -> Iterator[RequestRecord]:
+        """The HTTP/1 exchanges of ``pid`` still being assembled."""
+        for c in self.tracker.conns.values():
+            if c.pid == pid:
+                for ex in c.exchanges.values():
+                    yield ex.rec
+
+    def _export(self, rec: RequestRecord) -> None:
         self.records += 1
         for s in self.sinks:
             s.on_record(rec)
@@ -58,6 +71,8 @@ class Pipeline:
         t = self.tracker
         if isinstance(ev, gpu.GpuEvent):
             self.gpu.handle(ev)
+            if isinstance(ev, gpu.KernelBurst):
+                self.attribution.burst(ev)
         elif isinstance(ev, schema.DataEvent):
             self.last_ts = max(self.last_ts, ev.ts_exit)
             t.data_event(ev)
@@ -76,6 +91,7 @@ class Pipeline:
             self.ctx.clock_offset_ns = ev.offset_ns
         elif isinstance(ev, schema.DropReport):
             self.ctx.drops = dict(ev.counters)
+        self.attribution.advance(self.last_ts)
         if self.last_ts >= self._next_expire:
             if self._next_expire:
                 t.expire(self.last_ts)
@@ -84,6 +100,7 @@ class Pipeline:
     def close(self) -> None:
         """End of the event stream: count what is still open and flush the sinks."""
         self.tracker.finish(self.last_ts)
+        self.attribution.close()
         for s in self.sinks:
             s.close()
 
