@@ -53,7 +53,7 @@ def test_same_thread_takes_the_burst_whole_others_share_by_time():
     assert got[5]["gpu.attribution"] == "time_share"
     assert got[5]["gpu.memcpy_bytes.h2d"] == 64 and "gpu.memcpy_bytes.h2d" not in got[6]
     assert got[5]["gpu.sync_wait_ms"] == 3.0
-    assert h.stats["gpu_bursts_unattributed"] == 1
+    assert h.stats["gpu_steps_unattributed"] == 1 and h.stats["gpu_launches_unattributed"] == 50
 
 
 def test_a_lone_request_gets_whole_counts_and_same_thread():

@@ -69,5 +69,5 @@ def test_every_span_carries_exactly_its_own_launches(server):
         # the stand-in sleeps 20 us per launch at each sync: the wait is charged here
         assert a["tokentrace.gpu.sync_wait_ms"] >= truth[rid]["launches"] * 0.020 * 0.9
     assert sum(truth[r]["launches"] for r in truth) == KERNELS * sum(MAX_TOKENS)
-    assert got.report.get("gpu_bursts_unattributed", 0) == 0
+    assert got.report.get("gpu_steps_unattributed", 0) == 0
     assert got.report.get("gpu_bursts_late", 0) == 0

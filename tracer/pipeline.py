@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Iterator, Protocol
 
-from tracer.correlate.attribution import GpuAttribution
+from tracer.correlate.attribution import GpuAttribution, Pricing
 from tracer.correlate.connections import ConnectionTracker, TrackerOptions
 from tracer.correlate.gpu import GpuLedger
+from tracer.correlate.ipc import IpcGraph
 from tracer.correlate.records import RequestRecord
 from tracer.events import gpu, schema, wire
 from tracer.export.context import ExportContext
@@ -29,26 +30,31 @@ class RecordSink(Protocol):
 
 class Pipeline:
     def __init__(self, sinks: list[Any], ctx: ExportContext | None = None,
-                 options: TrackerOptions | None = None) -> None:
+                 options: TrackerOptions | None = None, pricing: Pricing | None = None
+                 ) -> None:
         self.ctx = ctx or ExportContext()
         self.sinks = list(sinks)
-        self.tracker = ConnectionTracker(self._emit, options, self.ctx.processes)
         self.stats: Counter[str] = Counter()
+        self.ipc = IpcGraph(self.stats)
+        self.tracker = ConnectionTracker(self._emit, options, self.ctx.processes, self.ipc)
         self.last_ts = 0
         self._next_expire = 0
         self.records = 0
         self.gpu = GpuLedger()
-        self.attribution = GpuAttribution(self._export, self._open_records, self.stats)
+        self.attribution = GpuAttribution(self._export, self._open_records, self.stats,
+                                          ipc=self.ipc, pricing=pricing)
 
     def _emit(self, rec: RequestRecord) -> None:
         """A finished record: held by the GPU attribution until its bursts are in."""
         self.attribution.finished(rec)
 
     def _open_records(self, pid: int) -> Iterator[RequestRecord]:
-        """The HTTP/1 exchanges of ``pid`` still being assembled."""
+        """The exchanges of ``pid`` still being assembled, with their responses so far."""
         for c in self.tracker.conns.values():
             if c.pid == pid:
                 for ex in c.exchanges.values():
+                    if ex.follower is not None:
+                        ex.rec.llm_response = ex.follower.r
                     yield ex.rec
 
     def _export(self, rec: RequestRecord) -> None:
@@ -73,6 +79,8 @@ class Pipeline:
             self.gpu.handle(ev)
             if isinstance(ev, gpu.KernelBurst):
                 self.attribution.burst(ev)
+            elif isinstance(ev, gpu.NcclEvent):
+                self.attribution.nccl(ev)
         elif isinstance(ev, schema.DataEvent):
             self.last_ts = max(self.last_ts, ev.ts_exit)
             t.data_event(ev)

@@ -1,131 +1,242 @@
-"""GPU bursts to requests: same thread, then same process by time order (issue 4, first
-slice).
+"""GPU work to requests: same thread, engine steps, and across processes.
 
-``GpuAttribution`` is fed in stream order with ``KernelBurst``s and with finished
-``RequestRecord``s. A burst of process P is shared among P's requests in flight over
-the burst's ``[first_ts, last_ts]``: those still open in the connection tracker that
-started by ``last_ts``, and those already finished whose ``end_ns`` is not before
-``first_ts``. If exactly one of them was served on the burst's thread, it takes the
-burst whole ("same_thread"); otherwise each takes an equal share ("time_share").
+``GpuAttribution`` is fed in stream order with ``KernelBurst``s, ``NcclEvent``s and
+finished ``RequestRecord``s, and decides which GPU work each request caused.
 
-A finished record is held, not emitted, until its process's bursts up to its end have
-arrived: until a burst of that process starting after its ``end_ns`` is seen, the
-stream's clock passes ``end_ns + hold_ns``, or the stream ends. A burst that arrives
-after a record it overlapped was released is counted in ``gpu_bursts_late``.
+* Same thread: a burst on a thread that served exactly one request in flight (a
+  synchronous server reads, computes and answers on one thread) is that request's,
+  whole ("same_thread").
+* Engine steps: any other burst belongs to its thread's ``StepLog`` (see
+  ``tracer.correlate.steps``): an engine thread, in this process or in another one
+  linked to it (``IpcGraph.serving_group``: unix sockets, loopback TCP). When a request
+  is released, its steps are found by aligning its output tokens with the step ends
+  (``request_range``), and each step is shared equally among the requests observably
+  in it: those whose own ranges cover it, finished or still streaming ("step_share").
+  Queued requests are in no step yet, so they are not charged. A request's first step
+  is its prefill, the rest decode; both are reported, as child spans too.
+* GPU time: a step's or burst's span from first launch to the end of its wait
+  (``gpu.time_method``), shared like the launches; cost = GPU time x price.
 
-Not yet here: HTTP/2 (gRPC) calls, requests in other processes (IPC), and continuous
-batching's per-step sharing (DESIGN.md, "Correlation").
+A finished record is held until its GPU work can no longer arrive: for step sharing,
+until the stream's clock passes ``end_ns + hold_ns`` (the other members' token writes
+trail the steps by the engine-to-API hand-off); for same-thread work, until its process
+launches a burst that starts after the record ended.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
-from tracer.correlate.records import RequestRecord
-from tracer.events.gpu import COPY_KINDS, KernelBurst
+from tracer.correlate.ipc import IpcGraph
+from tracer.correlate.records import ChildSpan, RequestRecord
+from tracer.correlate.steps import MAX_STEPS, Step, StepLog, request_range
+from tracer.events.gpu import COPY_KINDS, KernelBurst, NcclEvent
 
 Key = tuple[int, int, int, int]
-DEFAULT_HOLD_NS = 50_000_000  # > the probes' default burst flush interval (10 ms)
+DEFAULT_HOLD_NS = 200_000_000  # > the burst flush interval and the API's hand-off lag
+KEEP_RELEASED_NS = 120 * 10**9  # released records still counted as members of steps
+KEEP_STEPS_NS = 600 * 10**9
+
+
+class Pricing(Protocol):
+    """What the correlator needs of the price configuration."""
+
+    model: str | None
+    price_per_hour: float | None
 
 
 @dataclass
 class GpuShare:
-    """What one request was charged: sums of its (shares of) bursts."""
+    """What one request was charged: sums of its (shares of) bursts and steps."""
 
     kernel_launches: float = 0.0
     graph_launches: float = 0.0
     memcpy_bytes: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COPY_KINDS, 0.0))
     sync_wait_ns: float = 0.0
+    time_ns: float = 0.0
+    nccl_ops: float = 0.0
+    nccl_bytes: float = 0.0
     bursts: int = 0
-    whole: bool = True  # every burst it was charged it had alone
-    same_thread: bool = True  # every burst it was charged was attributed by thread
+    steps: int = 0
+    prefill_launches: float = 0.0
+    decode_launches: float = 0.0
+    whole: bool = True  # every burst or step it was charged it had alone
+    methods: set[str] = field(default_factory=set)
 
-    def add(self, b: KernelBurst, fraction: float, same_thread: bool) -> None:
-        """Charge ``fraction`` of burst ``b``."""
+    def add(self, b: KernelBurst, fraction: float) -> None:
+        """Charge ``fraction`` of burst ``b`` (same-thread work)."""
         self.bursts += 1
         self.kernel_launches += b.launches * fraction
         self.graph_launches += b.graph_launches * fraction
         for k in COPY_KINDS:
             self.memcpy_bytes[k] += b.copy_bytes.get(k, 0) * fraction
         self.sync_wait_ns += b.sync_wait_ns * fraction
+        self.time_ns += max(0, b.last_ts - b.first_ts) * fraction
         self.whole = self.whole and fraction == 1.0
-        self.same_thread = self.same_thread and same_thread
+        self.methods.add("same_thread")
 
-    def attributes(self) -> dict[str, object]:
+    def add_step(self, s: Step, fraction: float, prefill: bool, method: str) -> None:
+        """Charge ``fraction`` of engine step ``s`` (``method``: how its steps were
+        found: "step_share" from its tokens, "time_share" from its lifetime)."""
+        self.steps += 1
+        self.bursts += s.bursts
+        launches = s.launches * fraction
+        self.kernel_launches += launches
+        if prefill:
+            self.prefill_launches += launches
+        else:
+            self.decode_launches += launches
+        self.graph_launches += s.graph_launches * fraction
+        for k in COPY_KINDS:
+            self.memcpy_bytes[k] += s.copy_bytes.get(k, 0) * fraction
+        self.sync_wait_ns += s.sync_wait_ns * fraction
+        self.time_ns += s.span_ns * fraction
+        s.charged += fraction
+        self.nccl_ops += s.nccl_ops * fraction
+        self.nccl_bytes += s.nccl_bytes * fraction
+        self.whole = self.whole and fraction == 1.0
+        self.methods.add(method)
+
+    def attributes(self, pricing: Pricing | None) -> dict[str, Any]:
         """Attribute name suffixes (``tokentrace.<suffix>`` on the span) -> values."""
 
         def count(x: float) -> float | int:
             return round(x) if self.whole else round(x, 3)
 
-        out: dict[str, object] = {
+        step = bool(self.methods - {"same_thread"})
+        out: dict[str, Any] = {
             "gpu.kernel_launches": count(self.kernel_launches),
             "gpu.graph_launches": count(self.graph_launches),
             "gpu.sync_wait_ms": round(self.sync_wait_ns / 1e6, 3),
+            "gpu.time_ms": round(self.time_ns / 1e6, 4),
+            "gpu.time_method": "step_span" if step else "burst_span",
             "gpu.bursts": self.bursts,
-            "gpu.attribution": "same_thread" if self.same_thread else "time_share",
+            "gpu.attribution": ("step_share" if "step_share" in self.methods else
+                                "time_share" if step else "same_thread"),
         }
+        if step:
+            out["gpu.steps"] = self.steps
+            out["gpu.prefill_launches"] = count(self.prefill_launches)
+            out["gpu.decode_launches"] = count(self.decode_launches)
+        if self.nccl_ops:
+            out["gpu.nccl_ops"] = count(self.nccl_ops)
+            out["gpu.nccl_bytes"] = count(self.nccl_bytes)
         for k in COPY_KINDS:
             if self.memcpy_bytes[k]:
                 out[f"gpu.memcpy_bytes.{k}"] = count(self.memcpy_bytes[k])
+        if pricing is not None:
+            if pricing.model:
+                out["gpu.model"] = pricing.model
+            if pricing.price_per_hour is not None:
+                out["cost.price_per_gpu_hour"] = pricing.price_per_hour
+                out["cost.usd"] = round(self.time_ns / 3.6e12 * pricing.price_per_hour, 9)
         return out
 
 
+@dataclass
+class _Released:
+    rec: RequestRecord
+    ranges: dict[tuple[int, int], tuple[int, int, str] | None] = field(default_factory=dict)
+
+
 class GpuAttribution:
-    """Shares bursts among the requests in flight and holds records until they are due."""
+    """Charges bursts and steps to requests and holds records until they are due."""
 
     def __init__(self, emit: Callable[[RequestRecord], None],
                  open_records: Callable[[int], Iterable[RequestRecord]],
-                 stats: Counter[str] | None = None, hold_ns: int = DEFAULT_HOLD_NS) -> None:
+                 stats: Counter[str] | None = None, hold_ns: int = DEFAULT_HOLD_NS,
+                 ipc: IpcGraph | None = None, pricing: Pricing | None = None) -> None:
         self.emit = emit
         self.open_records = open_records
         self.stats: Counter[str] = stats if stats is not None else Counter()
         self.hold_ns = hold_ns
+        self.ipc = ipc or IpcGraph(self.stats)
+        self.pricing = pricing
         self.held: dict[int, list[RequestRecord]] = {}
         self.shares: dict[Key, GpuShare] = {}
-        self.released: dict[int, int] = {}  # pid -> latest end_ns of a released record
-        self.gpu_pids: set[int] = set()  # processes seen launching on the GPU
+        self.released: dict[int, list[_Released]] = {}  # pid -> recently released
+        self.released_end: dict[int, int] = {}  # pid -> latest end_ns released
+        self.gpu_pids: set[int] = set()  # processes seen on the GPU
+        self.logs: dict[tuple[int, int], StepLog] = {}
+        self.now = 0
+
+    # ---- GPU side -------------------------------------------------------------------
 
     def burst(self, b: KernelBurst) -> None:
-        """Charge one burst to its process's requests in flight, then release the
-        records it proves complete."""
+        """A burst: taken whole by the one request on its thread, else a step's part."""
         self.stats["gpu_bursts"] += 1
         self.gpu_pids.add(b.pid)
-        held = self.held.get(b.pid, [])
-        sharers = [r for r in self.open_records(b.pid) if r.start_ns <= b.last_ts]
-        sharers += [r for r in held if r.start_ns <= b.last_ts and r.end_ns >= b.first_ts]
-        if self.released.get(b.pid, -1) >= b.first_ts:
+        if self.released_end.get(b.pid, -1) >= b.first_ts:
             self.stats["gpu_bursts_late"] += 1
-        if not sharers:
-            self.stats["gpu_bursts_unattributed"] += 1
+        mine = [r for r in self._in_flight(b.pid, b.first_ts, b.last_ts) if b.tid in r.tids]
+        if len(mine) == 1:
+            self._share(mine[0]).add(b, 1.0)
+            self.stats["gpu_bursts_same_thread"] += 1
         else:
-            same = [r for r in sharers if b.tid in r.tids]
-            if len(same) == 1:
-                self._share(same[0]).add(b, 1.0, True)
-                self.stats["gpu_bursts_same_thread"] += 1
-            else:
-                for r in sharers:
-                    self._share(r).add(b, 1.0 / len(sharers), False)
-                self.stats["gpu_bursts_time_share"] += 1
-        self._release(b.pid, lambda r: r.end_ns < b.first_ts)
+            log = self.logs.get((b.pid, b.tid))
+            if log is None:
+                log = self.logs[(b.pid, b.tid)] = StepLog(b.pid, b.tid)
+                self.stats["gpu_step_threads"] += 1
+            step = log.add_burst(b)
+            if step is not None:
+                self.stats["gpu_steps"] += 1
+                self.stats["gpu_step_launches"] += step.launches
+                if len(log.steps) > MAX_STEPS:
+                    self._retire(log.prune(log.steps[-MAX_STEPS].end_ts))
+        # work its own thread did is complete once its process launches after its end
+        self._release(b.pid, lambda r: r.end_ns < b.first_ts and self._served_alone(r))
+
+    def _served_alone(self, rec: RequestRecord) -> bool:
+        s = self.shares.get(rec.key)
+        return s is not None and s.methods == {"same_thread"}
+
+
+    def nccl(self, ev: NcclEvent) -> None:
+        """An NCCL call: its bytes go with the step of its thread."""
+        log = self.logs.get((ev.pid, ev.tid))
+        if log is None:
+            log = self.logs[(ev.pid, ev.tid)] = StepLog(ev.pid, ev.tid)
+        log.add_nccl(ev)
+
+    # ---- request side ---------------------------------------------------------------
 
     def finished(self, rec: RequestRecord) -> None:
-        """A finished record: held until its bursts can no longer arrive (emitted at
-        once if its process has not been seen on the GPU)."""
+        """A finished record: held until its GPU work can no longer arrive (emitted at
+        once if no process it is linked to has been seen on the GPU)."""
         self.held.setdefault(rec.pid, []).append(rec)
-        if rec.pid not in self.gpu_pids:
+        if not (self.ipc.serving_group(rec.pid) & self.gpu_pids):
             self._release(rec.pid, lambda r: True)
 
     def advance(self, now_ns: int) -> None:
         """The stream's clock: release records that ended more than ``hold_ns`` ago."""
+        self.now = max(self.now, now_ns)
         for pid in list(self.held):
             self._release(pid, lambda r: r.end_ns + self.hold_ns <= now_ns)
 
     def close(self) -> None:
         """End of the stream: release everything held, in end order."""
+        for log in self.logs.values():
+            if log.open is not None and log.open.bursts:
+                log._close()
+                self.stats["gpu_steps"] += 1
         for pid in list(self.held):
             self._release(pid, lambda r: True)
+        for log in self.logs.values():
+            self._retire(log.prune(log.ends[-1] + 1 if log.ends else 0))
+
+    # ---- internals ------------------------------------------------------------------
+
+    def _has_steps(self, pid: int) -> bool:
+        group = self.ipc.serving_group(pid)
+        return any(k[0] in group for k in self.logs)
+
+    def _in_flight(self, pid: int, first_ts: int, last_ts: int) -> list[RequestRecord]:
+        out = [r for r in self.open_records(pid) if r.start_ns <= last_ts]
+        out += [r for r in self.held.get(pid, ())
+                if r.start_ns <= last_ts and r.end_ns >= first_ts]
+        return out
 
     def _share(self, rec: RequestRecord) -> GpuShare:
         s = self.shares.get(rec.key)
@@ -133,21 +244,122 @@ class GpuAttribution:
             s = self.shares[rec.key] = GpuShare()
         return s
 
+    def _group_logs(self, pid: int) -> list[StepLog]:
+        group = self.ipc.serving_group(pid)
+        return [log for k, log in self.logs.items() if k[0] in group and log.steps]
+
+    def _members(self, rec: RequestRecord, group: frozenset[int]
+                 ) -> Iterable[tuple[RequestRecord, bool, _Released | None]]:
+        """Every other request of the group that may share steps with ``rec``."""
+        for pid in group:
+            for r in self.held.get(pid, ()):
+                if r is not rec:
+                    yield r, True, None
+            for rel in self.released.get(pid, ()):
+                yield rel.rec, True, rel
+            for r in self.open_records(pid):
+                yield r, False, None
+
+    def _charge_steps(self, rec: RequestRecord) -> _Released:
+        """Share the steps ``rec`` was in; returns its ranges for later members."""
+        mine = _Released(rec)
+        logs = self._group_logs(rec.pid)
+        if not logs:
+            return mine
+        group = self.ipc.serving_group(rec.pid)
+        others = list(self._members(rec, group))
+        primary: tuple[StepLog, int, int] | None = None
+        for log in logs:
+            rng = request_range(rec, log, finished=True)
+            mine.ranges[log.key] = rng
+            if rng is None:
+                continue
+            first, last, how = rng
+            self.stats[f"gpu_step_ranges_{how}"] += 1
+            sharers = [0] * (last - first + 2)
+            for r, finished, rel in others:
+                if rel is not None and log.key in rel.ranges:
+                    orng = rel.ranges[log.key]
+                else:
+                    orng = request_range(r, log, finished=finished)
+                if orng is None or orng[1] < first or orng[0] > last:
+                    continue
+                sharers[max(orng[0], first) - first] += 1
+                sharers[min(orng[1], last) - first + 1] -= 1
+            share = self._share(rec)
+            n = 0
+            for i in range(first, last + 1):
+                n += sharers[i - first]
+                step = log.get(i)
+                if step is None:
+                    self.stats["gpu_steps_missing"] += 1
+                    continue
+                share.add_step(step, 1.0 / (n + 1), prefill=i == first,
+                               method="time_share" if how == "time" else "step_share")
+                self.stats["gpu_step_launches_charged"] += step.launches / (n + 1)
+            if primary is None or last - first > primary[2] - primary[1]:
+                primary = (log, first, last)
+        if primary is not None:
+            self._phases(rec, *primary)
+        return mine
+
+    def _phases(self, rec: RequestRecord, log: StepLog, first: int, last: int) -> None:
+        """Queue, prefill and decode child spans from the request's steps and tokens."""
+        s0 = log.get(first)
+        if s0 is None:
+            return
+        arrival = rec.request_end_ns or rec.start_ns
+        r = rec.llm_response
+        first_token = (r.first_token_ts if r is not None and r.first_token_ts else s0.end_ts)
+        last_token = (r.token_ts[-1] if r is not None and r.token_ts else rec.end_ns)
+        share = self.shares.get(rec.key)
+        if s0.first_ts > arrival:
+            rec.children.append(ChildSpan("queue", arrival, s0.first_ts,
+                                          {"tokentrace.phase": "queue"}))
+        rec.children.append(ChildSpan("prefill", s0.first_ts, max(first_token, s0.end_ts), {
+            "tokentrace.phase": "prefill",
+            "tokentrace.gpu.kernel_launches": round(share.prefill_launches, 3) if share else None,
+        }))
+        if last > first and last_token > first_token:
+            rec.children.append(ChildSpan("decode", first_token, last_token, {
+                "tokentrace.phase": "decode",
+                "tokentrace.gpu.steps": last - first,
+                "tokentrace.gpu.kernel_launches":
+                    round(share.decode_launches, 3) if share else None,
+            }))
+
     def _release(self, pid: int, due: Callable[[RequestRecord], bool]) -> None:
         held = self.held.get(pid)
         if not held:
             return
-        keep = []
         for rec in sorted(held, key=lambda r: r.end_ns):
             if not due(rec):
-                keep.append(rec)
                 continue
+            held.remove(rec)  # from here on it is a released member, not a held one
+            rel = self._charge_steps(rec) if self._has_steps(pid) else _Released(rec)
             share = self.shares.pop(rec.key, None)
             if share is not None:
-                rec.gpu.update(share.attributes())
-            self.released[pid] = max(self.released.get(pid, 0), rec.end_ns)
+                rec.gpu.update(share.attributes(self.pricing))
+            self.released_end[pid] = max(self.released_end.get(pid, 0), rec.end_ns)
+            self.released.setdefault(pid, []).append(rel)
             self.emit(rec)
-        if keep:
-            self.held[pid] = keep
-        else:
+        if not held:
             del self.held[pid]
+        self._forget(pid)
+
+    def _retire(self, steps: list[Step]) -> None:
+        """Steps forgotten: count those no request was charged."""
+        for st in steps:
+            if st.charged == 0:
+                self.stats["gpu_steps_unattributed"] += 1
+                self.stats["gpu_launches_unattributed"] += st.launches
+
+    def _forget(self, pid: int) -> None:
+        """Drop released records and steps too old to matter."""
+        rel = self.released.get(pid)
+        if rel and rel[0].rec.end_ns + KEEP_RELEASED_NS < self.now:
+            self.released[pid] = [x for x in rel if x.rec.end_ns + KEEP_RELEASED_NS >= self.now]
+        if self.now > KEEP_STEPS_NS:
+            for log in self.logs.values():
+                if log.pid == pid and log.steps and log.ends[0] < self.now - KEEP_STEPS_NS:
+                    self._retire(log.prune(self.now - KEEP_STEPS_NS))

@@ -16,6 +16,7 @@ from typing import Callable
 from protocols import detect, http1, http2
 from protocols.openai import ResponseFollower, operation_for, parse_request
 from tracer.correlate.h2calls import H2Calls
+from tracer.correlate.ipc import IpcGraph
 from tracer.correlate.records import SAFE_HEADERS, RequestRecord, tenant_of
 from tracer.events import schema, wire
 
@@ -131,6 +132,7 @@ class Connection:
         self.exchanges: dict[int, Exchange] = {}
         self.last_ts = 0
         self.close_reason: str | None = None
+        self.ipc_seen = False  # its addresses were given to the process graph
 
     def from_client(self, inbound: bool) -> bool:
         return inbound if self.role == "server" else not inbound
@@ -140,8 +142,10 @@ class ConnectionTracker:
     """Socket events in, finished ``RequestRecord``s out (through ``emit``)."""
 
     def __init__(self, emit: Emit, options: TrackerOptions | None = None,
-                 processes: dict[int, schema.ProcessInfo] | None = None) -> None:
+                 processes: dict[int, schema.ProcessInfo] | None = None,
+                 ipc: IpcGraph | None = None) -> None:
         self.emit = emit
+        self.ipc = ipc  # told every connection's first bytes and addresses
         self.options = options or TrackerOptions()
         self.processes = processes if processes is not None else {}
         self.conns: dict[tuple[int, int, int], Connection] = {}
@@ -166,6 +170,8 @@ class ConnectionTracker:
             c = self.conns.pop(ev.key, None)
             if c is not None:
                 self._close(c, ev.ts)
+                if self.ipc is not None:
+                    self.ipc.closed(c.pid, c.fd, c.conn_id)
 
     def socket_info(self, ev: schema.SocketInfo) -> None:
         c = self.conns.get(ev.key)
@@ -225,6 +231,13 @@ class ConnectionTracker:
         c.expected[inbound] = max(c.expected[inbound], pos + len(ev.payload))
         # bytes this syscall moved past the capture limit: a hole right after this chunk
         missing = ev.ret - ev.offset - len(ev.payload) if ev.last and ev.truncated else 0
+        if self.ipc is not None:
+            if not c.ipc_seen and c.peer_port and c.local_port:
+                c.ipc_seen = True
+                self.ipc.connection(c.pid, (c.local_addr, c.local_port),
+                                    (c.peer_addr, c.peer_port))
+            if ev.payload:
+                self.ipc.data(c.pid, c.fd, c.conn_id, inbound, pos, ev.payload, ts)
         if ev.payload:
             self._feed(c, ev, inbound, ts)
         if missing > 0:

@@ -1,0 +1,178 @@
+"""Engine steps: a GPU thread's bursts grouped into the units a batching engine works in.
+
+A continuous-batching engine runs steps: it launches one batched forward pass, waits
+for it (one synchronisation), hands each request in the batch its next token, and
+starts the next step. Seen from the probes, a step is a run of a thread's
+``KernelBurst``s that ends with a burst flushed by a synchronisation; bursts flushed
+by the interval timer or full handle slots only continue the step.
+
+``StepLog`` keeps one thread's steps in order, numbered from 0, with their end times
+indexed so that "the last step that had ended by time t" is a bisection. The
+correlator (``tracer.correlate.attribution``) aligns each request's output tokens with
+these indices; see ``request_range``.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass, field
+
+from tracer.correlate.records import RequestRecord
+from tracer.events.gpu import COPY_KINDS, KernelBurst, NcclEvent
+
+MAX_STEPS = 200_000  # per thread: older steps are dropped first
+OPEN_STEP_MAX_NS = 1_000_000_000  # a step with no sync for this long is closed anyway
+
+
+@dataclass
+class Step:
+    """One engine step of one thread: sums of its bursts (and its NCCL calls)."""
+
+    pid: int
+    tid: int
+    index: int = -1
+    first_ts: int = 0
+    end_ts: int = 0
+    launches: int = 0
+    graph_launches: int = 0
+    copy_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COPY_KINDS, 0))
+    sync_wait_ns: int = 0
+    bursts: int = 0
+    nccl_ops: int = 0
+    nccl_bytes: int = 0
+    charged: float = 0.0  # fractions of it charged to requests so far
+
+    @property
+    def span_ns(self) -> int:
+        """First launch to the end of the step's wait: the GPU-time estimate."""
+        return max(0, self.end_ts - self.first_ts)
+
+    def add(self, b: KernelBurst) -> None:
+        if not self.bursts:
+            self.first_ts = b.first_ts
+        self.bursts += 1
+        self.end_ts = max(self.end_ts, b.last_ts)
+        self.launches += b.launches
+        self.graph_launches += b.graph_launches
+        for k in COPY_KINDS:
+            self.copy_bytes[k] += b.copy_bytes.get(k, 0)
+        self.sync_wait_ns += b.sync_wait_ns
+
+
+class StepLog:
+    """The steps of one (pid, tid), in order; indices survive pruning."""
+
+    def __init__(self, pid: int, tid: int) -> None:
+        self.pid = pid
+        self.tid = tid
+        self.steps: list[Step] = []
+        self.ends: list[int] = []
+        self.base = 0  # index of steps[0]
+        self.open: Step | None = None
+        self.pending_nccl: list[NcclEvent] = []
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.pid, self.tid)
+
+    @property
+    def next_index(self) -> int:
+        return self.base + len(self.steps)
+
+    def add_burst(self, b: KernelBurst) -> Step | None:
+        """Add a burst; returns the step it closed, if it ended one."""
+        if self.open is None:
+            self.open = Step(self.pid, self.tid)
+        self.open.add(b)
+        ends_step = b.sync_calls > 0 or b.reason in ("sync", "exit", "drain")
+        if ends_step or self.open.end_ts - self.open.first_ts > OPEN_STEP_MAX_NS:
+            return self._close()
+        return None
+
+    def add_nccl(self, ev: NcclEvent) -> None:
+        """An NCCL call of this thread belongs to the step it was enqueued in."""
+        if self.open is None:
+            self.open = Step(self.pid, self.tid)
+            self.open.first_ts = ev.ts_enter
+        if ev.bytes:
+            self.open.nccl_ops += 1
+            self.open.nccl_bytes += ev.bytes
+
+    def _close(self) -> Step:
+        step, self.open = self.open, None
+        assert step is not None
+        step.index = self.next_index
+        self.steps.append(step)
+        self.ends.append(step.end_ts)
+        return step
+
+    def prune(self, before_ts: int) -> list[Step]:
+        """Forget steps that ended before ``before_ts``; returns them."""
+        n = bisect_right(self.ends, before_ts - 1)
+        gone = self.steps[:n]
+        if n:
+            del self.steps[:n]
+            del self.ends[:n]
+            self.base += n
+        return gone
+
+    def last_ended_by(self, ts: int) -> int:
+        """Index of the last step that had ended at ``ts`` (base - 1 if none)."""
+        return self.base + bisect_right(self.ends, ts) - 1
+
+    def first_started_after(self, ts: int) -> int:
+        """Index of the first step whose first launch is at or after ``ts``."""
+        # steps are ordered by end and do not overlap within a thread, so by start too
+        lo, hi = 0, len(self.steps)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.steps[mid].first_ts < ts:
+                lo = mid + 1
+            else:
+                hi = mid
+        return self.base + lo
+
+    def get(self, index: int) -> Step | None:
+        i = index - self.base
+        return self.steps[i] if 0 <= i < len(self.steps) else None
+
+
+def request_range(rec: RequestRecord, log: StepLog, finished: bool = True
+                  ) -> tuple[int, int, str] | None:
+    """The steps of ``log`` that served ``rec``: (first, last, how), or None.
+
+    A streamed LLM response's k-th text chunk carries a token no earlier than the k-th
+    the request got, and that token was made by a step that had ended before the chunk
+    was written; so ``last_ended_by(chunk_k) - k`` bounds the request's first step from
+    above, for every k, and hand-off lag only loosens each bound. The request then
+    held one step per output token, consecutively (continuous batching keeps a
+    running request in every step until it finishes). A request seen only as a whole
+    response, or not an LLM request, holds the steps between its arrival and its
+    response. Steps that started before the request had arrived are never its own.
+    """
+    arrival = rec.request_end_ns or rec.start_ns
+    lower = log.first_started_after(arrival)
+    r = rec.llm_response
+    tokens = r.token_ts if r is not None else []
+    n_out = (r.output_tokens or 0) if r is not None else 0
+    if tokens and r is not None and r.streamed:
+        n = max(len(tokens), n_out) if finished else len(tokens)
+        cap = log.last_ended_by(tokens[-1])
+        first = min(log.last_ended_by(ts) - k for k, ts in enumerate(tokens))
+        first = min(first, cap - (n - 1))
+        how = "tokens"
+    elif n_out and finished:
+        cap = log.last_ended_by(rec.response_start_ns or rec.end_ns)
+        n = n_out
+        first = cap - (n - 1)
+        how = "response"
+    else:
+        if not finished:
+            return None
+        last = log.last_ended_by(rec.response_start_ns or rec.end_ns)
+        return (lower, last, "time") if last >= lower else None
+    if first < lower:  # tokens came faster than steps could make them: trust arrival
+        first = lower
+        how += "_clamped"
+    last = min(first + n - 1, cap)
+    return (first, last, how) if last >= first else None
