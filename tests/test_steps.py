@@ -141,3 +141,38 @@ def test_request_range_bounds():
     # tokens faster than the steps after its arrival: never before arrival
     early = streamed(1, 12, 250, [295, 395])
     assert request_range(early, log) == (3, 3, "tokens_clamped")
+
+
+def nccl(pid: int, op: str, ts: int, comm: int = 0xC0, comm_id: int = 0xABC, rank: int = 0,
+         count: int = 256):
+    from tracer.events.gpu import NcclEvent
+    return NcclEvent(pid=pid, tid=ENGINE, op=op, dtype=7, ts_enter=ts, ts_exit=ts + 1,
+                     count=count, comm=comm, stream=0, comm_id=comm_id, peer=rank, nranks=2,
+                     ret=0)
+
+
+def test_tensor_parallel_rank_steps_join_rank_zero_through_collectives():
+    """Rank 1's steps end after the tokens are written (its clock of work trails rank
+    0's), so aligning it by itself would be off by one; the collectives join it."""
+    ipc = IpcGraph()
+    ipc.link(1, 7, "test")
+    ipc.link(7, 8, "test")
+    out: list[RequestRecord] = []
+    stats: Counter[str] = Counter()
+    a = GpuAttribution(out.append, lambda pid: [], stats, hold_ns=1000, ipc=ipc)
+    a.nccl(nccl(7, "comm_init", 1, rank=0))
+    a.nccl(nccl(8, "comm_init", 1, comm=0xD0, rank=1))
+    for k in range(4):
+        a.nccl(nccl(7, "allreduce", 100 * k + 20))
+        a.burst(burst(7, ENGINE, 100 * k + 10, 100 * k + 90, 10))
+        a.nccl(nccl(8, "allreduce", 100 * k + 25, comm=0xD0, rank=1))
+        a.burst(burst(8, ENGINE, 100 * k + 15, 100 * k + 99, 1 + k))  # ends after the token
+    recs = [streamed(1, 10, 0, [95, 195]), streamed(1, 11, 0, [195, 295, 395])]
+    for r in recs:
+        a.finished(r)
+    a.close()
+    # rank 0: a has step 0 alone, shares step 1; rank 1 likewise, joined step by step
+    assert recs[0].gpu["gpu.kernel_launches"] == round(10 + 5 + 1 + 2 / 2, 3)
+    assert recs[1].gpu["gpu.kernel_launches"] == round(5 + 10 + 10 + 2 / 2 + 3 + 4, 3)
+    assert recs[0].gpu["gpu.nccl_bytes"] == round(1024 + 512 + 1024 + 512, 3)
+    assert stats["gpu_steps_joined_nccl"] == 5 and stats["gpu_steps_unjoined"] == 0

@@ -56,6 +56,8 @@ class Pipeline:
                     if ex.follower is not None:
                         ex.rec.llm_response = ex.follower.r
                     yield ex.rec
+                if c.h2 is not None:
+                    yield from c.h2.records.values()
 
     def _export(self, rec: RequestRecord) -> None:
         self.records += 1

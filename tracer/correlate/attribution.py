@@ -35,6 +35,7 @@ from tracer.correlate.steps import MAX_STEPS, Step, StepLog, request_range
 from tracer.events.gpu import COPY_KINDS, KernelBurst, NcclEvent
 
 Key = tuple[int, int, int, int]
+COLLECTIVES = frozenset({"allreduce", "allgather", "reducescatter", "broadcast", "reduce"})
 DEFAULT_HOLD_NS = 200_000_000  # > the burst flush interval and the API's hand-off lag
 KEEP_RELEASED_NS = 120 * 10**9  # released records still counted as members of steps
 KEEP_STEPS_NS = 600 * 10**9
@@ -160,6 +161,8 @@ class GpuAttribution:
         self.released_end: dict[int, int] = {}  # pid -> latest end_ns released
         self.gpu_pids: set[int] = set()  # processes seen on the GPU
         self.logs: dict[tuple[int, int], StepLog] = {}
+        self.comms: dict[tuple[int, int], tuple[int, int]] = {}  # (pid, comm) -> (id, rank)
+        self.seq: dict[tuple[int, int], int] = {}  # (pid, comm) -> collectives so far
         self.now = 0
 
     # ---- GPU side -------------------------------------------------------------------
@@ -194,11 +197,23 @@ class GpuAttribution:
 
 
     def nccl(self, ev: NcclEvent) -> None:
-        """An NCCL call: its bytes go with the step of its thread."""
+        """An NCCL call: its bytes go with the step of its thread; a collective's
+        order on its communicator is what joins tensor-parallel ranks' steps."""
+        if ev.op == "comm_init":
+            if ev.ret == 0:
+                self.comms[(ev.pid, ev.comm)] = (ev.comm_id, ev.peer)
+            return
         log = self.logs.get((ev.pid, ev.tid))
         if log is None:
             log = self.logs[(ev.pid, ev.tid)] = StepLog(ev.pid, ev.tid)
-        log.add_nccl(ev)
+        comm = self.comms.get((ev.pid, ev.comm))
+        collective = None
+        if comm is not None and ev.op in COLLECTIVES:
+            seq_key = (ev.pid, ev.comm)
+            self.seq[seq_key] = seq = self.seq.get(seq_key, 0) + 1
+            collective = (comm[0], seq)
+            log.comm_id, log.rank = comm
+        log.add_nccl(ev, collective)
 
     # ---- request side ---------------------------------------------------------------
 
@@ -261,47 +276,73 @@ class GpuAttribution:
                 yield r, False, None
 
     def _charge_steps(self, rec: RequestRecord) -> _Released:
-        """Share the steps ``rec`` was in; returns its ranges for later members."""
+        """Share the steps ``rec`` was in; returns its ranges for later members.
+
+        A tensor-parallel rank other than 0 whose communicator's rank 0 is in the
+        group is not aligned by itself: each of its steps is joined to the rank-0 step
+        that issued the same collective (same communicator, same sequence number) and
+        is shared the same way."""
         mine = _Released(rec)
         logs = self._group_logs(rec.pid)
         if not logs:
             return mine
-        group = self.ipc.serving_group(rec.pid)
-        others = list(self._members(rec, group))
+        leaders = {lg.comm_id: lg for lg in logs if lg.rank == 0}
+        followers = [lg for lg in logs if lg.rank and lg.comm_id in leaders]
+        others = list(self._members(rec, self.ipc.serving_group(rec.pid)))
         primary: tuple[StepLog, int, int] | None = None
         for log in logs:
+            if log in followers:
+                continue
             rng = request_range(rec, log, finished=True)
             mine.ranges[log.key] = rng
             if rng is None:
                 continue
             first, last, how = rng
             self.stats[f"gpu_step_ranges_{how}"] += 1
-            sharers = [0] * (last - first + 2)
-            for r, finished, rel in others:
-                if rel is not None and log.key in rel.ranges:
-                    orng = rel.ranges[log.key]
-                else:
-                    orng = request_range(r, log, finished=finished)
-                if orng is None or orng[1] < first or orng[0] > last:
-                    continue
-                sharers[max(orng[0], first) - first] += 1
-                sharers[min(orng[1], last) - first + 1] -= 1
+            fractions = self._fractions(log, first, last, others)
+            method = "time_share" if how == "time" else "step_share"
             share = self._share(rec)
-            n = 0
-            for i in range(first, last + 1):
-                n += sharers[i - first]
+            for i, frac in zip(range(first, last + 1), fractions):
                 step = log.get(i)
                 if step is None:
                     self.stats["gpu_steps_missing"] += 1
                     continue
-                share.add_step(step, 1.0 / (n + 1), prefill=i == first,
-                               method="time_share" if how == "time" else "step_share")
-                self.stats["gpu_step_launches_charged"] += step.launches / (n + 1)
+                share.add_step(step, frac, prefill=i == first, method=method)
+                self.stats["gpu_step_launches_charged"] += step.launches * frac
+                for f in followers:
+                    if log is leaders.get(f.comm_id) and step.collective is not None:
+                        j = f.by_collective.get(step.collective)
+                        fstep = f.get(j) if j is not None else None
+                        if fstep is None:
+                            self.stats["gpu_steps_unjoined"] += 1
+                            continue
+                        share.add_step(fstep, frac, prefill=i == first, method=method)
+                        self.stats["gpu_steps_joined_nccl"] += 1
+                        self.stats["gpu_step_launches_charged"] += fstep.launches * frac
             if primary is None or last - first > primary[2] - primary[1]:
                 primary = (log, first, last)
         if primary is not None:
             self._phases(rec, *primary)
         return mine
+
+    def _fractions(self, log: StepLog, first: int, last: int,
+                   others: list[tuple[RequestRecord, bool, _Released | None]]) -> list[float]:
+        """For each step first..last: 1 / (requests in it), counting this one."""
+        sharers = [0] * (last - first + 2)
+        for r, finished, rel in others:
+            if rel is not None and log.key in rel.ranges:
+                orng = rel.ranges[log.key]
+            else:
+                orng = request_range(r, log, finished=finished)
+            if orng is None or orng[1] < first or orng[0] > last:
+                continue
+            sharers[max(orng[0], first) - first] += 1
+            sharers[min(orng[1], last) - first + 1] -= 1
+        out, n = [], 0
+        for i in range(last - first + 1):
+            n += sharers[i]
+            out.append(1.0 / (n + 1))
+        return out
 
     def _phases(self, rec: RequestRecord, log: StepLog, first: int, last: int) -> None:
         """Queue, prefill and decode child spans from the request's steps and tokens."""

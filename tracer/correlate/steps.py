@@ -41,6 +41,7 @@ class Step:
     nccl_ops: int = 0
     nccl_bytes: int = 0
     charged: float = 0.0  # fractions of it charged to requests so far
+    collective: tuple[int, int] | None = None  # (comm id, sequence) of its first collective
 
     @property
     def span_ns(self) -> int:
@@ -69,7 +70,9 @@ class StepLog:
         self.ends: list[int] = []
         self.base = 0  # index of steps[0]
         self.open: Step | None = None
-        self.pending_nccl: list[NcclEvent] = []
+        self.rank: int | None = None  # NCCL rank of its communicator, once seen
+        self.comm_id: int | None = None
+        self.by_collective: dict[tuple[int, int], int] = {}  # (comm id, seq) -> step
 
     @property
     def key(self) -> tuple[int, int]:
@@ -89,19 +92,24 @@ class StepLog:
             return self._close()
         return None
 
-    def add_nccl(self, ev: NcclEvent) -> None:
-        """An NCCL call of this thread belongs to the step it was enqueued in."""
+    def add_nccl(self, ev: NcclEvent, collective: tuple[int, int] | None = None) -> None:
+        """An NCCL call of this thread belongs to the step it was enqueued in;
+        ``collective`` is its (communicator id, sequence number) when known."""
         if self.open is None:
             self.open = Step(self.pid, self.tid)
             self.open.first_ts = ev.ts_enter
         if ev.bytes:
             self.open.nccl_ops += 1
             self.open.nccl_bytes += ev.bytes
+        if collective is not None and self.open.collective is None:
+            self.open.collective = collective
 
     def _close(self) -> Step:
         step, self.open = self.open, None
         assert step is not None
         step.index = self.next_index
+        if step.collective is not None:
+            self.by_collective[step.collective] = step.index
         self.steps.append(step)
         self.ends.append(step.end_ts)
         return step
@@ -110,6 +118,9 @@ class StepLog:
         """Forget steps that ended before ``before_ts``; returns them."""
         n = bisect_right(self.ends, before_ts - 1)
         gone = self.steps[:n]
+        for st in gone:
+            if st.collective is not None:
+                self.by_collective.pop(st.collective, None)
         if n:
             del self.steps[:n]
             del self.ends[:n]
