@@ -91,9 +91,9 @@ def test_engine_in_another_process_is_joined_through_the_ipc_graph():
     stats: Counter[str] = Counter()
     ipc = IpcGraph(stats)
     msg = b'\x00\x00\x00\x50{"type": "submit", "id": "cmpl-0123456789abcdef", "prompt_ids": [1]}'
-    ipc.data(1, 9, 1, False, 0, msg, 100)  # the API process writes
-    ipc.data(7, 4, 2, True, 0, msg[:4], 120)  # the engine reads it in two parts
-    ipc.data(7, 4, 2, True, 4, msg[4:], 121)
+    ipc.data(1, 9, 1, False, msg, 100)  # the API process writes
+    ipc.data(7, 4, 2, True, msg[:4], 120)  # the engine reads it in two parts
+    ipc.data(7, 4, 2, True, msg[4:], 121)
     assert ipc.serving_group(1) == {1, 7} and ipc.edges() == [(1, 7, ["payload"])]
 
     out: list[RequestRecord] = []
@@ -116,12 +116,23 @@ def test_loopback_tcp_ends_are_linked_by_address():
     assert ipc.serving_group(2) == {1, 2} and ipc.serving_group(3) == {3}
 
 
-def test_different_first_bytes_do_not_link():
+def test_different_bytes_or_distant_times_do_not_link():
     ipc = IpcGraph()
-    ipc.data(1, 9, 1, False, 0, b"x" * 64, 100)
-    ipc.data(2, 9, 1, True, 0, b"y" * 64, 100)
-    ipc.data(3, 9, 1, True, 5, b"x" * 64, 100)  # not from its first byte
+    ipc.data(1, 9, 1, False, b"x" * 64, 100)
+    ipc.data(2, 9, 1, True, b"y" * 64, 100)
+    ipc.data(3, 9, 1, True, b"x" * 64, 100 + 3 * 10**9)
+    ipc.data(1, 8, 1, True, b"x" * 64, 100)  # its own bytes
     assert ipc.graph.number_of_edges() == 0
+
+
+def test_a_reader_that_missed_the_start_still_links():
+    """Blocked in recv(4) when the tracer attached, the reader never shows the length
+    prefix: its first bytes are found inside what the writer was seen writing."""
+    ipc = IpcGraph()
+    msg = b"\x00\x00\x01\x6d" + b'{"step": 1, "members": [{"id": "cmpl-7b12d8e0f1514c32"}]}'
+    ipc.data(5, 4, 1, True, msg[4:], 130)  # the reader's event may come first
+    ipc.data(4, 5, 1, False, msg, 120)
+    assert ipc.edges() == [(4, 5, ["payload"])]
 
 
 def test_request_range_bounds():

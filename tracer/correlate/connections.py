@@ -237,7 +237,7 @@ class ConnectionTracker:
                 self.ipc.connection(c.pid, (c.local_addr, c.local_port),
                                     (c.peer_addr, c.peer_port))
             if ev.payload:
-                self.ipc.data(c.pid, c.fd, c.conn_id, inbound, pos, ev.payload, ts)
+                self.ipc.data(c.pid, c.fd, c.conn_id, inbound, ev.payload, ts)
         if ev.payload:
             self._feed(c, ev, inbound, ts)
         if missing > 0:

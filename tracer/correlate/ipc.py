@@ -11,10 +11,11 @@ Two ends are recognised by:
 
 * addresses: a TCP connection whose local address is the other one's peer address and
   the other way round (loopback TCP);
-* payload fingerprints: the first ``FINGERPRINT_BYTES`` bytes one process wrote on a
-  connection are the first bytes another process read on one, within
-  ``MATCH_WINDOW_NS`` (unix sockets have no addresses to match). A connection's
-  fingerprint is taken only when it was seen from its first byte.
+* payload fingerprints: the first ``FINGERPRINT_BYTES`` bytes a process was seen
+  reading on a connection occur within the first ``WRITER_HEAD_BYTES`` bytes another
+  process was seen writing on one, within ``MATCH_WINDOW_NS`` (unix sockets have no
+  addresses to match). A substring, not a prefix: a reader blocked in a read when the
+  tracer attached misses the start of what was written (a length prefix, a message).
 """
 
 from __future__ import annotations
@@ -24,17 +25,25 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-FINGERPRINT_BYTES = 64
+FINGERPRINT_BYTES = 48
+WRITER_HEAD_BYTES = 2048
 MATCH_WINDOW_NS = 2_000_000_000
-MAX_PENDING = 4096  # unmatched fingerprints kept, oldest dropped first
+MAX_PENDING = 512  # unmatched heads kept per side, oldest dropped first
 
 
 @dataclass
-class _Stream:
-    """The first bytes of one direction of one connection."""
+class _Head:
+    """The first bytes seen of one direction of one connection."""
 
-    head: bytearray = field(default_factory=bytearray)
-    done: bool = False
+    pid: int
+    ts: int
+    inbound: bool
+    data: bytearray = field(default_factory=bytearray)
+    matched: bool = False
+
+    @property
+    def full(self) -> bool:
+        return len(self.data) >= (FINGERPRINT_BYTES if self.inbound else WRITER_HEAD_BYTES)
 
 
 class IpcGraph:
@@ -43,10 +52,9 @@ class IpcGraph:
     def __init__(self, stats: Counter[str] | None = None) -> None:
         self.graph: nx.Graph = nx.Graph()
         self.stats: Counter[str] = stats if stats is not None else Counter()
-        self._streams: dict[tuple[int, int, int, bool], _Stream] = {}
-        # fingerprint -> (pid, ts) of the writer / reader not yet matched
-        self._written: dict[bytes, tuple[int, int]] = {}
-        self._read: dict[bytes, tuple[int, int]] = {}
+        self._heads: dict[tuple[int, int, int, bool], _Head] = {}
+        self._writers: list[_Head] = []  # unmatched, oldest first
+        self._readers: list[_Head] = []
         self._addrs: dict[tuple[str, int, str, int], int] = {}
         self._groups: dict[int, frozenset[int]] = {}
 
@@ -73,38 +81,41 @@ class IpcGraph:
         if len(self._addrs) > MAX_PENDING * 4:
             self._addrs.pop(next(iter(self._addrs)))
 
-    def data(self, pid: int, fd: int, conn_id: int, inbound: bool, position: int,
-             payload: bytes, ts: int) -> None:
+    def data(self, pid: int, fd: int, conn_id: int, inbound: bool, payload: bytes,
+             ts: int) -> None:
         """Bytes a process moved on a connection (only the first few matter)."""
         key = (pid, fd, conn_id, inbound)
-        st = self._streams.get(key)
-        if st is None:
-            if position != 0:
-                return  # not seen from its start: no fingerprint
-            st = self._streams[key] = _Stream()
-        if st.done or position != len(st.head):
-            st.done = True
+        h = self._heads.get(key)
+        if h is None:
+            h = self._heads[key] = _Head(pid, ts, inbound)
+            pending = self._readers if inbound else self._writers
+            pending.append(h)
+            if len(pending) > MAX_PENDING:
+                del pending[0]
+        elif h.full or h.matched:
             return
-        st.head += payload[: FINGERPRINT_BYTES - len(st.head)]
-        if len(st.head) < FINGERPRINT_BYTES:
-            return
-        st.done = True
-        self._match(bytes(st.head), pid, ts, inbound)
+        need = (FINGERPRINT_BYTES if inbound else WRITER_HEAD_BYTES) - len(h.data)
+        h.data += payload[:need]
+        if len(h.data) >= FINGERPRINT_BYTES:
+            self._match(h)
 
     def closed(self, pid: int, fd: int, conn_id: int) -> None:
-        """A connection ended: forget its streams."""
-        self._streams.pop((pid, fd, conn_id, True), None)
-        self._streams.pop((pid, fd, conn_id, False), None)
+        """A connection ended: forget its heads."""
+        self._heads.pop((pid, fd, conn_id, True), None)
+        self._heads.pop((pid, fd, conn_id, False), None)
 
-    def _match(self, fp: bytes, pid: int, ts: int, inbound: bool) -> None:
-        mine, theirs = (self._read, self._written) if inbound else (self._written, self._read)
-        other = theirs.pop(fp, None)
-        if other is not None and other[0] != pid and abs(ts - other[1]) <= MATCH_WINDOW_NS:
-            self.link(pid, other[0], "payload")
-            return
-        mine[fp] = (pid, ts)
-        if len(mine) > MAX_PENDING:
-            mine.pop(next(iter(mine)))
+    def _match(self, h: _Head) -> None:
+        if h.inbound:
+            pairs = [(h, w) for w in self._writers]
+        else:
+            pairs = [(r, h) for r in self._readers if len(r.data) >= FINGERPRINT_BYTES]
+        for r, w in pairs:
+            if (r.pid != w.pid and not r.matched and abs(r.ts - w.ts) <= MATCH_WINDOW_NS
+                    and bytes(r.data[:FINGERPRINT_BYTES]) in w.data):
+                r.matched = True
+                self._readers.remove(r)
+                self.link(r.pid, w.pid, "payload")
+                return
 
     def serving_group(self, pid: int) -> frozenset[int]:
         """``pid`` and every process linked to it, directly or not."""

@@ -82,6 +82,28 @@ def all_pids() -> list[int]:
         return []
 
 
+def descendants(pid: int) -> list[int]:
+    """Live child processes of ``pid``, their children, and so on (an engine process a
+    server started before the tracer attached)."""
+    out: list[int] = []
+    todo = [pid]
+    while todo and len(out) < 4096:
+        parent = todo.pop()
+        kids: set[int] = set()
+        try:
+            tasks = os.listdir(PROC / str(parent) / "task")
+        except OSError:
+            continue
+        for t in tasks:
+            for c in str(_read(PROC / str(parent) / "task" / t / "children")).split():
+                if c.isdigit():
+                    kids.add(int(c))
+        for c in sorted(kids - set(out)):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
 def pids_by_comm(name: str) -> list[int]:
     """Processes whose comm (first 15 bytes of the program name) equals ``name``."""
     want = name[:15]

@@ -127,11 +127,15 @@ class CaptureSession:
     # ---- targets ----------------------------------------------------------------
 
     def resolve_targets(self) -> set[int]:
+        """The processes named by pid, comm or port, and their descendants (children
+        started later are followed from fork; these were there before we attached)."""
         found = set(p for p in self.config.pids if os.path.isdir(f"/proc/{p}"))
         for name in self.config.comms:
             found.update(procfs.pids_by_comm(name))
         for port in self.config.ports:
             found.update(procfs.pids_listening_on(port))
+        for pid in list(found):
+            found.update(procfs.descendants(pid))
         return found - self._exclude
 
     def rescan(self) -> None:
