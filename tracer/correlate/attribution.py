@@ -35,6 +35,7 @@ from tracer.correlate.steps import MAX_STEPS, Step, StepLog, request_range
 from tracer.events.gpu import COPY_KINDS, KernelBurst, NcclEvent
 
 Key = tuple[int, int, int, int]
+JOIN_WINDOW_NS = 50_000_000  # ranks enqueue a step's collective within this of each other
 COLLECTIVES = frozenset({"allreduce", "allgather", "reducescatter", "broadcast", "reduce"})
 DEFAULT_HOLD_NS = 200_000_000  # > the burst flush interval and the API's hand-off lag
 KEEP_RELEASED_NS = 120 * 10**9  # released records still counted as members of steps
@@ -78,10 +79,12 @@ class GpuShare:
         self.whole = self.whole and fraction == 1.0
         self.methods.add("same_thread")
 
-    def add_step(self, s: Step, fraction: float, prefill: bool, method: str) -> None:
+    def add_step(self, s: Step, fraction: float, prefill: bool, method: str,
+                 rank: int = 0) -> None:
         """Charge ``fraction`` of engine step ``s`` (``method``: how its steps were
         found: "step_share" from its tokens, "time_share" from its lifetime)."""
-        self.steps += 1
+        if rank == 0:  # other tensor-parallel ranks' steps are the same steps
+            self.steps += 1
         self.bursts += s.bursts
         launches = s.launches * fraction
         self.kernel_launches += launches
@@ -286,8 +289,7 @@ class GpuAttribution:
         logs = self._group_logs(rec.pid)
         if not logs:
             return mine
-        leaders = {lg.comm_id: lg for lg in logs if lg.rank == 0}
-        followers = [lg for lg in logs if lg.rank and lg.comm_id in leaders]
+        leaders, followers = self._ranks(rec.pid, logs)
         others = list(self._members(rec, self.ipc.serving_group(rec.pid)))
         primary: tuple[StepLog, int, int] | None = None
         for log in logs:
@@ -309,14 +311,14 @@ class GpuAttribution:
                     continue
                 share.add_step(step, frac, prefill=i == first, method=method)
                 self.stats["gpu_step_launches_charged"] += step.launches * frac
-                for f in followers:
-                    if log is leaders.get(f.comm_id) and step.collective is not None:
-                        j = f.by_collective.get(step.collective)
-                        fstep = f.get(j) if j is not None else None
+                if log in leaders and step.signature is not None:
+                    for f in followers:
+                        fstep = f.joined(step, JOIN_WINDOW_NS)
                         if fstep is None:
                             self.stats["gpu_steps_unjoined"] += 1
                             continue
-                        share.add_step(fstep, frac, prefill=i == first, method=method)
+                        share.add_step(fstep, frac, prefill=i == first, method=method,
+                                       rank=f.rank or 1)
                         self.stats["gpu_steps_joined_nccl"] += 1
                         self.stats["gpu_step_launches_charged"] += fstep.launches * frac
             if primary is None or last - first > primary[2] - primary[1]:
@@ -324,6 +326,23 @@ class GpuAttribution:
         if primary is not None:
             self._phases(rec, *primary)
         return mine
+
+    def _ranks(self, pid: int, logs: list[StepLog]) -> tuple[list[StepLog], list[StepLog]]:
+        """Tensor-parallel leaders (rank 0) and the other ranks among ``logs``.
+
+        Ranks are known from communicator init when the tracer saw it; otherwise the
+        rank whose process talks to the request's process (or is it) leads, and the
+        other logs that run collectives follow."""
+        coll = [lg for lg in logs if lg.has_collectives]
+        if len(coll) < 2:
+            return [], []
+        leaders = [lg for lg in coll if lg.rank == 0]
+        if not leaders:
+            near = {pid} | (set(self.ipc.graph.neighbors(pid)) if pid in self.ipc.graph else set())
+            leaders = [lg for lg in coll if lg.pid in near][:1]
+        if not leaders:
+            return [], []
+        return leaders, [lg for lg in coll if lg not in leaders]
 
     def _fractions(self, log: StepLog, first: int, last: int,
                    others: list[tuple[RequestRecord, bool, _Released | None]]) -> list[float]:

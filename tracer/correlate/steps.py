@@ -42,6 +42,8 @@ class Step:
     nccl_bytes: int = 0
     charged: float = 0.0  # fractions of it charged to requests so far
     collective: tuple[int, int] | None = None  # (comm id, sequence) of its first collective
+    signature: tuple[str, int, int] | None = None  # (op, count, dtype) of that collective
+    collective_ts: int = 0
 
     @property
     def span_ns(self) -> int:
@@ -73,6 +75,9 @@ class StepLog:
         self.rank: int | None = None  # NCCL rank of its communicator, once seen
         self.comm_id: int | None = None
         self.by_collective: dict[tuple[int, int], int] = {}  # (comm id, seq) -> step
+        # (op, count, dtype) -> [(enqueue time, step)], for ranks whose communicator
+        # was created before the tracer attached
+        self.by_signature: dict[tuple[str, int, int], list[tuple[int, int]]] = {}
 
     @property
     def key(self) -> tuple[int, int]:
@@ -101,7 +106,9 @@ class StepLog:
         if ev.bytes:
             self.open.nccl_ops += 1
             self.open.nccl_bytes += ev.bytes
-        if collective is not None and self.open.collective is None:
+        if ev.bytes and self.open.signature is None:
+            self.open.signature = (ev.op, ev.count, ev.dtype)
+            self.open.collective_ts = ev.ts_enter
             self.open.collective = collective
 
     def _close(self) -> Step:
@@ -110,6 +117,9 @@ class StepLog:
         step.index = self.next_index
         if step.collective is not None:
             self.by_collective[step.collective] = step.index
+        if step.signature is not None:
+            self.by_signature.setdefault(step.signature, []).append(
+                (step.collective_ts, step.index))
         self.steps.append(step)
         self.ends.append(step.end_ts)
         return step
@@ -121,6 +131,10 @@ class StepLog:
         for st in gone:
             if st.collective is not None:
                 self.by_collective.pop(st.collective, None)
+            if st.signature is not None:
+                lst = self.by_signature.get(st.signature, [])
+                if lst and lst[0][1] == st.index:
+                    lst.pop(0)
         if n:
             del self.steps[:n]
             del self.ends[:n]
@@ -142,6 +156,26 @@ class StepLog:
             else:
                 hi = mid
         return self.base + lo
+
+    @property
+    def has_collectives(self) -> bool:
+        return bool(self.by_signature)
+
+    def joined(self, other: Step, window_ns: int) -> Step | None:
+        """This log's step that ran the same collective as ``other`` (another rank's
+        step): the same sequence number on the same communicator when both are known,
+        else the same op, count and type enqueued closest in time within
+        ``window_ns``."""
+        if other.collective is not None and other.collective in self.by_collective:
+            return self.get(self.by_collective[other.collective])
+        if other.signature is None:
+            return None
+        best: tuple[int, int] | None = None
+        for ts, idx in self.by_signature.get(other.signature, ()):
+            d = abs(ts - other.collective_ts)
+            if d <= window_ns and (best is None or d < best[0]):
+                best = (d, idx)
+        return self.get(best[1]) if best is not None else None
 
     def get(self, index: int) -> Step | None:
         i = index - self.base
