@@ -157,3 +157,56 @@ def test_truth_matches_clients_and_standin_counts(layout, standins, tmp_path):
         first = next(s for s in steps[0] if any(x["id"] == rid for x in s["members"]))
         assert req["admitted_ns"] == first["t_start_ns"]
         assert req["arrival_ns"] <= req["admitted_ns"] < req["first_token_ns"] <= req["end_ns"]
+
+
+def test_scheduler_fifo_batch_limit_and_chunked_prefill():
+    from samples.batching.engine import Scheduler, Seq
+
+    s = Scheduler(max_batch=2, prefill_chunk=4, block=128)
+    s.add(Seq("a", list(range(10)), max_tokens=2))  # 3 prefill steps: 4 + 4 + 2
+    s.add(Seq("b", [1], max_tokens=1))
+    s.add(Seq("c", [1, 2], max_tokens=1))  # waits for a free slot
+    trace = []
+    while s.busy:
+        plan, admitted = s.plan()
+        tokens, finished = s.commit(plan, [7] * len(plan["members"]))
+        trace.append(([(m["id"], m["phase"], m["tokens"], m["emits"]) for m in plan["members"]],
+                      admitted, [t[0] for t in tokens], finished))
+    assert trace == [
+        ([("a", "prefill", 4, False), ("b", "prefill", 1, True)], ["a", "b"], ["b"], ["b"]),
+        ([("a", "prefill", 4, False), ("c", "prefill", 2, True)], ["c"], ["c"], ["c"]),
+        ([("a", "prefill", 2, True)], [], ["a"], []),
+        ([("a", "decode", 1, True)], [], ["a"], ["a"]),
+    ]
+    with pytest.raises(ValueError):
+        s.add(Seq("d", [], max_tokens=1))
+
+
+def test_wire_frames_split_anywhere_and_bad_frames_are_errors():
+    from samples.batching import wire
+
+    msgs = [{"id": "cmpl-1", "prompt_ids": [1, 2], "max_tokens": 3}, {"step": 1, "tokens": []}]
+    data = b"".join(wire.encode(m) for m in msgs)
+    for cut in range(len(data) + 1):
+        r = wire.FrameReader()
+        assert r.feed(data[:cut]) + r.feed(data[cut:]) == msgs
+    with pytest.raises(wire.ProtocolError, match="not JSON"):
+        wire.FrameReader().feed(wire.HEADER.pack(3) + b"{x}")
+    with pytest.raises(wire.ProtocolError, match="not a JSON object"):
+        wire.FrameReader().feed(wire.HEADER.pack(2) + b"[]")
+    with pytest.raises(wire.ProtocolError, match="over the"):
+        wire.FrameReader().feed(wire.HEADER.pack(wire.MAX_FRAME + 1))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--layout", "tp2", "--libcuda", "x"], "needs both"),
+    (["--device", "cuda", "--libcuda", "x"], "stand-ins"),
+    (["--layout", "thread", "--libnccl", "x"], "tp2"),
+    (["--max-batch", "0"], "at least 1"),
+])
+def test_server_rejects_inconsistent_options(argv, message, capsys):
+    from samples.batching.server import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err

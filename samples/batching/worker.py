@@ -50,6 +50,7 @@ def make_engine(device: str, max_batch: int, prefill_chunk: int, libcuda: str | 
 def serve_rank0(engine: Engine, api: socket.socket) -> None:
     """Take submits, run steps while there is work, send each step's output."""
     frames = wire.FrameReader()
+    bad = 0
     while True:
         ready, _, _ = select.select([api], [], [], 0 if engine.scheduler.busy else None)
         if ready:
@@ -60,7 +61,9 @@ def serve_rank0(engine: Engine, api: socket.socket) -> None:
                 try:
                     engine.submit(msg)
                 except (KeyError, TypeError, ValueError) as e:
-                    print(f"engine: bad submit message: {e!r}", file=sys.stderr, flush=True)
+                    bad += 1
+                    print(f"engine: bad submit message ({bad} so far), skipped: {e!r}",
+                          file=sys.stderr, flush=True)
         if engine.scheduler.busy:
             wire.send(api, engine.step())
 
