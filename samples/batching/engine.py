@@ -124,13 +124,18 @@ class Executor(Protocol):
 def last_logits(model: tinygpt.TinyGPT, idx: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     """Logits at each row's last real position, (B, vocab)."""
     logits = model(idx)
-    return logits[torch.arange(idx.shape[0], device=idx.device), last]
+    b, _, v = logits.shape
+    return logits.gather(1, last.view(b, 1, 1).expand(b, 1, v)).squeeze(1)
 
 
 def pick(logits: torch.Tensor, temps: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Sample per row at its own temperature; temperature 0 is greedy."""
+    """Sample per row at its own temperature; temperature 0 is greedy.
+
+    The exponential race (argmax of p / E, E ~ Exp(1)) draws from p exactly as
+    ``torch.multinomial`` does for one sample, without the ``.item()`` validity check
+    multinomial makes, which would synchronise a CUDA step."""
     probs = F.softmax(logits / temps.clamp_min(1e-6).unsqueeze(1), dim=-1)
-    drawn = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+    drawn = (probs / torch.empty_like(probs).exponential_(1.0, generator=gen)).argmax(dim=-1)
     return torch.where(temps > 0, drawn, logits.argmax(dim=-1))
 
 
@@ -213,19 +218,24 @@ class CudaExecutor:
         self.last_h[:b].copy_(last)
         self.temps_h[:b].copy_(torch.tensor(plan["temps"], dtype=torch.float32))
         t_start = time.monotonic_ns()
-        self.ev[0].record()
-        idx_d = self.idx_d[:b * t].view(b, t)
-        idx_d.copy_(self.idx_h[:b * t].view(b, t), non_blocking=True)
-        self.last_d[:b].copy_(self.last_h[:b], non_blocking=True)
-        self.temps_d[:b].copy_(self.temps_h[:b], non_blocking=True)
-        with torch.no_grad():
-            logits = last_logits(self.model, idx_d, self.last_d[:b])
-            if self.dist:
-                import torch.distributed as tdist
-                tdist.all_reduce(logits)
-                logits = logits / tdist.get_world_size()
-            out = pick(logits, self.temps_d[:b], self.gen)
-        self.ev[1].record()
+        # PyTorch warns of any synchronising call up to the .tolist(): there should be none.
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            self.ev[0].record()
+            idx_d = self.idx_d[:b * t].view(b, t)
+            idx_d.copy_(self.idx_h[:b * t].view(b, t), non_blocking=True)
+            self.last_d[:b].copy_(self.last_h[:b], non_blocking=True)
+            self.temps_d[:b].copy_(self.temps_h[:b], non_blocking=True)
+            with torch.no_grad():
+                logits = last_logits(self.model, idx_d, self.last_d[:b])
+                if self.dist:
+                    import torch.distributed as tdist
+                    tdist.all_reduce(logits)
+                    logits = logits / tdist.get_world_size()
+                out = pick(logits, self.temps_d[:b], self.gen)
+            self.ev[1].record()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
         sampled = out.tolist()  # the step's one synchronisation
         t_end = time.monotonic_ns()
         gpu_ns = int(self.ev[0].elapsed_time(self.ev[1]) * 1e6)  # both events completed

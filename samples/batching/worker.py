@@ -87,6 +87,7 @@ def _join_peer(rank: int, path: str) -> socket.socket:
 def _init_collectives(args: argparse.Namespace, peer: socket.socket) -> StandinNccl | None:
     if args.device == "cuda":
         import torch.distributed as tdist
+        torch.cuda.set_device(args.rank)
         tdist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{args.dist_port}",
                                  rank=args.rank, world_size=args.world,
                                  device_id=torch.device("cuda", args.rank))
