@@ -210,3 +210,23 @@ def test_server_rejects_inconsistent_options(argv, message, capsys):
     with pytest.raises(SystemExit):
         parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_engine_process_killed_requests_get_503_not_a_hang(tmp_path):
+    import os
+    import signal
+
+    server = SampleServer("samples.batching.server", port=free_port(),
+                          args=["--layout", "process", "--truth", str(tmp_path / "t.jsonl")],
+                          log=tmp_path / "server.log")
+    with server:
+        url = server.base_url + "/v1/completions"
+        status, doc = _post(url, {"model": "tiny-gpt", "prompt": "a b c", "max_tokens": 2})
+        assert status == 200 and doc["usage"]["completion_tokens"] == 2
+        engine = {r["pid"] for r in truthfile.read(tmp_path / "t.jsonl") if r["type"] == "step"}
+        assert len(engine) == 1 and _parent(next(iter(engine))) == server.pid
+        os.kill(engine.pop(), signal.SIGKILL)
+        status, doc = _post(url, {"model": "tiny-gpt", "prompt": "a b c", "max_tokens": 2})
+        assert status == 503 and "engine" in doc["error"]["message"]
+        assert server.proc.poll() is None  # the API process goes on answering
+    assert "the engine closed its socket" in (tmp_path / "server.log").read_text()

@@ -148,11 +148,20 @@ class ThreadLink:
         self.thread.start()
 
     async def submit(self, msg: dict[str, Any]) -> None:
+        if not self.thread.is_alive():
+            raise EngineLost("the engine thread has stopped")
         with self.cond:
             self.inbox.append(msg)
             self.cond.notify()
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:
+            self.loop.call_soon_threadsafe(self.hub.lost)
+            raise
+
+    def _loop(self) -> None:
         sched = self.engine.scheduler
         while True:
             with self.cond:
@@ -195,6 +204,7 @@ class SocketLink:
                     raise RuntimeError(f"engine did not connect: {dead or 'timeout'}") from None
         listener.close()
         self.conn.setblocking(False)
+        self.closing = False
 
     async def start(self, hub: Hub) -> None:
         self.hub = hub
@@ -202,6 +212,8 @@ class SocketLink:
         self.task = asyncio.create_task(self._read())
 
     async def submit(self, msg: dict[str, Any]) -> None:
+        if self.task.done():
+            raise EngineLost("the engine closed its socket")
         self.writer.write(wire.encode(msg))
         await self.writer.drain()
 
@@ -213,8 +225,12 @@ class SocketLink:
                     self.hub.deliver(msg)
         finally:
             self.hub.lost()
+            if not self.closing:
+                print("batching server: the engine closed its socket", file=sys.stderr,
+                      flush=True)
 
     async def close(self) -> None:
+        self.closing = True
         self.writer.close()  # rank 0 sees EOF, closes rank 1's socket, both exit
         await asyncio.to_thread(self._stop_children)
         self.task.cancel()
@@ -226,7 +242,7 @@ class SocketLink:
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                p.terminate()
+                p.kill()  # ranks ignore SIGTERM (they exit when their socket closes)
                 p.wait()
 
 
@@ -271,7 +287,7 @@ def build_app(hub: Hub, link: Link) -> FastAPI:
         try:
             await link.submit({"id": rid, "prompt_ids": ids, "max_tokens": n,
                                "temperature": float(temperature)})
-        except OSError:
+        except (OSError, EngineLost):
             hub.close(p)
             return _error(503, "the engine is not reachable", "server_error")
         usage = lambda k: {"prompt_tokens": len(ids), "completion_tokens": k,  # noqa: E731
