@@ -21,7 +21,7 @@ import torch
 
 from samples import tinygpt
 from samples.batching import wire
-from samples.batching.engine import (CpuExecutor, CudaExecutor, Engine, Executor, Plan,
+from samples.batching.engine import (CpuExecutor, CudaExecutor, Engine, Executor,
                                      Scheduler, write_step)
 from samples.batching.gpu import StandinGpu, StandinNccl
 from samples.batching.truth import TruthFile
