@@ -111,3 +111,16 @@ def test_attributes_for_a_record():
                  "gpu.model": "NVIDIA H100 80GB HBM3", "cost.usd": pytest.approx(0.0005)}
     # unknown GPU time: no cost at all, not a cost of zero
     assert "cost.usd" not in p.attributes(None)
+
+
+def test_the_documented_table_is_the_table():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "report.md").read_text()
+    rows = {}
+    for line in doc.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`") and cells[2][:1].isdigit():
+            rows[cells[0].strip("`")] = float(cells[2])
+    assert rows == {p.key: p.usd_per_hour for p in DEFAULT_PRICES}
+    assert f"{FALLBACK_USD_PER_GPU_HOUR:.2f} (fallback)" in doc

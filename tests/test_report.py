@@ -203,11 +203,29 @@ def test_html_is_self_contained_with_one_svg_per_plot_and_no_prompt(spans, tmp_p
     for name, value in p.attrs:
         assert name != "src", value
         if name.endswith("href"):
-            assert value.startswith("#"), value  # only references inside the page
+            # only references inside the page, or an embedded (rasterised) image
+            assert value.startswith(("#", "data:image/png;base64,")), value[:40]
     assert "<h2>By model</h2>" in page and "<h2>By tenant</h2>" in page and "t-b" in page
+    top = page[page.index("Most expensive requests"):]
+    assert top.count("<tr>") == 1 + 4  # header + the 4 requests with a cost
+    assert "4bf92f3577b34da6a3ce929d0e0e4736" in top  # by trace id, to find it in Jaeger
     for f in out.iterdir():  # prompts and completions never reach any report file
         assert "secret" not in f.read_text(), f.name
     assert "secret prompt" in spans.read_text()  # though the spans carried them
+
+
+def test_many_points_are_embedded_as_an_image_inside_the_svg(spans, tmp_path, monkeypatch):
+    from tracer.report import page
+
+    out = tmp_path / "rep"
+    assert run_report(spans, "-o", out, "--format", "html") == 0
+    vector = (out / "report.html").read_text()
+    monkeypatch.setattr(page, "RASTER_ABOVE", 2)
+    assert run_report(spans, "-o", out, "--format", "html") == 0
+    raster = (out / "report.html").read_text()
+    assert "data:image/png" not in vector
+    assert raster.count('href="data:image/png;base64,') == 2  # the two scatter plots
+    assert raster.count("<svg") == 4
 
 
 def test_malformed_lines_are_counted_and_skipped(spans, tmp_path, capsys):
@@ -307,3 +325,13 @@ def test_a_replayed_capture_end_to_end(openai_capture, tmp_path):
                                         else str(want["output_tokens"]))
         assert row["gpu_ms"] == "" and row["cost_usd"] == ""  # no GPU in that capture
     assert (tmp_path / "rep" / "report.html").read_text().count("<svg") == 4
+
+
+def test_every_column_is_documented():
+    from pathlib import Path
+
+    from tracer.report.summary import SUMMARY_COLUMNS
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "report.md").read_text()
+    for col in [*COLUMNS, *SUMMARY_COLUMNS]:
+        assert f"`{col}`" in doc, col

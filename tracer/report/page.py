@@ -17,7 +17,14 @@ from tracer.report.summary import SUMMARY_COLUMNS
 
 MAX_SERIES = 8  # models in a legend; the rest are drawn as "other"
 MAX_BARS = 15  # tenants in the bar chart; the rest are summed as "other"
+# Above this many points a scatter is embedded as a PNG inside the SVG (a data: URI,
+# still self-contained): as vectors, 50,000 points make an 11 MB page.
+RASTER_ABOVE = 2000
 NONE_LABEL = "(none)"
+TOP_REQUESTS = 10
+_TOP_COLUMNS = {"trace_id": "find it in Jaeger", "model": "", "tenant": "",
+                "prompt_tokens": "", "output_tokens": "", "ttft_ms": "", "e2e_ms": "",
+                "gpu_ms": "", "cost_usd": "", "attribution": ""}
 
 
 def _label(v: Any) -> str:
@@ -45,6 +52,13 @@ def _series(rows: list[dict[str, Any]], x: str, y: str) -> dict[str, tuple[list,
     return out
 
 
+def _scatter(ax: Axes, series: dict[str, tuple[list, list]]) -> None:
+    raster = sum(len(xs) for xs, _ in series.values()) > RASTER_ABOVE
+    for m, (xs, ys) in sorted(series.items()):
+        ax.scatter(xs, ys, s=14, label=m, rasterized=raster)
+    ax.legend(fontsize="small")
+
+
 def _empty(ax: Axes, what: str) -> None:
     ax.text(0.5, 0.5, f"no request has {what}", ha="center", va="center",
             transform=ax.transAxes, color="0.4")
@@ -61,12 +75,10 @@ def plot_cost_per_request(ax: Axes, rows: list[dict[str, Any]]) -> None:
     series = _series(pts, "t_s", "cost_usd")
     if not series:
         return _empty(ax, "a cost (tokentrace.cost.usd)")
-    for m, (xs, ys) in sorted(series.items()):
-        ax.scatter(xs, ys, s=14, label=m)
+    _scatter(ax, series)
     ax.set_xlabel("request start, s after the first")
     ax.set_ylabel("cost, USD")
     ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
-    ax.legend(fontsize="small")
 
 
 def plot_ttft_vs_prompt(ax: Axes, rows: list[dict[str, Any]]) -> None:
@@ -74,11 +86,9 @@ def plot_ttft_vs_prompt(ax: Axes, rows: list[dict[str, Any]]) -> None:
     series = _series(rows, "prompt_tokens", "ttft_ms")
     if not series:
         return _empty(ax, "both a TTFT and a prompt token count")
-    for m, (xs, ys) in sorted(series.items()):
-        ax.scatter(xs, ys, s=14, label=m)
+    _scatter(ax, series)
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("TTFT, ms")
-    ax.legend(fontsize="small")
 
 
 def plot_gpu_ms_per_token(ax: Axes, rows: list[dict[str, Any]]) -> None:
@@ -171,6 +181,8 @@ def render(rows: list[dict[str, Any]], by_model: list[dict[str, Any]],
     if meta.get("pricing"):
         notes.append("costs recomputed at " + html.escape(meta["pricing"]))
     total_cols = {"": "all requests", **SUMMARY_COLUMNS}
+    top = sorted((r for r in rows if r.get("cost_usd") is not None),
+                 key=lambda r: -r["cost_usd"])[:TOP_REQUESTS]
     return f"""<!DOCTYPE html>
 <html lang="en">
 <head>
@@ -189,6 +201,8 @@ def render(rows: list[dict[str, Any]], by_model: list[dict[str, Any]],
 {_table(by_model, {"model": "gen_ai.request.model", **SUMMARY_COLUMNS})}
 <h2>By tenant</h2>
 {_table(by_tenant, {"tenant": "hashed API key", **SUMMARY_COLUMNS})}
+<h2>Most expensive requests</h2>
+{_table(top, _TOP_COLUMNS)}
 </body>
 </html>
 """
