@@ -244,6 +244,16 @@ def test_malformed_lines_are_counted_and_skipped(spans, tmp_path, capsys):
     assert "4 malformed line(s) skipped" in (out / "report.html").read_text()
 
 
+def test_client_strings_cannot_become_spreadsheet_formulas(tmp_path):
+    path = tmp_path / "s.jsonl"
+    write_spans(path, [record(0, model="=HYPERLINK(\"http://x\")")])
+    assert run_report(path, "-o", tmp_path / "rep", "--format", "csv,json") == 0
+    (row,) = read_csv(tmp_path / "rep" / "requests.csv")
+    assert row["model"] == "'=HYPERLINK(\"http://x\")"
+    (doc,) = json.loads((tmp_path / "rep" / "requests.json").read_text())
+    assert doc["model"] == "=HYPERLINK(\"http://x\")"  # JSON keeps the value as it was
+
+
 def test_wrong_types_are_left_empty_and_counted(tmp_path, capsys):
     path = tmp_path / "s.jsonl"
     write_spans(path, [record(0)])

@@ -134,7 +134,10 @@ def _fmt(v: Any) -> str:
     if v is None:
         return ""
     if isinstance(v, float):
-        return f"{v:.3g}" if abs(v) < 0.01 and v else f"{v:,.3f}".rstrip("0").rstrip(".")
+        if abs(v) >= 1000:
+            return f"{v:,.1f}"
+        # small costs matter: keep 4 significant digits below 1
+        return f"{v:,.3f}".rstrip("0").rstrip(".") if abs(v) >= 1 else f"{v:.4g}"
     return str(v)
 
 

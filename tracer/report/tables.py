@@ -11,11 +11,18 @@ from tracer.report.rows import COLUMNS
 from tracer.report.summary import SUMMARY_COLUMNS
 
 
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
 def _cell(v: Any) -> Any:
     if v is None:
         return ""
     if isinstance(v, bool):
         return "true" if v else "false"
+    if isinstance(v, str) and v.startswith(_FORMULA_START):
+        # labels such as the model name come from clients: a spreadsheet must not run
+        # them as formulas (OWASP "CSV injection")
+        return "'" + v
     return v
 
 
