@@ -1,0 +1,5 @@
+import sys
+
+from tracer.report.cli import standalone
+
+sys.exit(standalone())

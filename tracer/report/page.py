@@ -1,0 +1,211 @@
+"""report.html: one self-contained page, plots as inline SVG (matplotlib), no scripts,
+no styles or fonts fetched from anywhere (text in the plots is drawn as paths)."""
+
+from __future__ import annotations
+
+import html
+import io
+import re
+from collections import defaultdict
+from typing import Any, Callable
+
+from matplotlib import rc_context
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+from tracer.report.summary import SUMMARY_COLUMNS
+
+MAX_SERIES = 8  # models in a legend; the rest are drawn as "other"
+MAX_BARS = 15  # tenants in the bar chart; the rest are summed as "other"
+# Above this many points a scatter is embedded as a PNG inside the SVG (a data: URI,
+# still self-contained): as vectors, 50,000 points make an 11 MB page.
+RASTER_ABOVE = 2000
+NONE_LABEL = "(none)"
+TOP_REQUESTS = 10
+_TOP_COLUMNS = {"trace_id": "find it in Jaeger", "model": "", "tenant": "",
+                "prompt_tokens": "", "output_tokens": "", "ttft_ms": "", "e2e_ms": "",
+                "gpu_ms": "", "cost_usd": "", "attribution": ""}
+
+
+def _label(v: Any) -> str:
+    return NONE_LABEL if v is None or v == "" else str(v)
+
+
+def _top_keys(rows: list[dict[str, Any]], key: str, n: int) -> set[str]:
+    counts: dict[str, int] = defaultdict(int)
+    for r in rows:
+        counts[_label(r.get(key))] += 1
+    return set(sorted(counts, key=lambda k: (-counts[k], k))[:n])
+
+
+def _series(rows: list[dict[str, Any]], x: str, y: str) -> dict[str, tuple[list, list]]:
+    """Per model (top MAX_SERIES, then "other"): the (x, y) points of rows having both."""
+    top = _top_keys(rows, "model", MAX_SERIES)
+    out: dict[str, tuple[list, list]] = {}
+    for r in rows:
+        if r.get(x) is None or r.get(y) is None:
+            continue
+        m = _label(r.get("model"))
+        xs, ys = out.setdefault(m if m in top else "other", ([], []))
+        xs.append(r[x])
+        ys.append(r[y])
+    return out
+
+
+def _scatter(ax: Axes, series: dict[str, tuple[list, list]]) -> None:
+    raster = sum(len(xs) for xs, _ in series.values()) > RASTER_ABOVE
+    for m, (xs, ys) in sorted(series.items()):
+        ax.scatter(xs, ys, s=14, label=m, rasterized=raster)
+    ax.legend(fontsize="small")
+
+
+def _empty(ax: Axes, what: str) -> None:
+    ax.text(0.5, 0.5, f"no request has {what}", ha="center", va="center",
+            transform=ax.transAxes, color="0.4")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def plot_cost_per_request(ax: Axes, rows: list[dict[str, Any]]) -> None:
+    """Cost of each request over time, one colour per model."""
+    t0 = min((r["start_time_unix_nano"] for r in rows if r.get("start_time_unix_nano")),
+             default=0)
+    pts = [dict(r, t_s=(r["start_time_unix_nano"] - t0) / 1e9)
+           for r in rows if r.get("start_time_unix_nano")]
+    series = _series(pts, "t_s", "cost_usd")
+    if not series:
+        return _empty(ax, "a cost (tokentrace.cost.usd)")
+    _scatter(ax, series)
+    ax.set_xlabel("request start, s after the first")
+    ax.set_ylabel("cost, USD")
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+
+
+def plot_ttft_vs_prompt(ax: Axes, rows: list[dict[str, Any]]) -> None:
+    """Time to first token against prompt length, one colour per model."""
+    series = _series(rows, "prompt_tokens", "ttft_ms")
+    if not series:
+        return _empty(ax, "both a TTFT and a prompt token count")
+    _scatter(ax, series)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("TTFT, ms")
+
+
+def plot_gpu_ms_per_token(ax: Axes, rows: list[dict[str, Any]]) -> None:
+    """Distribution of GPU-ms per output token, one box per model."""
+    series = _series(rows, "gpu_ms_per_output_token", "gpu_ms_per_output_token")
+    if not series:
+        return _empty(ax, "GPU-ms and output tokens")
+    names = sorted(series)
+    ax.boxplot([series[m][0] for m in names])
+    ax.set_xticks(range(1, len(names) + 1), names, rotation=20, ha="right")
+    ax.set_ylabel("GPU-ms per output token")
+
+
+def plot_cost_by_tenant(ax: Axes, by_tenant: list[dict[str, Any]]) -> None:
+    """Total cost per tenant, largest first (the rest summed as "other")."""
+    priced = [s for s in by_tenant if s.get("cost_usd_total") is not None]
+    if not priced:
+        return _empty(ax, "a cost (tokentrace.cost.usd)")
+    bars = [(_label(s["tenant"]), s["cost_usd_total"]) for s in priced[:MAX_BARS]]
+    rest = sum(s["cost_usd_total"] for s in priced[MAX_BARS:])
+    if rest:
+        bars.append(("other", rest))
+    bars.reverse()  # barh draws bottom-up: largest on top
+    ax.barh([b[0] for b in bars], [b[1] for b in bars])
+    ax.set_xlabel("total cost, USD")
+    ax.ticklabel_format(axis="x", style="sci", scilimits=(-3, 3))
+
+
+def svg_of(name: str, draw: Callable[[Axes], None]) -> str:
+    """A figure drawn by ``draw`` as an inline ``<svg>`` element (no XML prolog,
+    DOCTYPE or metadata; ids salted with ``name`` so several plots share a page)."""
+    with rc_context({"svg.fonttype": "path", "svg.hashsalt": f"tokentrace-{name}"}):
+        fig = Figure(figsize=(7, 4), layout="constrained")
+        draw(fig.add_subplot())
+        buf = io.StringIO()
+        fig.savefig(buf, format="svg", metadata={"Date": None})
+    svg = buf.getvalue()
+    svg = svg[svg.index("<svg"):]
+    return re.sub(r"\s*<metadata>.*?</metadata>", "", svg, flags=re.S)
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        if abs(v) >= 1000:
+            return f"{v:,.1f}"
+        # small costs matter: keep 4 significant digits below 1
+        return f"{v:,.3f}".rstrip("0").rstrip(".") if abs(v) >= 1 else f"{v:.4g}"
+    return str(v)
+
+
+def _table(rows: list[dict[str, Any]], columns: dict[str, str]) -> str:
+    head = "".join(f'<th title="{html.escape(d)}">{html.escape(c)}</th>'
+                   for c, d in columns.items())
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(_label(r.get(c)) if i == 0 else _fmt(r.get(c)))}"
+                         "</td>" for i, c in enumerate(columns)) + "</tr>\n"
+        for r in rows)
+    return f"<table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n{body}</tbody>\n</table>"
+
+
+_STYLE = """body{font-family:sans-serif;margin:2em;max-width:1100px}
+table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;
+text-align:right}td:first-child,th:first-child{text-align:left;font-family:monospace}
+figure{margin:1em 0}svg{max-width:100%;height:auto}.note{color:#555}"""
+
+
+def render(rows: list[dict[str, Any]], by_model: list[dict[str, Any]],
+           by_tenant: list[dict[str, Any]], totals: dict[str, Any],
+           meta: dict[str, Any]) -> str:
+    """The whole report page."""
+    plots = [
+        ("cost-per-request", "Cost per request", lambda ax: plot_cost_per_request(ax, rows)),
+        ("ttft-vs-prompt", "Time to first token vs prompt length",
+         lambda ax: plot_ttft_vs_prompt(ax, rows)),
+        ("gpu-ms-per-token", "GPU-ms per output token by model",
+         lambda ax: plot_gpu_ms_per_token(ax, rows)),
+        ("cost-by-tenant", "Cost by tenant", lambda ax: plot_cost_by_tenant(ax, by_tenant)),
+    ]
+    figures = "\n".join(
+        f'<figure id="{pid}">\n{svg_of(pid, draw)}\n'
+        f"<figcaption>{html.escape(title)}</figcaption>\n</figure>"
+        for pid, title, draw in plots)
+    counts = meta["input"]
+    notes = [f"{counts['requests']} requests from {html.escape(meta['source'])}; "
+             f"{counts['child_spans_skipped']} child spans skipped"]
+    if counts["bad_lines"]:
+        notes.append(f"{counts['bad_lines']} malformed line(s) skipped: "
+                     + html.escape("; ".join(counts["bad_line_examples"])))
+    if counts["bad_values"]:
+        notes.append(f"{counts['bad_values']} attribute value(s) of the wrong type left empty")
+    if meta.get("pricing"):
+        notes.append("costs recomputed at " + html.escape(meta["pricing"]))
+    total_cols = {"": "all requests", **SUMMARY_COLUMNS}
+    top = sorted((r for r in rows if r.get("cost_usd") is not None),
+                 key=lambda r: -r["cost_usd"])[:TOP_REQUESTS]
+    return f"""<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<title>tokentrace cost report</title>
+<style>{_STYLE}</style>
+</head>
+<body>
+<h1>tokentrace cost report</h1>
+{"".join(f'<p class="note">{n}</p>' for n in notes)}
+<h2>All requests</h2>
+{_table([{"": "all", **totals}], total_cols)}
+<h2>Plots</h2>
+{figures}
+<h2>By model</h2>
+{_table(by_model, {"model": "gen_ai.request.model", **SUMMARY_COLUMNS})}
+<h2>By tenant</h2>
+{_table(by_tenant, {"tenant": "hashed API key", **SUMMARY_COLUMNS})}
+<h2>Most expensive requests</h2>
+{_table(top, _TOP_COLUMNS)}
+</body>
+</html>
+"""
