@@ -15,7 +15,7 @@ def cli(*args):
                           text=True, timeout=120)
 
 
-@pytest.mark.parametrize("sub", ["run", "record", "replay", "doctor", "demo"])
+@pytest.mark.parametrize("sub", ["run", "record", "replay", "doctor", "demo", "report"])
 def test_every_subcommand_has_help_with_a_description(sub):
     r = cli(sub, "--help")
     assert r.returncode == 0

@@ -23,6 +23,7 @@ commands:
   replay    analyse a capture file as `run` would, without BPF
   doctor    check privileges, kernel and BCC; say how to fix what is missing
   demo      trace a sample inference server end to end
+  report    per-request cost report (CSV, JSON, HTML) from a span JSONL file
 
 examples:
   sudo tokentrace run --port 8000
@@ -30,6 +31,7 @@ examples:
   sudo tokentrace run --pid 4242 --otlp http://localhost:4318
   sudo tokentrace record --port 8000 -o cap.ttcap --duration 30
   tokentrace replay cap.ttcap --jsonl spans.jsonl
+  tokentrace report spans.jsonl -o report
 """
 
 
@@ -88,6 +90,12 @@ def _add_export_args(p: argparse.ArgumentParser) -> None:
                         "launches, graph launches, memcpy/memset bytes, device memory, "
                         "syncs and waits, NCCL ops and bytes, top kernels) and every "
                         "drop counter to FILE as JSON")
+    g.add_argument("--gpu-price", type=float, metavar="USD",
+                   help="price of one GPU-hour for per-request cost (default: by GPU "
+                        "model, from NVML or --gpu-model; see docs/report.md)")
+    g.add_argument("--gpu-model", metavar="NAME",
+                   help="GPU model to price by (default: what NVML reports; in replay, "
+                        "what the capture recorded)")
     g.add_argument("-q", "--quiet", action="store_true", help="no console table")
     from tracer.export.metrics import add_metric_args
 
@@ -162,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="where spans and the capture go (default: out)")
     demo.add_argument("--port", type=int, default=8765, help="sample server port")
     demo.set_defaults(func=cmd_demo)
+
+    from tracer.report.cli import add_parser as add_report_parser
+
+    add_report_parser(sub)
     return parser
 
 
@@ -302,11 +314,16 @@ def _drive(args: argparse.Namespace, open_: Callable[[], Any], poll: Callable[[]
 def cmd_run(args: argparse.Namespace) -> int:
     from tracer.runner import TraceRun
 
+    from tracer.correlate.cost import GpuPricing
+
+    pricing = GpuPricing.resolve(price=args.gpu_price, model=args.gpu_model)
     header = capture.new_header(command="run")
+    header["gpu_model"] = pricing.model
+    _say(f"GPU price: {pricing.describe()}")
     ctx = ExportContext(capture_id=header["capture_id"], host=header["host"])
     sinks, console = build_sinks(args, ctx)
     run = TraceRun(_targets(args), sinks, TrackerOptions(keep_content=args.capture_content),
-                   record=args.record, ctx=ctx, header=header)
+                   record=args.record, ctx=ctx, header=header, pricing=pricing)
     try:
         rc = _drive(args, run.open, run.poll, lambda: run.session.pids,
                     lambda: run.session.gpu)
@@ -321,7 +338,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_record(args: argparse.Namespace) -> int:
     from tracer.probes.session import CaptureSession
 
-    writer = capture.CaptureWriter(args.output, capture.new_header(command="record"))
+    from tracer.correlate.cost import detect_gpu_model
+
+    header = capture.new_header(command="record")
+    header["gpu_model"] = detect_gpu_model().name
+    writer = capture.CaptureWriter(args.output, header)
     session = CaptureSession(_targets(args), writer.write)
     try:
         rc = _drive(args, session.start, session.poll, lambda: session.pids,
@@ -340,9 +361,16 @@ def cmd_replay(args: argparse.Namespace) -> int:
     except (capture.CaptureError, OSError) as e:
         _say(f"error: {e}")
         return 1
+    from tracer.correlate.cost import GpuDetection, GpuPricing
+
+    recorded = reader.header.get("gpu_model")
+    pricing = GpuPricing.resolve(
+        price=args.gpu_price, model=args.gpu_model or recorded,
+        detect=lambda: GpuDetection(reason="replay: the capture names no GPU model"))
+    _say(f"GPU price: {pricing.describe()}")
     ctx = ExportContext(capture_id=reader.header["capture_id"], host=reader.header.get("host", ""))
     sinks, console = build_sinks(args, ctx)
-    pipeline = Pipeline(sinks, ctx, TrackerOptions(keep_content=args.capture_content))
+    pipeline = Pipeline(sinks, ctx, TrackerOptions(keep_content=args.capture_content), pricing)
     try:
         for item in reader:
             pipeline.feed(item)

@@ -17,13 +17,13 @@ from tracer.probes.session import CaptureConfig, CaptureSession
 class TraceRun:
     def __init__(self, config: CaptureConfig, sinks: list[Any],
                  options: TrackerOptions | None = None, record: str | None = None,
-                 ctx: ExportContext | None = None, header: dict[str, Any] | None = None
-                 ) -> None:
+                 ctx: ExportContext | None = None, header: dict[str, Any] | None = None,
+                 pricing: Any = None) -> None:
         self.header = header or capture.new_header(command="run")
         self.ctx = ctx or ExportContext()
         self.ctx.capture_id = self.ctx.capture_id or self.header["capture_id"]
         self.ctx.host = self.ctx.host or self.header["host"]
-        self.pipeline = Pipeline(sinks, self.ctx, options)
+        self.pipeline = Pipeline(sinks, self.ctx, options, pricing)
         self.writer = capture.CaptureWriter(record, self.header) if record else None
         self.session = CaptureSession(config, self._sink)
         self._stop = threading.Event()

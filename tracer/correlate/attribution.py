@@ -43,10 +43,9 @@ KEEP_STEPS_NS = 600 * 10**9
 
 
 class Pricing(Protocol):
-    """What the correlator needs of the price configuration."""
+    """What the correlator needs of the price configuration (``cost.GpuPricing``)."""
 
-    model: str | None
-    price_per_hour: float | None
+    def attributes(self, gpu_ms: float | None) -> dict[str, Any]: ...
 
 
 @dataclass
@@ -131,11 +130,7 @@ class GpuShare:
             if self.memcpy_bytes[k]:
                 out[f"gpu.memcpy_bytes.{k}"] = count(self.memcpy_bytes[k])
         if pricing is not None:
-            if pricing.model:
-                out["gpu.model"] = pricing.model
-            if pricing.price_per_hour is not None:
-                out["cost.price_per_gpu_hour"] = pricing.price_per_hour
-                out["cost.usd"] = round(self.time_ns / 3.6e12 * pricing.price_per_hour, 9)
+            out.update(pricing.attributes(self.time_ns / 1e6))
         return out
 
 
