@@ -98,7 +98,7 @@ def test_engine_in_another_process_is_joined_through_the_ipc_graph():
 
     out: list[RequestRecord] = []
     a = GpuAttribution(out.append, lambda pid: [], Counter(), hold_ns=1000, ipc=ipc)
-    recs = [streamed(1, 10, 0, [95, 195, 295]), streamed(1, 11, 0, [195, 295, 395])]
+    recs = [streamed(1, 10, 0, [95, 195, 295]), streamed(1, 11, 100, [195, 295, 395])]
     for k in range(5):
         a.burst(burst(7, ENGINE, 100 * k + 10, 100 * k + 90, 10 + k))
     for r in recs:
@@ -135,6 +135,20 @@ def test_a_reader_that_missed_the_start_still_links():
     assert ipc.edges() == [(4, 5, ["payload"])]
 
 
+def test_a_long_prompt_is_charged_its_prefill_steps_when_a_slot_was_free():
+    """Chunked prefill: b arrives before step 1 and shows its first token only after
+    step 4; steps 1-3 had a free slot (a ran alone; two ran at once later), so b was
+    prefilling in them. c arrives while a and b fill both slots: queued until step 6."""
+    membership = {"a": (0, 0, 5), "b": (50, 4, 6), "c": (350, 6, 7)}
+    w = World(membership, {})
+    b, c = w.recs["b"].gpu, w.recs["c"].gpu
+    assert b["gpu.kernel_launches"] == round((11 + 12 + 13 + 14 + 15 + 16) / 2, 3)
+    assert b["gpu.steps"] == 6 and b["gpu.prefill_launches"] == round((11 + 12 + 13 + 14) / 2, 3)
+    assert c["gpu.steps"] == 2 and c["gpu.kernel_launches"] == round(16 / 2 + 17, 3)
+    phases = {ch.name: ch for ch in w.recs["b"].children}
+    assert phases["prefill"].attributes["tokentrace.gpu.steps"] == 4
+
+
 def test_request_range_bounds():
     log = StepLog(1, ENGINE)
     for k in range(6):
@@ -163,27 +177,31 @@ def nccl(pid: int, op: str, ts: int, comm: int = 0xC0, comm_id: int = 0xABC, ran
 
 
 def test_tensor_parallel_rank_steps_join_rank_zero_through_collectives():
-    """Rank 1's steps end after the tokens are written (its clock of work trails rank
-    0's), so aligning it by itself would be off by one; the collectives join it."""
+    """Rank 1's steps end after the tokens are written (its work trails rank 0's), so
+    aligning it by itself would be off by one; and the tracer attached when rank 1 had
+    already issued one more collective than rank 0. Matching the two ranks'
+    collective sequences (op, count, type) joins them step by step."""
     ipc = IpcGraph()
     ipc.link(1, 7, "test")
     ipc.link(7, 8, "test")
     out: list[RequestRecord] = []
     stats: Counter[str] = Counter()
     a = GpuAttribution(out.append, lambda pid: [], stats, hold_ns=1000, ipc=ipc)
-    a.nccl(nccl(7, "comm_init", 1, rank=0))
-    a.nccl(nccl(8, "comm_init", 1, comm=0xD0, rank=1))
+    a.nccl(nccl(8, "allreduce", 5, comm=0xD0, count=999))  # rank 1's step before attach
+    a.burst(burst(8, ENGINE, 6, 8, 1))
+    counts = [256, 512, 512, 768]
     for k in range(4):
-        a.nccl(nccl(7, "allreduce", 100 * k + 20))
+        a.nccl(nccl(7, "allreduce", 100 * k + 20, count=counts[k]))
         a.burst(burst(7, ENGINE, 100 * k + 10, 100 * k + 90, 10))
-        a.nccl(nccl(8, "allreduce", 100 * k + 25, comm=0xD0, rank=1))
+        a.nccl(nccl(8, "allreduce", 100 * k + 25, comm=0xD0, count=counts[k]))
         a.burst(burst(8, ENGINE, 100 * k + 15, 100 * k + 99, 1 + k))  # ends after the token
-    recs = [streamed(1, 10, 0, [95, 195]), streamed(1, 11, 0, [195, 295, 395])]
+    recs = [streamed(1, 10, 0, [95, 195]), streamed(1, 11, 100, [195, 295, 395])]
     for r in recs:
         a.finished(r)
     a.close()
     # rank 0: a has step 0 alone, shares step 1; rank 1 likewise, joined step by step
     assert recs[0].gpu["gpu.kernel_launches"] == round(10 + 5 + 1 + 2 / 2, 3)
     assert recs[1].gpu["gpu.kernel_launches"] == round(5 + 10 + 10 + 2 / 2 + 3 + 4, 3)
-    assert recs[0].gpu["gpu.nccl_bytes"] == round(1024 + 512 + 1024 + 512, 3)
+    assert recs[0].gpu["gpu.nccl_bytes"] == 4 * (256 + 512 / 2 + 256 + 512 / 2)
+    assert recs[0].gpu["gpu.steps"] == 2  # rank 1's steps are the same steps
     assert stats["gpu_steps_joined_nccl"] == 5 and stats["gpu_steps_unjoined"] == 0

@@ -31,11 +31,11 @@ from typing import Any, Callable, Iterable, Protocol
 
 from tracer.correlate.ipc import IpcGraph
 from tracer.correlate.records import ChildSpan, RequestRecord
-from tracer.correlate.steps import MAX_STEPS, Step, StepLog, request_range
+from tracer.correlate.steps import (MAX_STEPS, Step, StepLog, collective_offset,
+                                    request_range)
 from tracer.events.gpu import COPY_KINDS, KernelBurst, NcclEvent
 
 Key = tuple[int, int, int, int]
-JOIN_WINDOW_NS = 50_000_000  # ranks enqueue a step's collective within this of each other
 COLLECTIVES = frozenset({"allreduce", "allgather", "reducescatter", "broadcast", "reduce"})
 DEFAULT_HOLD_NS = 200_000_000  # > the burst flush interval and the API's hand-off lag
 KEEP_RELEASED_NS = 120 * 10**9  # released records still counted as members of steps
@@ -160,7 +160,7 @@ class GpuAttribution:
         self.gpu_pids: set[int] = set()  # processes seen on the GPU
         self.logs: dict[tuple[int, int], StepLog] = {}
         self.comms: dict[tuple[int, int], tuple[int, int]] = {}  # (pid, comm) -> (id, rank)
-        self.seq: dict[tuple[int, int], int] = {}  # (pid, comm) -> collectives so far
+        self.capacity: dict[tuple[int, int], int] = {}  # log -> most requests seen in a step
         self.now = 0
 
     # ---- GPU side -------------------------------------------------------------------
@@ -205,13 +205,9 @@ class GpuAttribution:
         if log is None:
             log = self.logs[(ev.pid, ev.tid)] = StepLog(ev.pid, ev.tid)
         comm = self.comms.get((ev.pid, ev.comm))
-        collective = None
         if comm is not None and ev.op in COLLECTIVES:
-            seq_key = (ev.pid, ev.comm)
-            self.seq[seq_key] = seq = self.seq.get(seq_key, 0) + 1
-            collective = (comm[0], seq)
             log.comm_id, log.rank = comm
-        log.add_nccl(ev, collective)
+        log.add_nccl(ev)
 
     # ---- request side ---------------------------------------------------------------
 
@@ -276,51 +272,104 @@ class GpuAttribution:
     def _charge_steps(self, rec: RequestRecord) -> _Released:
         """Share the steps ``rec`` was in; returns its ranges for later members.
 
-        A tensor-parallel rank other than 0 whose communicator's rank 0 is in the
-        group is not aligned by itself: each of its steps is joined to the rank-0 step
-        that issued the same collective (same communicator, same sequence number) and
-        is shared the same way."""
+        A tensor-parallel rank other than the leader is not aligned by itself: each of
+        its steps is joined to the leader's step that issued the same collective (same
+        place in the two ranks' collective sequences, see ``collective_offset``) and is
+        shared the same way."""
         mine = _Released(rec)
         logs = self._group_logs(rec.pid)
         if not logs:
             return mine
-        leaders, followers = self._ranks(rec.pid, logs)
+        leaders, follower_logs = self._ranks(rec.pid, logs)
+        followers = [(f, collective_offset(leaders[0], f)) for f in follower_logs]
         others = list(self._members(rec, self.ipc.serving_group(rec.pid)))
-        primary: tuple[StepLog, int, int] | None = None
+        primary: tuple[StepLog, int, int, int] | None = None
         for log in logs:
-            if log in followers:
+            if log in follower_logs:
                 continue
             rng = request_range(rec, log, finished=True)
-            mine.ranges[log.key] = rng
             if rng is None:
+                mine.ranges[log.key] = None
                 continue
             first, last, how = rng
             self.stats[f"gpu_step_ranges_{how}"] += 1
-            fractions = self._fractions(log, first, last, others)
+            ranges = self._ranges(rec, first, last, how, log, others)
+            begin = ranges[0][0]
+            mine.ranges[log.key] = (begin, last, how)
+            fractions = self._fractions(begin, last, ranges[1:])
             method = "time_share" if how == "time" else "step_share"
             share = self._share(rec)
-            for i, frac in zip(range(first, last + 1), fractions):
+            for i, frac in zip(range(begin, last + 1), fractions):
                 step = log.get(i)
                 if step is None:
                     self.stats["gpu_steps_missing"] += 1
                     continue
-                share.add_step(step, frac, prefill=i == first, method=method)
+                prefill = how != "time" and i <= first
+                share.add_step(step, frac, prefill=prefill, method=method)
                 self.stats["gpu_step_launches_charged"] += step.launches * frac
                 if log in leaders and step.signature is not None:
-                    for f in followers:
-                        fstep = f.joined(step, JOIN_WINDOW_NS)
-                        if fstep is None:
+                    for f, shift in followers:
+                        fstep = (f.step_of_collective(step.coll_seq + shift)
+                                 if shift is not None else None)
+                        if fstep is None or fstep.signature != step.signature:
                             self.stats["gpu_steps_unjoined"] += 1
                             continue
-                        share.add_step(fstep, frac, prefill=i == first, method=method,
+                        share.add_step(fstep, frac, prefill=prefill, method=method,
                                        rank=f.rank or 1)
                         self.stats["gpu_steps_joined_nccl"] += 1
                         self.stats["gpu_step_launches_charged"] += fstep.launches * frac
-            if primary is None or last - first > primary[2] - primary[1]:
-                primary = (log, first, last)
+            if primary is None or last - begin > primary[3] - primary[1]:
+                primary = (log, begin, first, last)
         if primary is not None:
             self._phases(rec, *primary)
         return mine
+
+    def _ranges(self, rec: RequestRecord, first: int, last: int, how: str, log: StepLog,
+                others: list[tuple[RequestRecord, bool, _Released | None]]
+                ) -> list[tuple[int, int]]:
+        """Step ranges on ``log`` of ``rec`` (first) and of the others that overlap it,
+        each widened back over its prefill.
+
+        A request's tokens show the step of its first token; a long prompt's prefill
+        (chunked) began steps earlier, without a trace outside the process. A request
+        that had arrived is taken to be prefilling in every step before its first
+        token that had a free slot, i.e. fewer token-emitting requests than the most
+        this engine was ever seen to run at once (its batch capacity); in a full step
+        it was queued, and queued requests are not charged."""
+        spans: list[tuple[int, int, int, bool]] = []  # (arrival step, first, last, tokens)
+        own_lower = log.first_started_after(rec.request_end_ns or rec.start_ns)
+        spans.append((own_lower, first, last, how != "time"))
+        for r, finished, rel in others:
+            if rel is not None and log.key in rel.ranges:
+                orng = rel.ranges[log.key]
+                if orng is not None:
+                    spans.append((orng[0], orng[0], orng[1], False))  # already widened
+                continue
+            orng = request_range(r, log, finished=finished)
+            if orng is None or orng[1] < own_lower:
+                continue
+            lower = log.first_started_after(r.request_end_ns or r.start_ns)
+            spans.append((lower, orng[0], orng[1], orng[2] != "time"))
+        lo = min(x[0] for x in spans)
+        hi = max(last, max(x[1] for x in spans))
+        emitting = [0] * (hi - lo + 2)
+        for _, f, la, _tok in spans:
+            if la >= lo:
+                emitting[max(f, lo) - lo] += 1
+                emitting[min(la, hi) - lo + 1] -= 1
+        counts, n = [], 0
+        for d in emitting[:-1]:
+            n += d
+            counts.append(n)
+        cap = self.capacity[log.key] = max(self.capacity.get(log.key, 1), max(counts))
+        out = []
+        for lower, f, la, tokens in spans:
+            a = f
+            if tokens:
+                while a - 1 >= max(lower, lo) and counts[a - 1 - lo] < cap:
+                    a -= 1
+            out.append((a, la))
+        return out
 
     def _ranks(self, pid: int, logs: list[StepLog]) -> tuple[list[StepLog], list[StepLog]]:
         """Tensor-parallel leaders (rank 0) and the other ranks among ``logs``.
@@ -339,40 +388,38 @@ class GpuAttribution:
             return [], []
         return leaders, [lg for lg in coll if lg not in leaders]
 
-    def _fractions(self, log: StepLog, first: int, last: int,
-                   others: list[tuple[RequestRecord, bool, _Released | None]]) -> list[float]:
+    @staticmethod
+    def _fractions(first: int, last: int, others: list[tuple[int, int]]) -> list[float]:
         """For each step first..last: 1 / (requests in it), counting this one."""
         sharers = [0] * (last - first + 2)
-        for r, finished, rel in others:
-            if rel is not None and log.key in rel.ranges:
-                orng = rel.ranges[log.key]
-            else:
-                orng = request_range(r, log, finished=finished)
-            if orng is None or orng[1] < first or orng[0] > last:
+        for ofirst, olast in others:
+            if olast < first or ofirst > last:
                 continue
-            sharers[max(orng[0], first) - first] += 1
-            sharers[min(orng[1], last) - first + 1] -= 1
+            sharers[max(ofirst, first) - first] += 1
+            sharers[min(olast, last) - first + 1] -= 1
         out, n = [], 0
         for i in range(last - first + 1):
             n += sharers[i]
             out.append(1.0 / (n + 1))
         return out
 
-    def _phases(self, rec: RequestRecord, log: StepLog, first: int, last: int) -> None:
+    def _phases(self, rec: RequestRecord, log: StepLog, begin: int, first: int,
+                last: int) -> None:
         """Queue, prefill and decode child spans from the request's steps and tokens."""
-        s0 = log.get(first)
-        if s0 is None:
+        s0, s1 = log.get(begin), log.get(first)
+        if s0 is None or s1 is None:
             return
         arrival = rec.request_end_ns or rec.start_ns
         r = rec.llm_response
-        first_token = (r.first_token_ts if r is not None and r.first_token_ts else s0.end_ts)
+        first_token = (r.first_token_ts if r is not None and r.first_token_ts else s1.end_ts)
         last_token = (r.token_ts[-1] if r is not None and r.token_ts else rec.end_ns)
         share = self.shares.get(rec.key)
         if s0.first_ts > arrival:
             rec.children.append(ChildSpan("queue", arrival, s0.first_ts,
                                           {"tokentrace.phase": "queue"}))
-        rec.children.append(ChildSpan("prefill", s0.first_ts, max(first_token, s0.end_ts), {
+        rec.children.append(ChildSpan("prefill", s0.first_ts, max(first_token, s1.end_ts), {
             "tokentrace.phase": "prefill",
+            "tokentrace.gpu.steps": first - begin + 1,
             "tokentrace.gpu.kernel_launches": round(share.prefill_launches, 3) if share else None,
         }))
         if last > first and last_token > first_token:

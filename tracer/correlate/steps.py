@@ -41,9 +41,8 @@ class Step:
     nccl_ops: int = 0
     nccl_bytes: int = 0
     charged: float = 0.0  # fractions of it charged to requests so far
-    collective: tuple[int, int] | None = None  # (comm id, sequence) of its first collective
-    signature: tuple[str, int, int] | None = None  # (op, count, dtype) of that collective
-    collective_ts: int = 0
+    signature: tuple[str, int, int] | None = None  # (op, count, dtype) of its 1st collective
+    coll_seq: int = -1  # that collective's place among its thread's collectives
 
     @property
     def span_ns(self) -> int:
@@ -74,10 +73,10 @@ class StepLog:
         self.open: Step | None = None
         self.rank: int | None = None  # NCCL rank of its communicator, once seen
         self.comm_id: int | None = None
-        self.by_collective: dict[tuple[int, int], int] = {}  # (comm id, seq) -> step
-        # (op, count, dtype) -> [(enqueue time, step)], for ranks whose communicator
-        # was created before the tracer attached
-        self.by_signature: dict[tuple[str, int, int], list[tuple[int, int]]] = {}
+        # steps' first collectives in order: their signatures and steps
+        self.coll_sigs: list[tuple[str, int, int]] = []
+        self.coll_steps: list[int] = []
+        self.coll_base = 0  # sequence number of coll_sigs[0]
 
     @property
     def key(self) -> tuple[int, int]:
@@ -97,9 +96,8 @@ class StepLog:
             return self._close()
         return None
 
-    def add_nccl(self, ev: NcclEvent, collective: tuple[int, int] | None = None) -> None:
-        """An NCCL call of this thread belongs to the step it was enqueued in;
-        ``collective`` is its (communicator id, sequence number) when known."""
+    def add_nccl(self, ev: NcclEvent) -> None:
+        """An NCCL call of this thread belongs to the step it was enqueued in."""
         if self.open is None:
             self.open = Step(self.pid, self.tid)
             self.open.first_ts = ev.ts_enter
@@ -108,18 +106,15 @@ class StepLog:
             self.open.nccl_bytes += ev.bytes
         if ev.bytes and self.open.signature is None:
             self.open.signature = (ev.op, ev.count, ev.dtype)
-            self.open.collective_ts = ev.ts_enter
-            self.open.collective = collective
 
     def _close(self) -> Step:
         step, self.open = self.open, None
         assert step is not None
         step.index = self.next_index
-        if step.collective is not None:
-            self.by_collective[step.collective] = step.index
         if step.signature is not None:
-            self.by_signature.setdefault(step.signature, []).append(
-                (step.collective_ts, step.index))
+            step.coll_seq = self.coll_base + len(self.coll_sigs)
+            self.coll_sigs.append(step.signature)
+            self.coll_steps.append(step.index)
         self.steps.append(step)
         self.ends.append(step.end_ts)
         return step
@@ -128,13 +123,11 @@ class StepLog:
         """Forget steps that ended before ``before_ts``; returns them."""
         n = bisect_right(self.ends, before_ts - 1)
         gone = self.steps[:n]
-        for st in gone:
-            if st.collective is not None:
-                self.by_collective.pop(st.collective, None)
-            if st.signature is not None:
-                lst = self.by_signature.get(st.signature, [])
-                if lst and lst[0][1] == st.index:
-                    lst.pop(0)
+        drop = sum(1 for st in gone if st.signature is not None)
+        if drop:
+            del self.coll_sigs[:drop]
+            del self.coll_steps[:drop]
+            self.coll_base += drop
         if n:
             del self.steps[:n]
             del self.ends[:n]
@@ -159,23 +152,12 @@ class StepLog:
 
     @property
     def has_collectives(self) -> bool:
-        return bool(self.by_signature)
+        return bool(self.coll_sigs)
 
-    def joined(self, other: Step, window_ns: int) -> Step | None:
-        """This log's step that ran the same collective as ``other`` (another rank's
-        step): the same sequence number on the same communicator when both are known,
-        else the same op, count and type enqueued closest in time within
-        ``window_ns``."""
-        if other.collective is not None and other.collective in self.by_collective:
-            return self.get(self.by_collective[other.collective])
-        if other.signature is None:
-            return None
-        best: tuple[int, int] | None = None
-        for ts, idx in self.by_signature.get(other.signature, ()):
-            d = abs(ts - other.collective_ts)
-            if d <= window_ns and (best is None or d < best[0]):
-                best = (d, idx)
-        return self.get(best[1]) if best is not None else None
+    def step_of_collective(self, seq: int) -> Step | None:
+        """The step that issued collective number ``seq`` of this thread."""
+        i = seq - self.coll_base
+        return self.get(self.coll_steps[i]) if 0 <= i < len(self.coll_steps) else None
 
     def get(self, index: int) -> Step | None:
         i = index - self.base
@@ -221,3 +203,29 @@ def request_range(rec: RequestRecord, log: StepLog, finished: bool = True
         how += "_clamped"
     last = min(first + n - 1, cap)
     return (first, last, how) if last >= first else None
+
+
+def collective_offset(leader: StepLog, follower: StepLog, window: int = 256,
+                      max_shift: int = 64) -> int | None:
+    """How the follower's collective numbers relate to the leader's: d such that the
+    leader's collective i is the follower's i + d, or None if no shift fits.
+
+    Tensor-parallel ranks issue the same collectives in the same order, but the
+    tracer may attach while one rank is a collective ahead, and never see
+    communicator init; so the shift is found by matching the two sequences of
+    (op, count, type) over their latest ``window`` collectives (counts vary with the
+    batch, which makes the pattern distinctive)."""
+    a = leader.coll_sigs[-window:]
+    a0 = leader.coll_base + len(leader.coll_sigs) - len(a)
+    b = follower.coll_sigs
+    best: tuple[int, int] | None = None
+    for d in range(-max_shift, max_shift + 1):
+        matched = overlap = 0
+        for i, sig in enumerate(a):
+            j = a0 + i + d - follower.coll_base
+            if 0 <= j < len(b):
+                overlap += 1
+                matched += b[j] == sig
+        if overlap >= 2 and matched >= 0.9 * overlap and (best is None or matched > best[0]):
+            best = (matched, d)
+    return best[1] if best is not None else None
