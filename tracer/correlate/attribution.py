@@ -38,6 +38,8 @@ from tracer.events.gpu import COPY_KINDS, KernelBurst, NcclEvent
 Key = tuple[int, int, int, int]
 COLLECTIVES = frozenset({"allreduce", "allgather", "reducescatter", "broadcast", "reduce"})
 DEFAULT_HOLD_NS = 200_000_000  # > the burst flush interval and the API's hand-off lag
+SCAN_EVERY_NS = 1_000_000  # held records are checked at most this often (stream time)
+MAX_HOLD_NS = 5 * 10**9  # a trailing rank is not waited for longer than this
 KEEP_RELEASED_NS = 120 * 10**9  # released records still counted as members of steps
 KEEP_STEPS_NS = 600 * 10**9
 
@@ -151,6 +153,7 @@ class GpuAttribution:
         self.open_records = open_records
         self.stats: Counter[str] = stats if stats is not None else Counter()
         self.hold_ns = hold_ns
+        self.max_hold_ns = max(hold_ns, MAX_HOLD_NS)
         self.ipc = ipc or IpcGraph(self.stats)
         self.pricing = pricing
         self.held: dict[int, list[RequestRecord]] = {}
@@ -160,8 +163,11 @@ class GpuAttribution:
         self.gpu_pids: set[int] = set()  # processes seen on the GPU
         self.logs: dict[tuple[int, int], StepLog] = {}
         self.comms: dict[tuple[int, int], tuple[int, int]] = {}  # (pid, comm) -> (id, rank)
+        self.shifts: dict[tuple[tuple[int, int], tuple[int, int]],
+                          tuple[int, int | None]] = {}
         self.capacity: dict[tuple[int, int], int] = {}  # log -> most requests seen in a step
         self.now = 0
+        self._next_scan = 0
 
     # ---- GPU side -------------------------------------------------------------------
 
@@ -215,14 +221,51 @@ class GpuAttribution:
         """A finished record: held until its GPU work can no longer arrive (emitted at
         once if no process it is linked to has been seen on the GPU)."""
         self.held.setdefault(rec.pid, []).append(rec)
+        self._next_scan = min(self._next_scan, rec.end_ns + self.hold_ns)
         if not (self.ipc.serving_group(rec.pid) & self.gpu_pids):
             self._release(rec.pid, lambda r: True)
 
     def advance(self, now_ns: int) -> None:
-        """The stream's clock: release records that ended more than ``hold_ns`` ago."""
+        """The stream's clock: release records that ended more than ``hold_ns`` ago,
+        once every tensor-parallel rank linked to them has reported the collectives of
+        their steps (a rank can trail the one that answers), or ``max_hold_ns`` after
+        their end in any case."""
         self.now = max(self.now, now_ns)
+        if now_ns < self._next_scan:
+            return
+        self._next_scan = now_ns + SCAN_EVERY_NS
         for pid in list(self.held):
-            self._release(pid, lambda r: r.end_ns + self.hold_ns <= now_ns)
+            self._release(pid, lambda r: r.end_ns + self.hold_ns <= now_ns and (
+                r.end_ns + self.max_hold_ns <= now_ns or self._ranks_caught_up(r)))
+            for r in self.held.get(pid, ()):
+                self._next_scan = min(self._next_scan,
+                                      max(r.end_ns + self.hold_ns, now_ns + SCAN_EVERY_NS))
+
+    def _ranks_caught_up(self, rec: RequestRecord) -> bool:
+        logs = self._group_logs(rec.pid)
+        leaders, followers = self._ranks(rec.pid, logs)
+        if not followers:
+            return True
+        lead = leaders[0]
+        step = lead.get(lead.last_ended_by(rec.end_ns))
+        while step is not None and step.signature is None and step.index > lead.base:
+            step = lead.get(step.index - 1)
+        if step is None or step.signature is None:
+            return True
+        for f in followers:
+            shift = self._shift(lead, f)
+            if shift is not None and f.step_of_collective(step.coll_seq + shift) is None:
+                return False
+        return True
+
+    def _shift(self, lead: StepLog, f: StepLog) -> int | None:
+        """``collective_offset`` of two ranks, recomputed as their sequences grow."""
+        key = (lead.key, f.key)
+        n = len(lead.coll_sigs) + lead.coll_base
+        cached = self.shifts.get(key)
+        if cached is None or n - cached[0] >= 16 or cached[1] is None:
+            cached = self.shifts[key] = (n, collective_offset(lead, f))
+        return cached[1]
 
     def close(self) -> None:
         """End of the stream: release everything held, in end order."""
@@ -281,7 +324,7 @@ class GpuAttribution:
         if not logs:
             return mine
         leaders, follower_logs = self._ranks(rec.pid, logs)
-        followers = [(f, collective_offset(leaders[0], f)) for f in follower_logs]
+        followers = [(f, self._shift(leaders[0], f)) for f in follower_logs]
         others = list(self._members(rec, self.ipc.serving_group(rec.pid)))
         primary: tuple[StepLog, int, int, int] | None = None
         for log in logs:
