@@ -52,9 +52,10 @@ def traced(pids: list[int] | None = None, ports: list[int] | None = None,
     ctx = ExportContext()
     spans = SpanBuilder(ctx, [SimpleSpanProcessor(JsonlSpanExporter(c._jsonl))])
     keep = config.pop("keep_content", False)
+    pricing = config.pop("pricing", None)
     run = TraceRun(CaptureConfig(pids=pids or [], ports=ports or [], **config),
                    [*extra_sinks, c, spans],
-                   TrackerOptions(keep_content=keep), record=record, ctx=ctx)
+                   TrackerOptions(keep_content=keep), record=record, ctx=ctx, pricing=pricing)
     run.start()
     try:
         yield c
