@@ -7,10 +7,13 @@ tritonclient client holds at most one stream)."""
 from __future__ import annotations
 
 import gc
+import os
 import socket
 import struct
 import threading
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
 import grpc
 import h2.config
@@ -104,11 +107,18 @@ class Client:
 
 
 class WireClient:
-    """A gRPC client on hyper-h2 over a plain socket, timing its own socket calls as the
-    HTTP test's client does: from the return of the send() that carried the request
-    to the return of the recv() that brought the first response with output. The
-    client's view of the wire, without tritonclient's (or grpcio's) threads and
-    request building; messages from tritonclient's bundled protos."""
+    """A gRPC client on hyper-h2 over a plain socket, timing its own socket calls: from
+    just before the send() that carries the request to the return of the recv() that
+    brings the first response with output. The client's view of the wire, without
+    tritonclient's (or grpcio's) threads and request building; messages from
+    tritonclient's bundled protos.
+
+    The start is stamped before the send, not after it returns: on loopback the send
+    wakes the server's reader inside the syscall, and on a busy 2-vCPU VM the client
+    can lose its CPU before it returns (measured: up to 4 ms), after the server has
+    read the request. A stamp after the send then starts the client's interval late,
+    and the tracer's TTFT came out longer than the client's. Stamped before the send,
+    the server's interval (read .. write) lies inside the client's."""
 
     PATH = "/inference.GRPCInferenceService/"
 
@@ -142,8 +152,9 @@ class WireClient:
             (b":authority", b"localhost"), (b"content-type", b"application/grpc"),
             (b"te", b"trailers")])
         self.conn.send_data(sid, struct.pack(">BI", 0, len(req)) + req, end_stream=True)
-        self.sock.sendall(self.conn.data_to_send())
+        data = self.conn.data_to_send()
         sent = time.monotonic()
+        self.sock.sendall(data)
         buf = bytearray()
         first, n, status = None, 0, None
         while status is None:
@@ -185,6 +196,23 @@ class WireClient:
         self.sock.close()
 
 
+@contextmanager
+def realtime_thread() -> Iterator[None]:
+    """Run the calling thread under SCHED_FIFO for the block (children it forks reset
+    to normal): the clock reads of a reference client must not wait for a CPU.
+
+    Measured on the shared 2-vCPU VM (load average ~4), 200 wire calls: as a normal
+    thread the client lost its CPU inside the request's send() in 30 calls and got
+    back to its recv() 2-12 ms after the server's response write in 14; all of that
+    is the client's own wait, not the server's TTFT. Real-time: 0 and 0."""
+    old = os.sched_getscheduler(0), os.sched_getparam(0)
+    os.sched_setscheduler(0, os.SCHED_FIFO | os.SCHED_RESET_ON_FORK, os.sched_param(1))
+    try:
+        yield
+    finally:
+        os.sched_setscheduler(0, old[0], old[1])
+
+
 def spans_by_request_id(spans):
     out = {}
     for s in spans:
@@ -203,7 +231,8 @@ def test_unary_and_streaming_calls_one_span_each_with_tokens_and_ttft(server, tm
     gc.collect()
     gc.disable()  # a collection between the response and the clock read is not TTFT
     try:
-        with traced_cli(["--pid", str(server.pid)], str(tmp_path / "spans.jsonl")) as got:
+        with traced_cli(["--pid", str(server.pid)], str(tmp_path / "spans.jsonl")) as got, \
+                realtime_thread():
             for i in range(200):
                 n = 3 + i % 9
                 if i % 4 < 2:  # tritonclient: the SDK's view
@@ -252,13 +281,20 @@ def test_unary_and_streaming_calls_one_span_each_with_tokens_and_ttft(server, tm
         print("stream" if kind else "unary", "signed ms:", sorted(
             round((spans[c["id"]]["attributes"]["tokentrace.time_to_first_token"] - c["ttft"]) * 1e3, 2)
             for _, c in calls if c["id"].startswith("w") and c["stream"] is kind))
-    # NOT the issue's bar yet. The median error is ~0.1-0.2 ms, but on the loaded 2-vCPU
-    # VM up to a quarter of the unary calls come out 2-10 ms LONGER at the tracer than
-    # at the client, a tail not explained yet (issue 5 stays open for it). What holds
-    # is asserted: median under 0.5 ms and three calls in four within 2 ms.
+    # The tracer's TTFT runs from the exit of the server's read of the request message
+    # to the exit of its write of the first response message; the client's from before
+    # its send to the return of its recv. So the server's interval lies inside the
+    # client's (same CLOCK_MONOTONIC: measured, the read always after the client's
+    # stamp, the write always before its recv returns) and the tracer's TTFT is at most
+    # a little longer. It is shorter by whatever CPU wait the two processes' loopback
+    # hand-offs took: on a 2-vCPU VM with two CPU burners, about 1 call in 100 waits
+    # 2-7 ms for a CPU (the request queued in the server's socket before its reader
+    # ran, or the response in the client's before it ran). So the HTTP test's bar: 98%
+    # within 2 ms, none off by more than 10 ms, the mean under 1 ms.
+    assert max(signed) < 0.001, sorted(signed)[-5:]
     within = sum(d < 0.002 for d in diffs)
-    assert sorted(diffs)[len(diffs) // 2] < 0.0005, sorted(diffs)[len(diffs) // 2]
-    assert within >= 0.75 * len(diffs), sorted(diffs)[-5:]
+    assert within >= 0.98 * len(diffs) and max(diffs) < 0.010 and mean < 0.001, \
+        sorted(diffs)[-5:]
     assert got.returncode == 0 and "no events lost" in got.stderr, got.stderr
 
 
