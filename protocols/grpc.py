@@ -7,7 +7,9 @@ the message, split across DATA frames at any byte), the response headers and the
 ``grpc-status``/``grpc-message`` trailers (or a trailers-only response: one HEADERS
 block with END_STREAM). Unary, client-, server-streaming and bidi calls are the same
 thing here: messages in each direction, each stamped with the time its last byte was
-seen.
+seen. Compressed messages (flag set) are inflated with the direction's declared
+``grpc-encoding`` (``gzip``, ``deflate``), bounded by ``MAX_MESSAGE``; what cannot be
+inflated is counted and keeps no bytes.
 
 A stream that is not gRPC (other content type, or plain HTTP/2) is still a call, with
 its headers and byte counts and no messages. A stream whose start was never seen (the
@@ -18,14 +20,18 @@ from __future__ import annotations
 
 import re
 import struct
+import zlib
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from urllib.parse import unquote
 
 from protocols import http2
 
 GRPC_PATH = re.compile(r"/[A-Za-z_][\w]*(?:\.[A-Za-z_][\w]*)+/[A-Za-z_][\w]*")
 MAX_MESSAGE = 8 * 1024 * 1024  # bytes kept per message (longer ones: length only)
+# zlib window bits per grpc-encoding: gRPC's "deflate" is the zlib format (RFC 1950,
+# as grpc-core writes it); 32 + 15 also accepts a gzip header, 31 gzip only
+ENCODINGS = {"gzip": 31, "deflate": 47}
 
 # gRPC status codes (grpc/doc/statuscodes.md)
 STATUS_NAMES = ("OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED",
@@ -38,9 +44,10 @@ SERVER_ERROR_CODES = frozenset({2, 4, 12, 13, 14, 15})
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    """One length-prefixed gRPC message. ``data`` is None when it was longer than
-    ``MAX_MESSAGE`` (``length`` still says how long). ``ts`` is when its last byte was
-    seen, ``first_ts`` its first."""
+    """One length-prefixed gRPC message; ``length`` is its length on the wire.
+    ``data`` is the message (inflated when ``compressed``), or None with the reason in
+    ``unreadable``: longer than ``MAX_MESSAGE``, or compressed and not inflatable.
+    ``ts`` is when its last byte was seen, ``first_ts`` its first."""
 
     from_client: bool
     first_ts: int
@@ -48,6 +55,7 @@ class Message:
     compressed: bool
     length: int
     data: bytes | None
+    unreadable: str | None = None
 
 
 @dataclass
@@ -170,7 +178,8 @@ class MessageReader:
                 pos += n
                 if self.dropping:
                     break
-                out.append(Message(self.from_client, self.first_ts, ts, compressed, length, None))
+                out.append(Message(self.from_client, self.first_ts, ts, compressed, length, None,
+                                   "message too large to keep"))
                 self.prefix = None
                 continue
             take = min(length - len(self.buf), len(data) - pos)
@@ -302,7 +311,9 @@ class GrpcConnection:
                     call.request_messages += 1
                 else:
                     call.response_messages += 1
-                call.compressed_messages += m.compressed
+                if m.compressed:
+                    call.compressed_messages += 1
+                    m = self._inflate(call, m)
                 out.append(CallMessage(call, m))
         if e.end_stream:
             if e.from_client:
@@ -311,6 +322,21 @@ class GrpcConnection:
                     call.request_incomplete = True
             else:
                 out.append(self._end(e.stream_id, e.ts, None))
+
+    def _inflate(self, call: Call, m: Message) -> Message:
+        """``m`` with its bytes inflated per its direction's ``grpc-encoding``, or
+        with no bytes and the reason (counted)."""
+        if m.data is None:
+            return m
+        hdrs = call.request_headers if m.from_client else call.response_headers
+        enc = hdrs.get("grpc-encoding")
+        data, why = decompress(m.data, enc)
+        if data is None:
+            self.stats[f"grpc_decompress_{why}"] += 1
+            return replace(m, data=None, unreadable=f"{enc or 'unknown'} message {why}"
+                           .replace("_", " "))
+        self.stats["grpc_messages_decompressed"] += 1
+        return replace(m, data=data)
 
     def _lost(self, e: http2.Lost) -> None:
         targets = ([e.stream_id] if e.stream_id is not None else list(self.streams))
@@ -343,6 +369,28 @@ class GrpcConnection:
         elif call.is_grpc and call.grpc_status is None and call.unknown_header_fields == 0:
             call.error = "the response ended without grpc-status"
         return CallEnded(call)
+
+
+def decompress(data: bytes, encoding: str | None, limit: int | None = None
+               ) -> tuple[bytes | None, str | None]:
+    """Inflate one compressed message: (bytes, None), or (None, why) where why is
+    ``unknown_encoding`` (not declared, or not one of ``ENCODINGS``), ``corrupt``
+    (not a whole valid stream) or ``too_large`` (more than ``limit``, default
+    ``MAX_MESSAGE``, bytes once inflated: never inflated past that)."""
+    wbits = ENCODINGS.get((encoding or "").strip().lower())
+    if wbits is None:
+        return None, "unknown_encoding"
+    limit = MAX_MESSAGE if limit is None else limit
+    d = zlib.decompressobj(wbits)
+    try:
+        out = d.decompress(data, limit + 1)
+    except zlib.error:
+        return None, "corrupt"
+    if len(out) > limit:
+        return None, "too_large"
+    if not d.eof or d.unused_data:
+        return None, "corrupt"
+    return out, None
 
 
 def status_name(code: int | None) -> str | None:

@@ -129,15 +129,17 @@ class KServeFollower:
 
     # ---- request --------------------------------------------------------------------
 
-    def request_message(self, ts: int, data: bytes | None, compressed: bool,
+    def request_message(self, ts: int, data: bytes | None, unreadable: str | None = None,
                         first_ts: int | None = None) -> None:
+        """One request message (``data`` inflated if it was compressed), or None with
+        the reason in ``unreadable``."""
         self.req.requests += 1
         if self.request_ts is None:
             self.request_ts = first_ts if first_ts is not None else ts
-        if self.req.requests > 1 or data is None or compressed:
-            if data is None or compressed:
-                self.req.error = ("request message compressed" if compressed
-                                  else "request message too large to parse")
+        if self.req.requests > 1:
+            return
+        if data is None:
+            self.req.error = f"request {unreadable or 'message unreadable'}"
             return
         try:
             m = messages().ModelInferRequest.FromString(data)
@@ -175,12 +177,13 @@ class KServeFollower:
 
     # ---- responses ------------------------------------------------------------------
 
-    def response_message(self, ts: int, data: bytes | None, compressed: bool) -> None:
+    def response_message(self, ts: int, data: bytes | None) -> None:
+        """One response message (inflated if it was compressed); None: unreadable."""
         r = self.r
         r.chunks += 1
         if r.first_chunk_ts is None:
             r.first_chunk_ts = ts
-        if data is None or compressed:
+        if data is None:
             r.parse_errors += 1
             return
         try:

@@ -15,6 +15,7 @@
 Outputs go in ``raw_output_contents``, as Triton sends them.
 
     python -m samples.kserve_grpc_server --port 8001 [--token-rate 50] [--device cuda]
+                                         [--compression gzip|deflate]
 """
 
 from __future__ import annotations
@@ -140,9 +141,17 @@ class InferenceService(pbg.GRPCInferenceServiceServicer):
                 yield pb.ModelStreamInferResponse(infer_response=r)
 
 
-def serve(port: int, engine: Engine, host: str = "127.0.0.1", workers: int = 96) -> Any:
+COMPRESSION = {"none": grpc.Compression.NoCompression, "gzip": grpc.Compression.Gzip,
+               "deflate": grpc.Compression.Deflate}
+
+
+def serve(port: int, engine: Engine, host: str = "127.0.0.1", workers: int = 96,
+          compression: str = "none") -> Any:
+    """Start the server; ``compression`` (a key of ``COMPRESSION``) compresses every
+    response message (gRPC message compression, ``grpc-encoding``)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
-                         options=[("grpc.max_concurrent_streams", 1000)])
+                         options=[("grpc.max_concurrent_streams", 1000)],
+                         compression=COMPRESSION[compression])
     pbg.add_GRPCInferenceServiceServicer_to_server(InferenceService(engine), server)
     server.add_insecure_port(f"{host}:{port}")
     server.start()
@@ -157,9 +166,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--token-rate", type=float, default=0.0,
                    help="max tokens/s per request (0: as fast as the model goes)")
     p.add_argument("--workers", type=int, default=96, help="concurrent calls served")
+    p.add_argument("--compression", choices=sorted(COMPRESSION), default="none",
+                   help="compress response messages with this grpc-encoding")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    server = serve(args.port, Engine(args.device, args.token_rate), args.host, args.workers)
+    server = serve(args.port, Engine(args.device, args.token_rate), args.host, args.workers,
+                   args.compression)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())

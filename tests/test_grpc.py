@@ -7,6 +7,8 @@ import io
 import json
 import random
 import struct
+import time
+import zlib
 
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
@@ -159,8 +161,8 @@ def infer_response(text=b"", rid="req-1", out_tokens=None, final=None):
 
 def test_kserve_unary_request_and_response():
     f = kserve.KServeFollower("ModelInfer")
-    f.request_message(10, infer_request(max_tokens=7), False)
-    f.response_message(50, infer_response(b" a b c", out_tokens=7).SerializeToString(), False)
+    f.request_message(10, infer_request(max_tokens=7))
+    f.response_message(50, infer_response(b" a b c", out_tokens=7).SerializeToString())
     q, r = f.end(60)
     assert (q.model, q.model_version, q.request_id, q.max_tokens) == ("tiny-gpt", "1", "req-1", 7)
     assert q.inputs == ["text_input:BYTES[1]", "max_tokens:INT32[1]"]
@@ -170,12 +172,12 @@ def test_kserve_unary_request_and_response():
 
 def test_kserve_stream_counts_responses_that_carry_output():
     f = kserve.KServeFollower("ModelStreamInfer")
-    f.request_message(10, infer_request(), False)
+    f.request_message(10, infer_request())
     for k in range(3):
         sm = M.ModelStreamInferResponse(infer_response=infer_response(b" t%d" % k))
-        f.response_message(100 + k, sm.SerializeToString(), False)
+        f.response_message(100 + k, sm.SerializeToString())
     empty_final = M.ModelStreamInferResponse(infer_response=infer_response(final=True))
-    f.response_message(200, empty_final.SerializeToString(), False)
+    f.response_message(200, empty_final.SerializeToString())
     q, r = f.end(201)
     assert q.stream and r.streamed
     assert (r.output_tokens, r.usage_source, r.chunks) == (3, "stream_chunks", 4)
@@ -184,10 +186,9 @@ def test_kserve_stream_counts_responses_that_carry_output():
 
 def test_kserve_stream_error_message_and_garbage():
     f = kserve.KServeFollower("ModelStreamInfer")
-    f.request_message(1, b"\xff\xff\xff", False)
-    f.response_message(2, M.ModelStreamInferResponse(error_message="boom").SerializeToString(),
-                       False)
-    f.response_message(3, b"\x0a\xff", False)
+    f.request_message(1, b"\xff\xff\xff")
+    f.response_message(2, M.ModelStreamInferResponse(error_message="boom").SerializeToString())
+    f.response_message(3, b"\x0a\xff")
     q, r = f.end(4)
     assert not q.parsed and q.error
     assert (r.error_type, r.error_message, r.parse_errors) == ("stream_error", "boom", 1)
@@ -296,3 +297,66 @@ def test_existing_connection_found_at_attach_is_traced_from_its_next_request():
     assert span["name"] == "POST" and "rpc.method" not in span["attributes"]
     assert span["attributes"]["tokentrace.http2.unknown_header_fields"] == 6
     assert span["status"] != "ERROR"  # unknown status is not reported as a failure
+
+
+# ---- compressed messages -----------------------------------------------------------------
+
+
+def gzip_bytes(data: bytes) -> bytes:
+    c = zlib.compressobj(wbits=31)
+    return c.compress(data) + c.flush()
+
+
+def test_compressed_kserve_messages_inflate_with_each_directions_encoding():
+    w = Wire()
+    a = w.request(INFER, extra=[("grpc-encoding", "gzip")], body=grpc_message(
+        gzip_bytes(infer_request(rid="z1", max_tokens=3, counts=True)), compressed=True))
+    resp = infer_response(b" a b c", rid="z1", out_tokens=3).SerializeToString()
+    w.respond(a, [grpc_message(zlib.compress(resp), compressed=True)],  # grpc-core's deflate
+              extra=[("grpc-encoding", "deflate")])
+    t, records, spans = track(w.chunks)
+    (rec,) = records
+    assert rec.rpc.compressed_messages == 2
+    assert (rec.llm_request.request_id, rec.llm_request.max_tokens) == ("z1", 3)
+    assert rec.llm_response.output_tokens == 3 and rec.llm_response.parse_errors == 0
+    assert rec.llm_request.error is None
+    (span,) = spans
+    assert span["attributes"]["gen_ai.usage.output_tokens"] == 3
+    assert t.stats["grpc_messages_decompressed"] == 2
+
+
+def test_decompress_is_bounded_and_says_why_it_failed():
+    assert grpc.decompress(gzip_bytes(b"hi"), "gzip") == (b"hi", None)
+    assert grpc.decompress(zlib.compress(b"hi"), "deflate") == (b"hi", None)
+    assert grpc.decompress(gzip_bytes(b"hi"), "GZIP ") == (b"hi", None)
+    bomb = zlib.compress(bytes(256 << 20), 9)  # 256 MiB of zeros in ~250 KB
+    t0 = time.monotonic()
+    assert grpc.decompress(bomb, "deflate", limit=1 << 20) == (None, "too_large")
+    assert time.monotonic() - t0 < 0.5  # stopped at the cap, not inflated whole
+    assert grpc.decompress(bytes(4 << 20), "deflate") == (None, "corrupt")
+    assert grpc.decompress(gzip_bytes(b"x" * 100)[:-9], "gzip") == (None, "corrupt")  # cut
+    assert grpc.decompress(gzip_bytes(b"x") + b"junk", "gzip") == (None, "corrupt")
+    assert grpc.decompress(b"\x00" * 8, "snappy") == (None, "unknown_encoding")
+    assert grpc.decompress(b"\x00" * 8, None) == (None, "unknown_encoding")
+
+
+def test_uninflatable_messages_are_counted_and_keep_no_bytes():
+    w = Wire()
+    a = w.request(STREAM, extra=[("grpc-encoding", "gzip")], body=grpc_message(
+        b"not gzip at all", compressed=True))
+    good = M.ModelStreamInferResponse(infer_response=infer_response(b" t", rid="q")
+                                      ).SerializeToString()
+    w.respond(a, [grpc_message(gzip_bytes(good), compressed=True),
+                  grpc_message(zlib.compress(good), compressed=True)],  # not the declared one
+              extra=[("grpc-encoding", "gzip")])
+    b = w.request("/pkg.Echo/Say", body=grpc_message(gzip_bytes(b"hi"), compressed=True))
+    w.respond(b, [grpc_message(b"ok")])  # compressed without a grpc-encoding: unknown
+    t, records, _ = track(w.chunks)
+    stream = next(r for r in records if r.rpc.service_method[1] == "ModelStreamInfer")
+    assert stream.llm_request.error == "request gzip message corrupt"
+    assert stream.llm_request.model is None  # nothing guessed from undecoded bytes
+    assert stream.llm_response.chunks == 2 and stream.llm_response.parse_errors == 1
+    assert stream.llm_response.text_chunks == 1
+    assert t.stats["grpc_decompress_corrupt"] == 2
+    assert t.stats["grpc_decompress_unknown_encoding"] == 1
+    assert t.stats["grpc_messages_decompressed"] == 1

