@@ -1,6 +1,7 @@
-"""The GPU ledger: per process and per thread totals of what the CUDA and NCCL probes
-saw, with kernel handles resolved to names. It consumes the GPU events in order (live
-or replayed) and never sees a single launch: only bursts summed in the kernel.
+"""The GPU ledger: per process and per thread totals of what the CUDA, NCCL and ibverbs
+probes saw, with kernel handles resolved to names. It consumes the GPU events in order
+(live or replayed) and never sees a single launch or post: only bursts and counters
+summed in the kernel.
 """
 
 from __future__ import annotations
@@ -9,7 +10,79 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from tracer.events.gpu import COPY_KINDS, KernelBurst, KernelName, MemEvent, NcclEvent
+from tracer.events.gpu import (COPY_KINDS, KernelBurst, KernelName, MemEvent, NcclEvent,
+                               VerbsContext, VerbsCounts, VerbsMr, VerbsQp)
+
+
+@dataclass
+class VerbsTotals:
+    """ibverbs data path of one thread (or, summed, one process)."""
+
+    wrs: Counter[str] = field(default_factory=Counter)  # posted, by verb (recv: "recv")
+    wr_bytes: Counter[str] = field(default_factory=Counter)
+    sges: Counter[str] = field(default_factory=Counter)
+    post_calls: Counter[str] = field(default_factory=Counter)  # post_send / post_recv
+    chains_cut: int = 0
+    completions: Counter[str] = field(default_factory=Counter)  # by wc opcode, "error"
+    completion_errors: int = 0
+    completion_bytes: int = 0
+    polls: int = 0
+    empty_polls: int = 0
+    poll_errors: int = 0
+    qps: dict[int, Counter[str]] = field(default_factory=dict)  # qp_num -> counts
+
+    def add(self, ev: VerbsCounts) -> None:
+        if ev.op == "poll":
+            self.polls += ev.count
+            self.empty_polls += ev.extra
+            self.poll_errors += ev.errors
+            return
+        if ev.op in ("post_send_call", "post_recv_call"):
+            self.post_calls[ev.op[:-5]] += ev.count
+            self.chains_cut += ev.extra
+            return
+        qp = self.qps.get(ev.qp_num)
+        if qp is None:
+            qp = self.qps[ev.qp_num] = Counter()
+        if ev.op in ("send", "recv"):
+            verb = ev.opcode if ev.op == "send" else "recv"
+            self.wrs[verb] += ev.count
+            self.wr_bytes[verb] += ev.bytes
+            self.sges[verb] += ev.extra
+            qp[f"{ev.op}_wrs"] += ev.count
+            qp[f"{ev.op}_bytes"] += ev.bytes
+        elif ev.op == "cqe":
+            self.completions[ev.opcode] += ev.count
+            self.completion_errors += ev.errors
+            self.completion_bytes += ev.bytes
+            qp["completions"] += ev.count
+            qp["completion_errors"] += ev.errors
+            qp["completion_bytes"] += ev.bytes
+
+    def merge(self, o: "VerbsTotals") -> None:
+        for name in ("wrs", "wr_bytes", "sges", "post_calls", "completions"):
+            getattr(self, name).update(getattr(o, name))
+        for name in ("chains_cut", "completion_errors", "completion_bytes", "polls",
+                     "empty_polls", "poll_errors"):
+            setattr(self, name, getattr(self, name) + getattr(o, name))
+        for qp, c in o.qps.items():
+            self.qps.setdefault(qp, Counter()).update(c)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "posted": {v: {"wrs": n, "bytes": self.wr_bytes[v], "sges": self.sges[v]}
+                       for v, n in sorted(self.wrs.items())},
+            "post_send_calls": self.post_calls["post_send"],
+            "post_recv_calls": self.post_calls["post_recv"],
+            "chains_cut": self.chains_cut,
+            "completions": dict(sorted(self.completions.items())),
+            "completion_errors": self.completion_errors,
+            "completion_bytes": self.completion_bytes,
+            "polls": self.polls,
+            "empty_polls": self.empty_polls,
+            "poll_errors": self.poll_errors,
+            "qps": {str(q): dict(sorted(c.items())) for q, c in sorted(self.qps.items())},
+        }
 
 
 @dataclass
@@ -29,6 +102,7 @@ class ThreadTotals:
     nccl_ops: Counter[str] = field(default_factory=Counter)
     nccl_bytes: Counter[str] = field(default_factory=Counter)
     kernels: Counter[int] = field(default_factory=Counter)  # handle -> launches
+    verbs: VerbsTotals = field(default_factory=VerbsTotals)
 
     def add_burst(self, b: KernelBurst) -> None:
         self.bursts += 1
@@ -59,6 +133,58 @@ class ProcessGpu:
     frees: int = 0
     frees_of_unknown: int = 0  # allocated before the tracer attached: size unknown
     communicators: list[dict[str, int]] = field(default_factory=list)
+    verbs_contexts: int = 0
+    mrs: dict[int, int] = field(default_factory=dict)  # live ibv_mr -> bytes registered
+    mr_stats: Counter[str] = field(default_factory=Counter)
+    qps: dict[int, dict[str, Any]] = field(default_factory=dict)  # qp_num -> state
+
+    def verbs_event(self, ev: Any) -> None:
+        """A VerbsContext, VerbsMr or VerbsQp event of this process."""
+        if isinstance(ev, VerbsContext):
+            self.verbs_contexts += 1
+        elif isinstance(ev, VerbsMr):
+            st = self.mr_stats
+            if ev.op == "reg":
+                if ev.ret != 0 or not ev.mr:
+                    st["reg_failed"] += 1
+                    return
+                st["reg"] += 1
+                st["reg_bytes"] += ev.length
+                self.mrs[ev.mr] = ev.length
+            else:
+                st["dereg"] += 1
+                if ev.ret != 0:
+                    st["dereg_failed"] += 1
+                    return
+                if self.mrs.pop(ev.mr, None) is None:
+                    st["dereg_of_unknown"] += 1  # registered before the tracer attached
+            live = sum(self.mrs.values())
+            st["peak_registered_bytes"] = max(st["peak_registered_bytes"], live)
+        elif isinstance(ev, VerbsQp):
+            q = self.qps.setdefault(ev.qp_num, {"state": "", "dest_qp_num": -1,
+                                                "transitions": [], "errors": 0})
+            if ev.ret != 0:
+                q["errors"] += 1
+                return
+            if ev.state:
+                q["state"] = ev.state
+                q["transitions"].append(ev.state)
+            if ev.dest_qp_num >= 0:
+                q["dest_qp_num"] = ev.dest_qp_num
+
+    def verbs_summary(self, totals: VerbsTotals) -> dict[str, Any]:
+        st = self.mr_stats
+        return {
+            **totals.summary(),
+            "contexts": self.verbs_contexts,
+            "registered_memory": {
+                "live_bytes": sum(self.mrs.values()), "live_regions": len(self.mrs),
+                "peak_bytes": st["peak_registered_bytes"], "reg_mr": st["reg"],
+                "reg_bytes": st["reg_bytes"], "reg_failed": st["reg_failed"],
+                "dereg_mr": st["dereg"], "dereg_failed": st["dereg_failed"],
+                "dereg_of_unknown": st["dereg_of_unknown"]},
+            "qp_states": {str(q): v for q, v in sorted(self.qps.items())},
+        }
 
     def thread(self, tid: int) -> ThreadTotals:
         t = self.threads.get(tid)
@@ -83,7 +209,8 @@ class GpuLedger:
         return p
 
     def handle(self, ev: Any) -> None:
-        """Account one GPU event (KernelBurst, KernelName, MemEvent or NcclEvent)."""
+        """Account one GPU event (KernelBurst, KernelName, MemEvent, NcclEvent or an
+        ibverbs event)."""
         if isinstance(ev, KernelBurst):
             self.proc(ev.pid).thread(ev.tid).add_burst(ev)
         elif isinstance(ev, KernelName):
@@ -108,6 +235,10 @@ class GpuLedger:
                                         "ret": ev.ret})
             else:
                 p.thread(ev.tid).add_nccl(ev)
+        elif isinstance(ev, VerbsCounts):
+            self.proc(ev.pid).thread(ev.tid).verbs.add(ev)
+        elif isinstance(ev, (VerbsContext, VerbsMr, VerbsQp)):
+            self.proc(ev.pid).verbs_event(ev)
 
     def summary(self, top: int = 20) -> dict[str, Any]:
         """A JSON-ready summary: per process, its threads, top kernels by launches."""
@@ -123,7 +254,9 @@ class GpuLedger:
                                   "allocs": p.allocs, "frees": p.frees,
                                   "frees_of_unknown_size": p.frees_of_unknown},
                 "nccl_communicators": p.communicators,
-                "threads": {str(tid): _totals(t, p, top) for tid, t in sorted(p.threads.items())},
+                "ibverbs": p.verbs_summary(total.verbs),
+                "threads": {str(tid): {**_totals(t, p, top), "ibverbs": t.verbs.summary()}
+                            for tid, t in sorted(p.threads.items())},
             })
         return {"processes": out}
 
@@ -134,6 +267,7 @@ def _merge(into: ThreadTotals, t: ThreadTotals) -> None:
         setattr(into, name, getattr(into, name) + getattr(t, name))
     for name in ("memcpy_bytes", "memcpy_calls", "nccl_ops", "nccl_bytes", "kernels"):
         getattr(into, name).update(getattr(t, name))
+    into.verbs.merge(t.verbs)
 
 
 def _totals(t: ThreadTotals, p: ProcessGpu, top: int) -> dict[str, Any]:

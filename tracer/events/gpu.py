@@ -1,9 +1,12 @@
-"""Typed GPU events decoded from the CUDA/NCCL probes' records (bpf/cuda.c, bpf/nccl.c).
+"""Typed GPU events decoded from the CUDA/NCCL/ibverbs probes' records (bpf/cuda.c,
+bpf/nccl.c, bpf/ibverbs.c).
 
 High-rate calls never arrive one by one: a thread's kernel launches, copies and memsets
 are summed in the kernel into a ``KernelBurst``, flushed at a synchronisation point, at
 a bounded interval, when its handle slots fill, or when the thread exits. Low-rate
 calls (kernel-name resolution, device allocations, NCCL) arrive as single records.
+ibverbs posts and completions are counted in the kernel per thread, QP and opcode and
+arrive as ``VerbsCounts`` deltas; memory registrations and QP state changes one by one.
 """
 
 from __future__ import annotations
@@ -138,11 +141,138 @@ def _decode_nccl(buf: bytes) -> NcclEvent:
                      comm_id=f["comm_id"], peer=f["peer"], nranks=f["nranks"], ret=f["ret"])
 
 
-GpuEvent = KernelBurst | KernelName | MemEvent | NcclEvent
+VERBS_OPS = {C["VERBS_SEND"]: "send", C["VERBS_RECV"]: "recv",
+             C["VERBS_POST_SEND_CALL"]: "post_send_call",
+             C["VERBS_POST_RECV_CALL"]: "post_recv_call", C["VERBS_CQE"]: "cqe",
+             C["VERBS_POLL"]: "poll"}
+# enum ibv_wr_opcode (verbs.h)
+WR_OPCODES = {0: "rdma_write", 1: "rdma_write_with_imm", 2: "send", 3: "send_with_imm",
+              4: "rdma_read", 5: "atomic_cmp_and_swp", 6: "atomic_fetch_and_add",
+              7: "local_inv", 8: "bind_mw", 9: "send_with_inv", 10: "tso", 11: "driver1",
+              15: "atomic_write"}
+# enum ibv_wc_opcode (verbs.h), plus the probe's own markers
+WC_OPCODES = {0: "send", 1: "rdma_write", 2: "rdma_read", 3: "comp_swap", 4: "fetch_add",
+              5: "bind_mw", 6: "local_inv", 7: "tso", 9: "atomic_write", 128: "recv",
+              129: "recv_rdma_with_imm", 130: "tm_add", 131: "tm_del", 132: "tm_sync",
+              133: "tm_recv", 134: "tm_no_tag", 135: "driver1", 136: "driver2",
+              137: "driver3", C["VERBS_OPCODE_ERROR"]: "error",
+              C["VERBS_OPCODE_UNREAD"]: "unread"}
+# enum ibv_qp_state (verbs.h)
+QP_STATES = {0: "reset", 1: "init", 2: "rtr", 3: "rts", 4: "sqd", 5: "sqe", 6: "err",
+             7: "unknown"}
+
+
+@dataclass(frozen=True, slots=True)
+class VerbsCounts:
+    """What one thread did on one QP since the previous read of the kernel's counters.
+
+    ``op``: "send"/"recv" (work requests posted, ``opcode`` names the verb; ``bytes``
+    is the sum of their sge lengths, ``extra`` their sges), "post_send_call" /
+    "post_recv_call" (calls; ``extra``: chains longer than the probe reads), "cqe"
+    (completions by opcode, "error" for failed ones; ``bytes``: wc.byte_len of
+    successful receives) or "poll" (ibv_poll_cq calls; ``errors``: negative returns,
+    ``extra``: empty polls)."""
+
+    pid: int
+    tid: int
+    qp_num: int
+    op: str
+    opcode: str
+    ts: int
+    count: int
+    bytes: int
+    errors: int
+    extra: int
+
+
+@dataclass(frozen=True, slots=True)
+class VerbsContext:
+    """A device context first seen, with its provider's data-path functions."""
+
+    pid: int
+    tid: int
+    ts: int
+    via: int
+    ctx: int
+    post_send: int
+    post_recv: int
+    poll_cq: int
+
+
+@dataclass(frozen=True, slots=True)
+class VerbsMr:
+    """A memory registration ("reg") or deregistration ("dereg")."""
+
+    pid: int
+    tid: int
+    ts: int
+    op: str
+    mr: int
+    addr: int
+    length: int
+    lkey: int
+    rkey: int
+    access: int
+    ret: int
+
+
+@dataclass(frozen=True, slots=True)
+class VerbsQp:
+    """An ibv_modify_qp call: the state asked for ("" if not in the mask), the remote
+    QP (-1 if not in the mask) and the result (0 or an errno)."""
+
+    pid: int
+    tid: int
+    ts: int
+    qp_num: int
+    state: str
+    dest_qp_num: int
+    attr_mask: int
+    ret: int
+
+
+def _decode_verbs(buf: bytes) -> VerbsCounts:
+    f = wire.VERBS.unpack(buf)
+    op = VERBS_OPS.get(f["op"], str(f["op"]))
+    names = WR_OPCODES if op == "send" else WC_OPCODES if op == "cqe" else {0: ""}
+    return VerbsCounts(pid=f["pid"], tid=f["tid"], qp_num=f["qp_num"], op=op,
+                       opcode=names.get(f["opcode"], str(f["opcode"])), ts=f["ts"],
+                       count=f["count"], bytes=f["bytes"], errors=f["errors"],
+                       extra=f["extra"])
+
+
+def _decode_verbs_ctx(buf: bytes) -> VerbsContext:
+    f = wire.VERBS_CTX.unpack(buf)
+    return VerbsContext(pid=f["pid"], tid=f["tid"], ts=f["ts"], via=f["via"], ctx=f["ctx"],
+                        post_send=f["post_send"], post_recv=f["post_recv"],
+                        poll_cq=f["poll_cq"])
+
+
+def _decode_verbs_mr(buf: bytes) -> VerbsMr:
+    f = wire.VERBS_MR.unpack(buf)
+    return VerbsMr(pid=f["pid"], tid=f["tid"], ts=f["ts"],
+                   op="reg" if f["op"] == C["VERBS_REG_MR"] else "dereg", mr=f["mr"],
+                   addr=f["addr"], length=f["length"], lkey=f["lkey"], rkey=f["rkey"],
+                   access=f["access"], ret=f["ret"])
+
+
+def _decode_verbs_qp(buf: bytes) -> VerbsQp:
+    f = wire.VERBS_QP.unpack(buf)
+    state = "" if f["state"] < 0 else QP_STATES.get(f["state"], str(f["state"]))
+    return VerbsQp(pid=f["pid"], tid=f["tid"], ts=f["ts"], qp_num=f["qp_num"], state=state,
+                   dest_qp_num=f["dest_qp_num"], attr_mask=f["attr_mask"], ret=f["ret"])
+
+
+GpuEvent = (KernelBurst | KernelName | MemEvent | NcclEvent | VerbsCounts | VerbsContext
+            | VerbsMr | VerbsQp)
 
 DECODERS = {
     C["KIND_KBURST"]: _decode_burst,
     C["KIND_KNAME"]: _decode_name,
     C["KIND_MEM"]: _decode_mem,
     C["KIND_NCCL"]: _decode_nccl,
+    C["KIND_VERBS"]: _decode_verbs,
+    C["KIND_VERBS_CTX"]: _decode_verbs_ctx,
+    C["KIND_VERBS_MR"]: _decode_verbs_mr,
+    C["KIND_VERBS_QP"]: _decode_verbs_qp,
 }

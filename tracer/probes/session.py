@@ -37,9 +37,10 @@ class CaptureConfig:
     rescan_interval_s: float = 2.0  # look for new --comm/--port processes this often
     counters_interval_s: float = 1.0
     # cuda must precede process: process.c flushes a thread's GPU burst at its exit
-    concerns: tuple[str, ...] = ("cuda", "nccl", "process", "sockets")
+    concerns: tuple[str, ...] = ("cuda", "nccl", "ibverbs", "process", "sockets")
     burst_ns: int = 10_000_000  # a thread's GPU burst is flushed at least this often
     gpu_rescan_interval_s: float = 1.0  # look for newly loaded GPU libraries
+    verbs_interval_s: float = 1.0  # read the kernel's ibverbs counters this often
     exclude_pids: set[int] = field(default_factory=set)
 
 
@@ -72,6 +73,7 @@ class CaptureSession:
         self.user_counters: dict[str, int] = {"undecodable_records": 0}
         self.gpu: GpuProbes | None = None
         self._next_gpu_scan = 0.0
+        self._next_verbs = 0.0
 
     # ---- lifecycle --------------------------------------------------------------
 
@@ -108,6 +110,12 @@ class CaptureSession:
             self._next_gpu_scan = now + self.config.gpu_rescan_interval_s
             for pid in sorted(self.pids):
                 self.gpu.scan(pid)
+        if self.gpu is not None and "ibverbs" in self.config.concerns:
+            self.gpu.verbs.attach_pending()  # contexts learned during this poll
+            if now >= self._next_verbs:
+                self._next_verbs = now + self.config.verbs_interval_s
+                for raw in self.gpu.verbs.collect():
+                    self.sink(raw)
         if now >= self._next_counters:
             self._next_counters = now + self.config.counters_interval_s
             self.report_counters()
@@ -120,6 +128,9 @@ class CaptureSession:
         if self.gpu is not None:
             for raw in self.gpu.drain():  # bursts not yet flushed: counts stay exact
                 self.sink(raw)
+            if "ibverbs" in self.config.concerns:
+                for raw in self.gpu.verbs.collect():  # the final ibverbs counts
+                    self.sink(raw)
         self.report_counters(force=True)
         self.bpf.cleanup()
         self.bpf = None
@@ -211,6 +222,8 @@ class CaptureSession:
                 self._after_conn(schema.decode(buf))
             elif kind == C["KIND_PROC"]:
                 self._after_proc(schema.decode(buf))
+            elif kind == C["KIND_VERBS_CTX"] and self.gpu is not None:
+                self.gpu.verbs.on_context(schema.decode(buf))
         except schema.WireError:
             self.user_counters["undecodable_records"] += 1
 
