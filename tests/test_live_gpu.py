@@ -106,3 +106,19 @@ def test_short_burst_interval_keeps_counts_exact(gpu_build, tmp_path):
                                         ["--burst-interval-us", "1"])
     assert proc["kernel_launches"] == truth["launches"]
     assert proc["bursts"] > truth["sync_calls"]
+
+
+def test_coalesced_syncs_and_slot_overflow_keep_counts_and_names_exact(gpu_build, tmp_path):
+    """--burst-min-us: a sync flushes only bursts older than 5 ms, so a burst spans many
+    steps of 20 distinct kernels; launches past its 16 slots are named through the
+    kernel_counts map (KCOUNT records), and every count stays exact."""
+    proc, truth, _, doc, _ = run_workload(gpu_build, tmp_path,
+                                          ["--steps", "200", "--kernels", "20"],
+                                          ["--burst-min-us", "5000"])
+    assert proc["kernel_launches"] == truth["launches"] == 200 * 20
+    assert proc["sync_calls"] == truth["sync_calls"]
+    assert proc["query_polls"] == truth["query_not_ready"]
+    assert proc["bursts"] < truth["sync_calls"] / 4
+    top = {k["name"]: k["launches"] for k in proc["top_kernels"]}
+    assert top == {f"_Z11tt_kernel_{k:02d}PfS_i": 200 for k in range(20)}
+    assert doc["report"]["capture.kcounts_full"] == 0

@@ -64,6 +64,11 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     g2.add_argument("--burst-interval-us", type=_positive_int, default=10_000, metavar="US",
                     help="flush a thread's summed GPU calls at least this often, even "
                          "without a sync (default: 10000)")
+    g2.add_argument("--burst-min-us", type=int, default=0, metavar="US",
+                    help="let a sync flush a thread's GPU burst only once it is this old, "
+                         "so a loop syncing thousands of times a second costs the agent "
+                         "fewer records; totals stay exact, GPU time attribution gets "
+                         "this coarse (default: 0, every sync)")
     g2.add_argument("--sched-idle", action="store_true",
                     help="run the tracer under SCHED_IDLE once attached: it only takes CPU "
                          "the traced service leaves idle (events wait in the ring buffer; "
@@ -244,7 +249,8 @@ def _targets(args: argparse.Namespace) -> Any:
 
     return CaptureConfig(pids=args.pid, comms=args.comm, ports=args.port,
                          capture_limit=args.capture_limit, ringbuf_mb=args.ringbuf_mb,
-                         burst_ns=args.burst_interval_us * 1000)
+                         burst_ns=args.burst_interval_us * 1000,
+                         burst_min_ns=max(0, args.burst_min_us) * 1000)
 
 
 def _sched_idle() -> None:

@@ -10,8 +10,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from tracer.events.gpu import (COPY_KINDS, KernelBurst, KernelName, MemEvent, NcclEvent,
-                               VerbsContext, VerbsCounts, VerbsMr, VerbsQp)
+from tracer.events.gpu import (COPY_KINDS, KernelBurst, KernelCounts, KernelName, MemEvent,
+                               NcclEvent, VerbsContext, VerbsCounts, VerbsMr, VerbsQp)
 
 
 @dataclass
@@ -105,17 +105,26 @@ class ThreadTotals:
     verbs: VerbsTotals = field(default_factory=VerbsTotals)
 
     def add_burst(self, b: KernelBurst) -> None:
+        # once per burst: plain dict updates that skip zeros (Counter.update costs a
+        # Python-level loop with type checks per call, most of this method's time)
         self.bursts += 1
         self.kernel_launches += b.launches
         self.graph_launches += b.graph_launches
-        self.memcpy_bytes.update(b.copy_bytes)
-        self.memcpy_calls.update(b.copy_calls)
+        if any(b.copy_calls.values()):
+            for into, src in ((self.memcpy_bytes, b.copy_bytes),
+                              (self.memcpy_calls, b.copy_calls)):
+                for k, n in src.items():
+                    if n:
+                        into[k] = into.get(k, 0) + n
         self.memset_bytes += b.memset_bytes
         self.memset_calls += b.memset_calls
         self.sync_calls += b.sync_calls
         self.sync_wait_ns += b.sync_wait_ns
         self.query_polls += b.query_polls
-        self.kernels.update(b.handle_counts)
+        kernels = self.kernels
+        get = kernels.get
+        for h, n in b.handle_counts.items():
+            kernels[h] = get(h, 0) + n
 
     def add_nccl(self, ev: NcclEvent) -> None:
         self.nccl_ops[ev.op] += 1
@@ -235,6 +244,9 @@ class GpuLedger:
                                         "ret": ev.ret})
             else:
                 p.thread(ev.tid).add_nccl(ev)
+        elif isinstance(ev, KernelCounts):
+            kernels = self.proc(ev.pid).thread(ev.tid).kernels
+            kernels[ev.handle] = kernels.get(ev.handle, 0) + ev.count
         elif isinstance(ev, VerbsCounts):
             self.proc(ev.pid).thread(ev.tid).verbs.add(ev)
         elif isinstance(ev, (VerbsContext, VerbsMr, VerbsQp)):

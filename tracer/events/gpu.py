@@ -99,22 +99,42 @@ class NcclEvent:
         return self.count * NCCL_DTYPE_SIZE.get(self.dtype, 0)
 
 
+def _burst_layout() -> tuple[int, ...]:
+    """Positions in KBURST's flat unpacked tuple of the fields _decode_burst reads."""
+    pos, i = {}, 0
+    for f in wire.KBURST.fields:
+        pos[f.name] = i
+        i += f.array_len if f.array_len and not f.is_bytes else 1
+    return tuple(pos[n] for n in (
+        "pid", "tid", "reason", "sync_api", "first_ts", "last_ts", "launches",
+        "graph_launches", "copy_bytes", "copy_calls", "memset_bytes", "memset_calls",
+        "sync_calls", "sync_wait_ns", "query_polls", "nslots", "handles", "handle_counts"))
+
+
+(_PID, _TID, _REASON, _SYNC_API, _FIRST, _LAST, _LAUNCHES, _GRAPH, _CB, _CC, _MSB, _MSC,
+ _SYNCS, _WAIT, _POLLS, _NSLOTS, _HANDLES, _COUNTS) = _burst_layout()
+_NCOPY = C["COPY_KINDS"]
+_SLOTS = C["BURST_SLOTS_N"]
+_UNPACK_BURST = wire.KBURST.header.unpack_from
+
+
 def _decode_burst(buf: bytes) -> KernelBurst:
-    f = wire.KBURST.unpack(buf)
-    n = min(f["nslots"], C["BURST_SLOTS_N"])
-    handles: dict[int, int] = {}
-    for h, k in zip(f["handles"][:n], f["handle_counts"][:n]):
-        handles[h] = handles.get(h, 0) + k
+    # Runs once per burst, the agent's hottest path: one unpack into a flat tuple and
+    # fixed positions, no per-field dict (profiled: 2.5x faster than Record.unpack).
+    v = _UNPACK_BURST(buf, 0)
+    n = min(v[_NSLOTS], _SLOTS)
+    handles = v[_HANDLES:_HANDLES + n]
+    counts = v[_COUNTS:_COUNTS + n]
+    hc = dict(zip(handles, counts))
+    if len(hc) != n:  # the kernel keeps one slot per handle; sum anyway if not
+        hc = {}
+        for h, k in zip(handles, counts):
+            hc[h] = hc.get(h, 0) + k
     return KernelBurst(
-        pid=f["pid"], tid=f["tid"], reason=BURST_REASONS.get(f["reason"], str(f["reason"])),
-        sync_api=f["sync_api"], first_ts=f["first_ts"], last_ts=f["last_ts"],
-        launches=f["launches"], graph_launches=f["graph_launches"],
-        copy_bytes=dict(zip(COPY_KINDS, f["copy_bytes"])),
-        copy_calls=dict(zip(COPY_KINDS, f["copy_calls"])),
-        memset_bytes=f["memset_bytes"], memset_calls=f["memset_calls"],
-        sync_calls=f["sync_calls"], sync_wait_ns=f["sync_wait_ns"],
-        query_polls=f["query_polls"], handle_counts=handles,
-    )
+        v[_PID], v[_TID], BURST_REASONS.get(v[_REASON]) or str(v[_REASON]), v[_SYNC_API],
+        v[_FIRST], v[_LAST], v[_LAUNCHES], v[_GRAPH],
+        dict(zip(COPY_KINDS, v[_CB:_CB + _NCOPY])), dict(zip(COPY_KINDS, v[_CC:_CC + _NCOPY])),
+        v[_MSB], v[_MSC], v[_SYNCS], v[_WAIT], v[_POLLS], hc)
 
 
 def _decode_name(buf: bytes) -> KernelName:
@@ -139,6 +159,24 @@ def _decode_nccl(buf: bytes) -> NcclEvent:
                      dtype=f["dtype"], ts_enter=f["ts_enter"], ts_exit=f["ts_exit"],
                      count=f["count"], comm=f["comm"], stream=f["stream"],
                      comm_id=f["comm_id"], peer=f["peer"], nranks=f["nranks"], ret=f["ret"])
+
+
+@dataclass(frozen=True, slots=True)
+class KernelCounts:
+    """Launches of one kernel by one thread that found its burst's slots full, since
+    the previous read (they are already in the bursts' ``launches``)."""
+
+    pid: int
+    tid: int
+    ts: int
+    handle: int
+    count: int
+
+
+def _decode_kcount(buf: bytes) -> KernelCounts:
+    f = wire.KCOUNT.unpack(buf)
+    return KernelCounts(pid=f["pid"], tid=f["tid"], ts=f["ts"], handle=f["handle"],
+                        count=f["count"])
 
 
 VERBS_OPS = {C["VERBS_SEND"]: "send", C["VERBS_RECV"]: "recv",
@@ -263,14 +301,15 @@ def _decode_verbs_qp(buf: bytes) -> VerbsQp:
                    dest_qp_num=f["dest_qp_num"], attr_mask=f["attr_mask"], ret=f["ret"])
 
 
-GpuEvent = (KernelBurst | KernelName | MemEvent | NcclEvent | VerbsCounts | VerbsContext
-            | VerbsMr | VerbsQp)
+GpuEvent = (KernelBurst | KernelName | MemEvent | NcclEvent | KernelCounts | VerbsCounts
+            | VerbsContext | VerbsMr | VerbsQp)
 
 DECODERS = {
     C["KIND_KBURST"]: _decode_burst,
     C["KIND_KNAME"]: _decode_name,
     C["KIND_MEM"]: _decode_mem,
     C["KIND_NCCL"]: _decode_nccl,
+    C["KIND_KCOUNT"]: _decode_kcount,
     C["KIND_VERBS"]: _decode_verbs,
     C["KIND_VERBS_CTX"]: _decode_verbs_ctx,
     C["KIND_VERBS_MR"]: _decode_verbs_mr,

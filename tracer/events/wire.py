@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 WIRE_VERSION = 3
 # Versions whose records this code decodes: 2 added the GPU records, 3 the ibverbs
-# records; neither changed an earlier layout.
+# and KCOUNT records; neither changed an earlier layout.
 READABLE_WIRE_VERSIONS = (1, 2, 3)
 
 # Sizes of the C scalar types used on the wire (x86-64 and arm64 alike).
@@ -45,6 +45,7 @@ CONSTANTS: dict[str, int] = {
     "KIND_VERBS_CTX": 10,
     "KIND_VERBS_MR": 11,
     "KIND_VERBS_QP": 12,
+    "KIND_KCOUNT": 13,
     # payload chunking: bytes per DATA record and the loop bound per syscall
     "CHUNK": 16384,
     "MAX_ITER": 64,
@@ -83,7 +84,7 @@ CONSTANTS: dict[str, int] = {
     "BURST_SYNC": 1,
     "BURST_QUERY": 2,
     "BURST_INTERVAL": 3,
-    "BURST_SLOTS": 4,
+    "BURST_SLOTS": 4,  # wire v2 only: its slots were full (now: overflow goes to KCOUNT)
     "BURST_EXIT": 5,
     "BURST_DRAIN": 6,
     "BURST_SLOTS_N": 16,  # distinct kernel handles per burst before it is flushed
@@ -141,6 +142,7 @@ CONSTANTS: dict[str, int] = {
     # run-time settings (index into the `config` array)
     "CFG_CAPTURE_LIMIT": 0,
     "CFG_BURST_NS": 1,
+    "CFG_BURST_MIN_NS": 2,  # a sync flushes its thread's burst only if it is this old
     # drop/loss counters (index into the per-CPU `counters` array)
     "CNT_LOST_CONN": 0,
     "CNT_LOST_DATA": 1,
@@ -154,6 +156,7 @@ CONSTANTS: dict[str, int] = {
     "CNT_NAMES_FULL": 9,
     "CNT_VERBS_FULL": 10,  # ibverbs counter or context map full: those calls not counted
     "CNT_VERBS_CUT": 11,  # a wr chain, sg list or wc array longer than read: bytes short
+    "CNT_KCOUNTS_FULL": 12,  # kernel_counts map full: launches counted, kernel unknown
     "N_COUNTERS": 16,
 }
 
@@ -436,6 +439,20 @@ NCCL = Record(
     ],
 )
 
+KCOUNT = Record(
+    "tt_kcount",
+    "KIND_KCOUNT",
+    [
+        Field("kind", "u32"),
+        Field("pid", "u32"),
+        Field("tid", "u32"),
+        Field("pad", "u32"),
+        Field("ts", "u64", "when the counter was read (CLOCK_MONOTONIC ns)"),
+        Field("handle", "u64", "CUfunction/CUkernel launched"),
+        Field("count", "u64", "its launches since the last record, past the burst's slots"),
+    ],
+)
+
 VERBS = Record(
     "tt_verbs",
     "KIND_VERBS",
@@ -509,8 +526,8 @@ VERBS_QP = Record(
 )
 
 RECORDS: dict[int, Record] = {
-    r.kind: r for r in (CONN, DATA, PROC, KBURST, KNAME, MEM, NCCL, VERBS, VERBS_CTX, VERBS_MR,
-                        VERBS_QP)
+    r.kind: r for r in (CONN, DATA, PROC, KBURST, KNAME, MEM, NCCL, KCOUNT, VERBS, VERBS_CTX,
+                        VERBS_MR, VERBS_QP)
 }
 
 

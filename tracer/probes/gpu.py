@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
@@ -135,6 +136,7 @@ class GpuProbes:
         from tracer.probes.ibverbs import VerbsProbes
 
         self.verbs = VerbsProbes(bpf, self.errors)
+        self._kcounts = CounterDeltas(bpf, b"kernel_counts", lambda v: (v.value,))
 
     def scan(self, pid: int) -> list[AttachedLibrary]:
         """Attach to the GPU libraries ``pid`` maps that are not attached yet."""
@@ -190,6 +192,15 @@ class GpuProbes:
         self.attached[key] = lib
         return lib
 
+    def collect(self) -> list[bytes]:
+        """KCOUNT records for the launches counted past full burst slots since the last
+        call (see bpf/cuda.c); exited threads' entries are read a last time and removed."""
+        from tracer.events import wire
+
+        ts = time.monotonic_ns()
+        return [wire.KCOUNT.pack(pid=k.pid, tid=k.tid, ts=ts, handle=k.handle, count=d[0])
+                for k, d in self._kcounts.read()]
+
     def drain(self) -> list[bytes]:
         """The bursts still open in the kernel, as KBURST records (reason DRAIN), removed
         from the map: called once capture stops so that counts are exact."""
@@ -209,6 +220,42 @@ class GpuProbes:
             except KeyError:
                 pass
         return out
+
+
+class CounterDeltas:
+    """Reads a BPF hash of cumulative per-thread counters (keys with ``pid`` and
+    ``tid``) as deltas since the previous read, so that what is sent sums to the exact
+    totals. Entries of exited threads are read one last time, then deleted: a dead
+    thread cannot count any more, so nothing is lost and the map does not fill up."""
+
+    def __init__(self, bpf: Any, name: bytes,
+                 values: Callable[[Any], tuple[int, ...]]) -> None:
+        self.bpf = bpf
+        self.name = name
+        self.values = values
+        self._last: dict[bytes, tuple[int, ...]] = {}
+
+    def read(self) -> Iterator[tuple[Any, list[int]]]:
+        """(key, deltas) for every entry that changed."""
+        table = self.bpf[self.name]
+        items = list(table.items())
+        # decided before reading: a thread found dead here cannot change its counters
+        gone = {(k.pid, k.tid) for k, _ in items
+                if not os.path.exists(f"/proc/{k.pid}/task/{k.tid}")}
+        for k, v in table.items():
+            key = bytes(k)
+            now = self.values(v)
+            last = self._last.get(key)
+            if now != last:
+                yield k, [a - b for a, b in zip(now, last or (0,) * len(now))]
+            if (k.pid, k.tid) in gone:
+                self._last.pop(key, None)
+                try:
+                    del table[k]
+                except KeyError:
+                    pass
+            else:
+                self._last[key] = now
 
 
 _VERSYM_HIDDEN = 0x8000  # a non-default version of a versioned symbol (ELF gABI)

@@ -27,6 +27,7 @@ from elftools.elf.elffile import ELFFile
 from tracer.events import wire
 from tracer.events.gpu import VerbsContext
 from tracer.probes import procfs
+from tracer.probes.gpu import CounterDeltas
 
 C = wire.CONSTANTS
 
@@ -67,7 +68,8 @@ class VerbsProbes:
         self.contexts = 0
         self._pending: list[VerbsContext] = []
         self._done: set[tuple[int, int, int]] = set()  # (dev, inode, address)
-        self._last: dict[tuple[int, int, int, int, int], tuple[int, int, int, int]] = {}
+        self._counts = CounterDeltas(bpf, b"verbs_counts",
+                                     lambda v: (v.count, v.bytes, v.errors, v.extra))
 
     # ---- provider functions ---------------------------------------------------------
 
@@ -125,32 +127,9 @@ class VerbsProbes:
     # ---- counters -------------------------------------------------------------------
 
     def collect(self) -> list[bytes]:
-        """VERBS records for every counter that changed since the last call; entries of
-        threads that have exited are read one last time and removed."""
-        table = self.bpf[b"verbs_counts"]
-        out: list[bytes] = []
+        """VERBS records for every counter that changed since the last call."""
         ts = time.monotonic_ns()
-        # which threads are gone is decided before reading: a dead thread's counters
-        # cannot change after that, so removing them after the read loses nothing
-        items = list(table.items())
-        gone = {(k.pid, k.tid) for k, _ in items
-                if not os.path.exists(f"/proc/{k.pid}/task/{k.tid}")}
-        for k, v in table.items():
-            key = (k.pid, k.tid, k.qp_num, k.op, k.opcode)
-            now = (v.count, v.bytes, v.errors, v.extra)
-            last = self._last.get(key, (0, 0, 0, 0))
-            if now != last:
-                d = [a - b for a, b in zip(now, last)]
-                out.append(wire.VERBS.pack(pid=k.pid, tid=k.tid, qp_num=k.qp_num, op=k.op,
-                                           opcode=k.opcode, ts=ts, count=d[0], bytes=d[1],
-                                           errors=d[2], extra=d[3]))
-            if (k.pid, k.tid) in gone:
-                self._last.pop(key, None)
-                try:
-                    del table[k]
-                except KeyError:
-                    pass
-            else:
-                self._last[key] = now
-        return out
-
+        return [wire.VERBS.pack(pid=k.pid, tid=k.tid, qp_num=k.qp_num, op=k.op,
+                                opcode=k.opcode, ts=ts, count=d[0], bytes=d[1], errors=d[2],
+                                extra=d[3])
+                for k, d in self._counts.read()]

@@ -39,8 +39,9 @@ class CaptureConfig:
     # cuda must precede process: process.c flushes a thread's GPU burst at its exit
     concerns: tuple[str, ...] = ("cuda", "nccl", "ibverbs", "process", "sockets")
     burst_ns: int = 10_000_000  # a thread's GPU burst is flushed at least this often
+    burst_min_ns: int = 0  # ...and at a sync only if it is at least this old
     gpu_rescan_interval_s: float = 1.0  # look for newly loaded GPU libraries
-    verbs_interval_s: float = 1.0  # read the kernel's ibverbs counters this often
+    counter_maps_interval_s: float = 1.0  # read the kernel's counter maps (kernels, ibverbs)
     exclude_pids: set[int] = field(default_factory=set)
 
 
@@ -73,7 +74,7 @@ class CaptureSession:
         self.user_counters: dict[str, int] = {"undecodable_records": 0}
         self.gpu: GpuProbes | None = None
         self._next_gpu_scan = 0.0
-        self._next_verbs = 0.0
+        self._next_counter_maps = 0.0
 
     # ---- lifecycle --------------------------------------------------------------
 
@@ -83,6 +84,7 @@ class CaptureSession:
         config = self.bpf[b"config"]
         config[ctypes.c_int(C["CFG_CAPTURE_LIMIT"])] = ctypes.c_uint64(self.config.capture_limit)
         config[ctypes.c_int(C["CFG_BURST_NS"])] = ctypes.c_uint64(self.config.burst_ns)
+        config[ctypes.c_int(C["CFG_BURST_MIN_NS"])] = ctypes.c_uint64(self.config.burst_min_ns)
         if "cuda" in self.config.concerns:
             self.gpu = GpuProbes(self.bpf)
         for name in self.config.comms:
@@ -110,15 +112,24 @@ class CaptureSession:
             self._next_gpu_scan = now + self.config.gpu_rescan_interval_s
             for pid in sorted(self.pids):
                 self.gpu.scan(pid)
-        if self.gpu is not None and "ibverbs" in self.config.concerns:
-            self.gpu.verbs.attach_pending()  # contexts learned during this poll
-            if now >= self._next_verbs:
-                self._next_verbs = now + self.config.verbs_interval_s
-                for raw in self.gpu.verbs.collect():
-                    self.sink(raw)
+        if self.gpu is not None:
+            if "ibverbs" in self.config.concerns:
+                self.gpu.verbs.attach_pending()  # contexts learned during this poll
+            if now >= self._next_counter_maps:
+                self._next_counter_maps = now + self.config.counter_maps_interval_s
+                self._collect_counters()
         if now >= self._next_counters:
             self._next_counters = now + self.config.counters_interval_s
             self.report_counters()
+
+    def _collect_counters(self) -> None:
+        """Send what the kernel's cumulative counter maps gained since the last read."""
+        assert self.gpu is not None
+        for raw in self.gpu.collect():
+            self.sink(raw)
+        if "ibverbs" in self.config.concerns:
+            for raw in self.gpu.verbs.collect():
+                self.sink(raw)
 
     def stop(self) -> None:
         """Drain what is left and report the final counters."""
@@ -128,9 +139,7 @@ class CaptureSession:
         if self.gpu is not None:
             for raw in self.gpu.drain():  # bursts not yet flushed: counts stay exact
                 self.sink(raw)
-            if "ibverbs" in self.config.concerns:
-                for raw in self.gpu.verbs.collect():  # the final ibverbs counts
-                    self.sink(raw)
+            self._collect_counters()  # the final per-kernel and ibverbs counts
         self.report_counters(force=True)
         self.bpf.cleanup()
         self.bpf = None
