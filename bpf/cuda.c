@@ -78,6 +78,10 @@ static __always_inline struct tt_kburst *begin_call(u64 id, u64 now)
 
 static __always_inline int on_launch(struct pt_regs *ctx, u64 handle, int graph)
 {
+    /* --gpu-sample: the gate closes at once, before the (slow) detach, and opens
+     * after the attach, so that what is counted is exactly the open span */
+    if (config_get(TT_CFG_LAUNCH_GATE_CLOSED, 0))
+        return 0;
     u64 id = bpf_get_current_pid_tgid();
     u64 now = bpf_ktime_get_ns();
     struct tt_kburst *b = begin_call(id, now);

@@ -64,6 +64,14 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     g2.add_argument("--burst-interval-us", type=_positive_int, default=10_000, metavar="US",
                     help="flush a thread's summed GPU calls at least this often, even "
                          "without a sync (default: 10000)")
+    g2.add_argument("--gpu-sample", type=float, default=1.0, metavar="FRACTION",
+                    help="attach the kernel-launch probes for FRACTION of each "
+                         "--gpu-sample-period and detach them for the rest, so an eager "
+                         "launch-bound loop pays the uprobe trap on that share of its "
+                         "launches only; launch counts in the summary become estimates, "
+                         "marked so (default: 1, every launch, exact)")
+    g2.add_argument("--gpu-sample-period", type=float, default=1.0, metavar="SECONDS",
+                    help="the --gpu-sample duty cycle's period (default: 1)")
     g2.add_argument("--burst-min-us", type=int, default=0, metavar="US",
                     help="let a sync flush a thread's GPU burst only once it is this old, "
                          "so a loop syncing thousands of times a second costs the agent "
@@ -250,7 +258,15 @@ def _targets(args: argparse.Namespace) -> Any:
     return CaptureConfig(pids=args.pid, comms=args.comm, ports=args.port,
                          capture_limit=args.capture_limit, ringbuf_mb=args.ringbuf_mb,
                          burst_ns=args.burst_interval_us * 1000,
-                         burst_min_ns=max(0, args.burst_min_us) * 1000)
+                         burst_min_ns=max(0, args.burst_min_us) * 1000,
+                         gpu_sample=_sample_fraction(args.gpu_sample),
+                         gpu_sample_period_s=max(0.01, args.gpu_sample_period))
+
+
+def _sample_fraction(f: float) -> float:
+    if not 0.0 < f <= 1.0:
+        raise SystemExit(f"error: --gpu-sample must be in (0, 1], not {f}")
+    return f
 
 
 def _sched_idle() -> None:

@@ -10,8 +10,43 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from tracer.events.gpu import (COPY_KINDS, KernelBurst, KernelCounts, KernelName, MemEvent,
-                               NcclEvent, VerbsContext, VerbsCounts, VerbsMr, VerbsQp)
+from tracer.events.gpu import (COPY_KINDS, GpuSampling, KernelBurst, KernelCounts,
+                               KernelName, MemEvent, NcclEvent, VerbsContext, VerbsCounts,
+                               VerbsMr, VerbsQp)
+
+
+@dataclass
+class LaunchSampling:
+    """--gpu-sample's on/off switches of the launch probes. A thread's launch counts
+    are divided by the share of its own active span (first to last burst, which the
+    unsampled copy and sync probes keep marking) that the probes were on."""
+
+    fraction: float  # configured
+    switches: list[tuple[int, bool]] = field(default_factory=list)  # (ts, on), in order
+
+    def switch(self, ev: GpuSampling) -> None:
+        self.switches.append((ev.ts, ev.enabled))
+
+    def on_share(self, a: int, b: int) -> float:
+        """The share of [a, b] the launch probes were on (1.0 for an empty span)."""
+        if b <= a:
+            return 1.0
+        on = 0
+        since: int | None = None
+        for ts, enabled in self.switches:
+            if enabled and since is None:
+                since = ts
+            elif not enabled and since is not None:
+                on += max(0, min(ts, b) - max(since, a))
+                since = None
+        if since is not None:
+            on += max(0, b - max(since, a))
+        return on / (b - a)
+
+    def scale(self, n: int, a: int, b: int) -> int:
+        """An estimate of the launches behind ``n`` seen in [a, b]."""
+        share = self.on_share(a, b)
+        return round(n / share) if share > 0 else n
 
 
 @dataclass
@@ -103,8 +138,13 @@ class ThreadTotals:
     nccl_bytes: Counter[str] = field(default_factory=Counter)
     kernels: Counter[int] = field(default_factory=Counter)  # handle -> launches
     verbs: VerbsTotals = field(default_factory=VerbsTotals)
+    first_ts: int = 0  # first burst's first call
+    last_ts: int = 0  # last burst's end
 
     def add_burst(self, b: KernelBurst) -> None:
+        if not self.bursts or b.first_ts < self.first_ts:
+            self.first_ts = b.first_ts
+        self.last_ts = max(self.last_ts, b.last_ts)
         # once per burst: plain dict updates that skip zeros (Counter.update costs a
         # Python-level loop with type checks per call, most of this method's time)
         self.bursts += 1
@@ -210,6 +250,7 @@ class GpuLedger:
 
     def __init__(self) -> None:
         self.processes: dict[int, ProcessGpu] = {}
+        self.sampling: LaunchSampling | None = None
 
     def proc(self, pid: int) -> ProcessGpu:
         p = self.processes.get(pid)
@@ -244,6 +285,10 @@ class GpuLedger:
                                         "ret": ev.ret})
             else:
                 p.thread(ev.tid).add_nccl(ev)
+        elif isinstance(ev, GpuSampling):
+            if self.sampling is None:
+                self.sampling = LaunchSampling(ev.fraction)
+            self.sampling.switch(ev)
         elif isinstance(ev, KernelCounts):
             kernels = self.proc(ev.pid).thread(ev.tid).kernels
             kernels[ev.handle] = kernels.get(ev.handle, 0) + ev.count
@@ -259,18 +304,35 @@ class GpuLedger:
             total = ThreadTotals()
             for t in p.threads.values():
                 _merge(total, t)
+            est: dict[int, ThreadTotals] = {}
+            est_total = None
+            if self.sampling is not None:
+                est = {tid: _scaled(t, self.sampling) for tid, t in p.threads.items()}
+                est_total = ThreadTotals()
+                for e in est.values():
+                    _merge(est_total, e)
             out.append({
                 "pid": pid,
-                **_totals(total, p, top),
+                **_totals(total, p, top, est_total),
                 "device_memory": {"live_bytes": p.live_bytes, "peak_bytes": p.peak_bytes,
                                   "allocs": p.allocs, "frees": p.frees,
                                   "frees_of_unknown_size": p.frees_of_unknown},
                 "nccl_communicators": p.communicators,
                 "ibverbs": p.verbs_summary(total.verbs),
-                "threads": {str(tid): {**_totals(t, p, top), "ibverbs": t.verbs.summary()}
+                "threads": {str(tid): {**_totals(t, p, top, est.get(tid)),
+                                       "ibverbs": t.verbs.summary()}
                             for tid, t in sorted(p.threads.items())},
             })
-        return {"processes": out}
+        doc: dict[str, Any] = {"processes": out}
+        if self.sampling is not None:
+            sw = self.sampling.switches
+            doc["launch_sampling"] = {
+                "estimated": True, "fraction": self.sampling.fraction,
+                "measured_on_share": round(self.sampling.on_share(sw[0][0], sw[-1][0]), 6),
+                "note": "kernel and graph launch counts are estimates: seen / the share of "
+                        "the thread's active span the launch probes were on; *_seen are "
+                        "the counts the probes saw"}
+        return doc
 
 
 def _merge(into: ThreadTotals, t: ThreadTotals) -> None:
@@ -280,15 +342,32 @@ def _merge(into: ThreadTotals, t: ThreadTotals) -> None:
     for name in ("memcpy_bytes", "memcpy_calls", "nccl_ops", "nccl_bytes", "kernels"):
         getattr(into, name).update(getattr(t, name))
     into.verbs.merge(t.verbs)
+    if t.bursts:
+        into.first_ts = min(into.first_ts, t.first_ts) if into.first_ts else t.first_ts
+        into.last_ts = max(into.last_ts, t.last_ts)
 
 
-def _totals(t: ThreadTotals, p: ProcessGpu, top: int) -> dict[str, Any]:
+def _scaled(t: ThreadTotals, sampling: LaunchSampling) -> ThreadTotals:
+    """The launch counts of ``t`` divided by its on share (floats, rounded on output)."""
+    f = 1.0 / max(sampling.on_share(t.first_ts, t.last_ts), 1e-9)
+    return ThreadTotals(kernel_launches=t.kernel_launches * f,  # type: ignore[arg-type]
+                        graph_launches=t.graph_launches * f,  # type: ignore[arg-type]
+                        kernels=Counter({h: n * f for h, n in t.kernels.items()}))
+
+
+def _totals(t: ThreadTotals, p: ProcessGpu, top: int,
+            est: ThreadTotals | None = None) -> dict[str, Any]:
+    """Summary fields of ``t``; launch counts from ``est`` when launches were sampled."""
+    src = est if est is not None else t
     named: Counter[str] = Counter()
-    for h, n in t.kernels.items():
+    for h, n in src.kernels.items():
         named[p.name_of(h)] += n
+    seen = ({"kernel_launches_seen": t.kernel_launches, "graph_launches_seen": t.graph_launches}
+            if est is not None else {})
     return {
-        "kernel_launches": t.kernel_launches,
-        "graph_launches": t.graph_launches,
+        "kernel_launches": round(src.kernel_launches),
+        "graph_launches": round(src.graph_launches),
+        **seen,
         "memcpy_bytes": {k: t.memcpy_bytes.get(k, 0) for k in COPY_KINDS},
         "memcpy_calls": {k: t.memcpy_calls.get(k, 0) for k in COPY_KINDS},
         "memset_bytes": t.memset_bytes,
@@ -299,5 +378,5 @@ def _totals(t: ThreadTotals, p: ProcessGpu, top: int) -> dict[str, Any]:
         "bursts": t.bursts,
         "nccl_ops": dict(t.nccl_ops),
         "nccl_bytes": dict(t.nccl_bytes),
-        "top_kernels": [{"name": n, "launches": c} for n, c in named.most_common(top)],
+        "top_kernels": [{"name": n, "launches": round(c)} for n, c in named.most_common(top)],
     }

@@ -179,6 +179,18 @@ def _decode_kcount(buf: bytes) -> KernelCounts:
                         count=f["count"])
 
 
+@dataclass(frozen=True, slots=True)
+class GpuSampling:
+    """--gpu-sample switched the launch probes on or off at ``ts`` (a user-space event:
+    the middle of the attach or detach). Launch counts are then estimates: what was seen
+    while on, divided by the share of the time the probes were on. ``fraction`` is the
+    configured share."""
+
+    ts: int
+    enabled: bool
+    fraction: float
+
+
 VERBS_OPS = {C["VERBS_SEND"]: "send", C["VERBS_RECV"]: "recv",
              C["VERBS_POST_SEND_CALL"]: "post_send_call",
              C["VERBS_POST_RECV_CALL"]: "post_recv_call", C["VERBS_CQE"]: "cqe",
@@ -302,7 +314,7 @@ def _decode_verbs_qp(buf: bytes) -> VerbsQp:
 
 
 GpuEvent = (KernelBurst | KernelName | MemEvent | NcclEvent | KernelCounts | VerbsCounts
-            | VerbsContext | VerbsMr | VerbsQp)
+            | VerbsContext | VerbsMr | VerbsQp | GpuSampling)
 
 DECODERS = {
     C["KIND_KBURST"]: _decode_burst,

@@ -143,6 +143,7 @@ CONSTANTS: dict[str, int] = {
     "CFG_CAPTURE_LIMIT": 0,
     "CFG_BURST_NS": 1,
     "CFG_BURST_MIN_NS": 2,  # a sync flushes its thread's burst only if it is this old
+    "CFG_LAUNCH_GATE_CLOSED": 3,  # --gpu-sample: 1 while launches are not counted
     # drop/loss counters (index into the per-CPU `counters` array)
     "CNT_LOST_CONN": 0,
     "CNT_LOST_DATA": 1,

@@ -85,6 +85,10 @@ NCCL_PROBES: list[Probe] = [
     Probe("ncclCommInitRankConfig", "tt_nccl_comm_init", "tt_nccl_return"),
 ]
 
+# The launch handlers: the probes --gpu-sample switches on and off (their uprobe trap is
+# what an eager launch-bound loop pays per launch).
+LAUNCH_HANDLERS = frozenset({"tt_launch_arg1", "tt_launch_arg2", "tt_graph_launch"})
+
 # libcudart: only device-wide synchronisation, which does not pass through an exported
 # libcuda function on CUDA 13 (seen on an H200, driver 580). Launches are never probed
 # here: they all reach cuLaunchKernel*, and probing both would count them twice.
@@ -136,6 +140,8 @@ class GpuProbes:
         from tracer.probes.ibverbs import VerbsProbes
 
         self.verbs = VerbsProbes(bpf, self.errors)
+        self.launch_probes: list[tuple[bytes, int, bytes]] = []  # (path, addr, handler)
+        self.launches_on = True
         self._kcounts = CounterDeltas(bpf, b"kernel_counts", lambda v: (v.value,))
 
     def scan(self, pid: int) -> list[AttachedLibrary]:
@@ -177,6 +183,11 @@ class GpuProbes:
             done[addr] = p.symbol
             try:
                 # by address: BCC's lookup by name may pick a non-default version
+                if p.entry in LAUNCH_HANDLERS:
+                    self.launch_probes.append((path.encode(), addr, p.entry.encode()))
+                    if not self.launches_on:  # attached when sampling turns them on
+                        lib.symbols.append(p.symbol)
+                        continue
                 if p.entry:
                     self.bpf.attach_uprobe(name=path.encode(), addr=addr,
                                            fn_name=p.entry.encode())
@@ -191,6 +202,21 @@ class GpuProbes:
             lib.symbols.append(p.symbol)
         self.attached[key] = lib
         return lib
+
+    def set_launch_probes(self, on: bool) -> None:
+        """Attach (on) or detach (off) the launch probes of every library: --gpu-sample
+        duty-cycles them, so that a detached launch costs no uprobe trap at all."""
+        if on == self.launches_on:
+            return
+        for path, addr, fn in self.launch_probes:
+            try:
+                if on:
+                    self.bpf.attach_uprobe(name=path, addr=addr, fn_name=fn)
+                else:
+                    self.bpf.detach_uprobe(name=path, addr=addr)
+            except Exception as e:  # BCC raises bare Exception
+                self.errors[f"{path.decode()}@{addr:#x} ({'on' if on else 'off'})"] = str(e)
+        self.launches_on = on
 
     def collect(self) -> list[bytes]:
         """KCOUNT records for the launches counted past full burst slots since the last
