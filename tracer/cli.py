@@ -85,6 +85,10 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
 
 def _add_export_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("export (console table unless --quiet)")
+    g.add_argument("--gpu-every", type=float, default=5.0, metavar="SECONDS",
+                   help="run: print a GPU row per process (launches, copies, syncs, NCCL, "
+                        "ibverbs, device memory) this often when it changed; 0: never "
+                        "(default: 5)")
     g.add_argument("--jsonl", metavar="FILE", help="write one JSON object per span to FILE")
     g.add_argument("--otlp", metavar="ENDPOINT",
                    help="send spans over OTLP: host:4317 or grpc://host:4317 for gRPC, "
@@ -329,8 +333,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     sinks, console = build_sinks(args, ctx)
     run = TraceRun(_targets(args), sinks, TrackerOptions(keep_content=args.capture_content),
                    record=args.record, ctx=ctx, header=header)
+    poll = run.poll
+    if console is not None and getattr(args, "gpu_every", 0) > 0:
+        console.gpu, console.gpu_every_s = run.pipeline.gpu, args.gpu_every
+
+        def poll() -> None:
+            run.poll()
+            console.gpu_tick()
+
     try:
-        rc = _drive(args, run.open, run.poll, lambda: run.session.pids,
+        rc = _drive(args, run.open, poll, lambda: run.session.pids,
                     lambda: run.session.gpu)
     finally:
         run.close()

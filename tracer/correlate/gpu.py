@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from tracer.events.gpu import (COPY_KINDS, GpuSampling, KernelBurst, KernelCounts,
                                KernelName, MemEvent, NcclEvent, VerbsContext, VerbsCounts,
@@ -296,6 +296,15 @@ class GpuLedger:
             self.proc(ev.pid).thread(ev.tid).verbs.add(ev)
         elif isinstance(ev, (VerbsContext, VerbsMr, VerbsQp)):
             self.proc(ev.pid).verbs_event(ev)
+
+    def totals(self) -> Iterator[tuple[ProcessGpu, ThreadTotals]]:
+        """Each process with its threads' totals summed (exact counts: the console's
+        live view; sampled launch counts are as seen)."""
+        for pid, p in sorted(self.processes.items()):
+            total = ThreadTotals()
+            for t in p.threads.values():
+                _merge(total, t)
+            yield p, total
 
     def summary(self, top: int = 20) -> dict[str, Any]:
         """A JSON-ready summary: per process, its threads, top kernels by launches."""
