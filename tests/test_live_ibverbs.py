@@ -141,3 +141,33 @@ def test_chains_longer_than_the_probe_reads_are_reported_not_hidden(verbs_build,
     assert v["chains_cut"] == 2 * 20  # every send chain and every receive chain
     assert report["capture.verbs_cut"] == v["chains_cut"]
     assert v["posted"]["send"]["wrs"] < prov["send_wrs"]["send"]
+
+
+REAL = Path("/usr/lib/x86_64-linux-gnu/libibverbs.so.1")
+
+
+def test_the_real_libibverbs_is_probed_at_its_default_symbol_versions(verbs_build):
+    """Debian's libibverbs (installed with libibverbs-dev, which the stand-ins need)
+    exports IBVERBS_1.0 compat duplicates: the probes go to the @@ default versions
+    that nm names, every probe attaches, and ibv_reg_mr is left to ibv_reg_mr_iova2."""
+    from tracer.probes import loader
+    from tracer.probes.gpu import VERBS_PROBES, GpuProbes, exported_functions
+
+    nm = subprocess.run(["nm", "-D", "--defined-only", str(REAL)], capture_output=True,
+                        text=True, check=True).stdout
+    default = {}
+    for line in nm.splitlines():
+        addr, _, name = line.split()
+        if "@@" in name:
+            default[name.split("@@")[0]] = int(addr, 16)
+    found = exported_functions(str(REAL))
+    for sym in ("ibv_open_device", "ibv_reg_mr", "ibv_dereg_mr", "ibv_modify_qp"):
+        assert found[sym] == default[sym], sym
+    bpf = loader.compile_program(("cuda", "ibverbs"))
+    try:
+        probes = GpuProbes(bpf)
+        lib = probes._attach_file("ibverbs", str(REAL), VERBS_PROBES)
+        assert not probes.errors
+        assert set(lib.symbols) == {p.symbol for p in VERBS_PROBES} - {"ibv_reg_mr"}
+    finally:
+        bpf.cleanup()
