@@ -29,7 +29,6 @@ from tracer.events.gpu import VerbsContext
 from tracer.probes import procfs
 from tracer.probes.gpu import CounterDeltas
 
-C = wire.CONSTANTS
 
 # ctx->ops member -> (BPF function at entry, at return)
 PROVIDER_OPS: dict[str, tuple[str, str | None]] = {
