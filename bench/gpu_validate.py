@@ -4,7 +4,12 @@ launches with PyTorch's profiler (CUPTI) window by window, measure traced vs unt
 decode tokens/s in one run, trace a 2-GPU NCCL all-reduce when two GPUs are present,
 and keep a compressed capture for replay tests.
 
-    python3 bench/gpu_validate.py OUT_DIR
+    python3 bench/gpu_validate.py OUT_DIR [--gpu-sample F [F ...]] [--gpu-sample-period S]
+
+--gpu-sample adds decode rounds traced with the launch probes duty-cycled (`tokentrace
+run --gpu-sample`): tokens/s against untraced, and the estimated launch count against
+the exact count of the fully traced rounds (the decode loop launches the same kernels
+each time).
 
 Writes OUT_DIR/gpu-validation.json and OUT_DIR/torch-gpu.ttcap. Uses only the capture
 half of tokentrace (no OpenTelemetry or HTTP parsers needed on the GPU host).
@@ -34,9 +39,11 @@ CONCERNS = ("cuda", "nccl", "process")
 class Tracer:
     """A CaptureSession polled on a thread, feeding a GPU ledger and a capture file."""
 
-    def __init__(self, pids: list[int], ledger: GpuLedger, writer: capture.CaptureWriter | None):
+    def __init__(self, pids: list[int], ledger: GpuLedger, writer: capture.CaptureWriter | None,
+                 **config) -> None:
         self.ledger, self.writer = ledger, writer
-        self.session = CaptureSession(CaptureConfig(pids=pids, concerns=CONCERNS), self._sink)
+        self.session = CaptureSession(CaptureConfig(pids=pids, concerns=CONCERNS, **config),
+                                      self._sink)
         self._stop = threading.Event()
         self.drops: dict[str, int] = {}
         t0 = time.perf_counter()
@@ -106,7 +113,43 @@ class Workload:
         self.p.wait(60)
 
 
-def validate_torch(out: Path) -> dict:
+def sampled_rounds(w: "Workload", exact_launches: int, fraction: float,
+                   period_s: float) -> dict:
+    """Decode rounds with the launch probes duty-cycled, alternating with untraced ones."""
+    rounds = []
+    for i in range(4):
+        order = ("untraced", "sampled") if i % 2 == 0 else ("sampled", "untraced")
+        got: dict = {}
+        for phase in order:
+            led = GpuLedger()
+            tr = (Tracer([w.p.pid], led, None, gpu_sample=fraction, gpu_sample_period_s=period_s)
+                  if phase == "sampled" else None)
+            got[phase] = w.ask("decode 1000")
+            if tr is not None:
+                tr.settle()
+                got["drops"] = tr.stop()
+                doc = led.summary()
+                (proc,) = [p for p in doc["processes"] if p["pid"] == w.p.pid] or [{}]
+                got["estimated"] = proc.get("kernel_launches", 0)
+                got["seen"] = proc.get("kernel_launches_seen", 0)
+                got["on_share"] = doc.get("launch_sampling", {}).get("measured_on_share")
+        rounds.append({"order": order,
+                       "untraced_tokens_per_s": got["untraced"]["tokens_per_s"],
+                       "sampled_tokens_per_s": got["sampled"]["tokens_per_s"],
+                       "launches_estimated": got["estimated"], "launches_seen": got["seen"],
+                       "measured_on_share": got["on_share"],
+                       "lost_gpu": got["drops"].get("lost_gpu")})
+    return {
+        "fraction": fraction, "period_s": period_s, "exact_launches_per_round": exact_launches,
+        "rounds": rounds,
+        "sampled_over_untraced": sum(r["sampled_tokens_per_s"] for r in rounds)
+        / sum(r["untraced_tokens_per_s"] for r in rounds),
+        "launch_count_errors": [(r["launches_estimated"] - exact_launches) / exact_launches
+                                for r in rounds] if exact_launches else None,
+    }
+
+
+def validate_torch(out: Path, samples: list[float] = (), period_s: float = 1.0) -> dict:
     res: dict = {}
     w = Workload()
     ledger = GpuLedger()
@@ -157,6 +200,8 @@ def validate_torch(out: Path) -> dict:
         "rounds": rounds,
         "traced_over_untraced": sum(r["traced_tokens_per_s"] for r in rounds)
         / sum(r["untraced_tokens_per_s"] for r in rounds)}
+    exact = rounds[0]["traced_launches_seen"]
+    res["decode_sampled"] = [sampled_rounds(w, exact, f, period_s) for f in samples]
     w.quit()
     return res
 
@@ -209,9 +254,17 @@ def validate_nccl() -> dict:
 
 
 def main() -> None:
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else "out")
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", nargs="?", default="out")
+    ap.add_argument("--gpu-sample", type=float, nargs="*", default=[],
+                    help="launch-probe duty cycles to measure on the decode loop")
+    ap.add_argument("--gpu-sample-period", type=float, default=1.0)
+    args = ap.parse_args()
+    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    res = {"torch": validate_torch(out)}
+    res = {"torch": validate_torch(out, args.gpu_sample, args.gpu_sample_period)}
     try:
         res["nccl"] = validate_nccl()
     except Exception as e:  # report, do not lose the torch results

@@ -32,6 +32,14 @@ static __always_inline void count(u32 which)
         (*c)++;
 }
 
+/* count() by n; no branch on n (see verbs_post in ibverbs.c for why that matters) */
+static __always_inline void count_n(u32 which, u64 n)
+{
+    u64 *c = counters.lookup(&which);
+    if (c)
+        *c += n;
+}
+
 static __always_inline int is_traced(u32 tgid)
 {
     return traced.lookup(&tgid) != NULL;

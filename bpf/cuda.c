@@ -5,16 +5,29 @@
  *
  * Launches, copies and memsets happen tens of thousands of times a second, so they
  * are summed per thread in `bursts` (a struct tt_kburst per thread) and sent as one
- * record when the thread synchronises, when a query finds its work done, after
- * TT_CFG_BURST_NS, when the burst has seen TT_BURST_SLOTS_N distinct kernels (so the
- * per-kernel counts stay exact), or when the thread exits. Python never sees a single
- * launch. Name resolution, allocations and frees are rare and sent one by one.
+ * record when the thread synchronises (at most once per TT_CFG_BURST_MIN_NS when that
+ * is set: each record costs the agent ~10 us), when a query finds its work done, after
+ * TT_CFG_BURST_NS, or when the thread exits. A burst's first TT_BURST_SLOTS_N distinct
+ * kernels are counted in it; launches of further kernels are counted in the burst's
+ * total and, per kernel, in `kernel_counts`, which user space reads on a timer (KCOUNT
+ * records), so a step with many distinct kernels does not cost a record per 16 of
+ * them. Python never sees a single launch. Name resolution, allocations and frees are
+ * rare and sent one by one.
  *
  * tracer/probes/gpu.py attaches each exported symbol to the handler named in its
  * table; the handlers below are named by what they read from the arguments.
  */
 
 BPF_HASH(bursts, u32, struct tt_kburst, 16384);
+
+struct kcount_key {
+    u32 pid;
+    u32 tid;
+    u64 handle;
+};
+/* launches of kernels that found a thread's burst slots full: cumulative, read and
+ * pruned of exited threads by tracer/probes/gpu.py */
+BPF_HASH(kernel_counts, struct kcount_key, u64, 65536);
 BPF_PERCPU_ARRAY(burst_zero, struct tt_kburst, 1); /* never written: the empty burst */
 
 static __always_inline struct tt_kburst *burst_of(u64 id, u64 now)
@@ -65,6 +78,10 @@ static __always_inline struct tt_kburst *begin_call(u64 id, u64 now)
 
 static __always_inline int on_launch(struct pt_regs *ctx, u64 handle, int graph)
 {
+    /* --gpu-sample: the gate closes at once, before the (slow) detach, and opens
+     * after the attach, so that what is counted is exactly the open span */
+    if (config_get(TT_CFG_LAUNCH_GATE_CLOSED, 0))
+        return 0;
     u64 id = bpf_get_current_pid_tgid();
     u64 now = bpf_ktime_get_ns();
     struct tt_kburst *b = begin_call(id, now);
@@ -90,19 +107,21 @@ static __always_inline int on_launch(struct pt_regs *ctx, u64 handle, int graph)
     TT_SLOT(14) TT_SLOT(15)
 #undef TT_SLOT
     _Static_assert(TT_BURST_SLOTS_N == 16, "one TT_SLOT line per slot");
+    b->launches++;
     if (n >= TT_BURST_SLOTS_N) {
-        flush((u32)id, b, TT_BURST_SLOTS);
-        b = burst_of(id, now);
-        if (!b)
-            return 0;
-        b->last_ts = now;
-        n = 0;
+        struct kcount_key k = {.pid = id >> 32, .tid = (u32)id, .handle = handle};
+        u64 zero = 0;
+        u64 *c = kernel_counts.lookup_or_try_init(&k, &zero);
+        if (c)
+            (*c)++; /* only this thread writes its keys */
+        else
+            count(TT_CNT_KCOUNTS_FULL); /* the launch is counted, its kernel unknown */
+        return 0;
     }
     u32 slot = n & (TT_BURST_SLOTS_N - 1); /* n < TT_BURST_SLOTS_N here; the mask proves it */
     b->handles[slot] = handle;
     b->handle_counts[slot] = 1;
     b->nslots = slot + 1;
-    b->launches++;
     return 0;
 }
 
@@ -197,7 +216,8 @@ int tt_sync_return(struct pt_regs *ctx)
     b->sync_wait_ns += now - start;
     b->sync_api = api;
     b->last_ts = now;
-    flush((u32)id, b, TT_BURST_SYNC);
+    if (now - b->first_ts >= config_get(TT_CFG_BURST_MIN_NS, 0))
+        flush((u32)id, b, TT_BURST_SYNC);
     return 0;
 }
 
@@ -213,8 +233,10 @@ int tt_query_return(struct pt_regs *ctx)
     if (!b)
         return 0; /* nothing launched since the last flush: a bare poll */
     if (PT_REGS_RC(ctx) == 0) {
-        b->last_ts = bpf_ktime_get_ns();
-        flush(tid, b, TT_BURST_QUERY);
+        u64 now = bpf_ktime_get_ns();
+        b->last_ts = now;
+        if (now - b->first_ts >= config_get(TT_CFG_BURST_MIN_NS, 0))
+            flush(tid, b, TT_BURST_QUERY);
     } else {
         b->query_polls++;
     }

@@ -16,6 +16,8 @@ need=()
 dpkg -s python3-bpfcc >/dev/null 2>&1 || need+=(python3-bpfcc)
 # a C compiler builds the GPU stand-in libraries the tests trace (samples/gpu)
 command -v cc >/dev/null 2>&1 || need+=(gcc libc6-dev)
+# the real verbs.h: the ibverbs stand-ins are built against it (not needed at run time)
+[ -f /usr/include/infiniband/verbs.h ] || need+=(libibverbs-dev)
 if [ ! -d "/lib/modules/$kv/build/include" ]; then
   if apt-cache show "linux-headers-$kv" >/dev/null 2>&1; then
     need+=("linux-headers-$kv")

@@ -77,8 +77,10 @@ class _TimedSocket(httpcore2.NetworkStream):
         self._tail = b""
 
     def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        self.inner.write(buffer, timeout)
+        # stamped before the send: on loopback the send can wake the server, which may
+        # then run before this thread gets the CPU back
         self.timing.setdefault("sent", time.monotonic())
+        self.inner.write(buffer, timeout)
 
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
         data = self.inner.read(max_bytes, timeout)

@@ -45,3 +45,40 @@ def test_recorded_validation_agrees_with_the_profiler():
         assert n == nccl["truth"]["allreduce_per_rank"]
         assert b == n * nccl["truth"]["bytes_per_allreduce"]
     assert {r["communicators"][0]["rank"] for r in nccl["ranks"]} == {0, 1}
+
+
+def test_console_gpu_rows_show_the_totals_and_rates_of_the_replayed_capture():
+    """The console's GPU rows over the real H200 capture: a row when totals changed,
+    none when they did not, totals equal to the ledger's, the rate since the last row."""
+    import io
+
+    from tracer.correlate.gpu import GpuLedger
+    from tracer.events import capture, schema
+    from tracer.events.gpu import GpuEvent
+    from tracer.export.console import ConsoleTable, _n
+    from tracer.export.context import ExportContext
+
+    items = [i if not isinstance(i, (bytes, bytearray)) else schema.decode(bytes(i))
+             for i in capture.CaptureReader(CAP)]
+    gpu = [e for e in items if isinstance(e, GpuEvent)]
+    out = io.StringIO()
+    console = ConsoleTable(ExportContext(), out)
+    console.gpu = ledger = GpuLedger()
+    half = len(gpu) // 2
+    for e in gpu[:half]:
+        ledger.handle(e)
+    console.gpu_tick(now=100.0)
+    first = ledger.processes[gpu[0].pid]
+    seen_first = sum(t.kernel_launches for t in first.threads.values())
+    console.gpu_tick(now=101.0)  # too soon: nothing printed
+    for e in gpu[half:]:
+        ledger.handle(e)
+    console.gpu_tick(now=110.0)
+    console.gpu_tick(now=120.0)  # nothing changed: no row
+    lines = out.getvalue().splitlines()
+    assert lines[0].split()[:4] == ["GPU", "PID", "LAUNCH/s", "LAUNCHES"]
+    rows = [ln.split() for ln in lines[1:]]
+    assert len(rows) == 2 and {r[1] for r in rows} == {str(gpu[0].pid)}
+    total = sum(t.kernel_launches for t in first.threads.values())
+    assert rows[0][3] == _n(seen_first) and rows[1][3] == _n(total)
+    assert rows[0][2] == "-" and rows[1][2] == _n((total - seen_first) / 10.0)

@@ -23,9 +23,10 @@ def gpu_build(tmp_path_factory):
     return build(tmp_path_factory.mktemp("gpu"))
 
 
-def run_workload(paths, tmp: Path, args: list[str], tracer_args: list[str] = ()):
+def run_workload(paths, tmp: Path, args: list[str], tracer_args: list[str] = (),
+                 kernel_ns: int = 2000):
     env = dict(os.environ, TT_STANDIN_COUNTS=str(tmp / "cuda.json"),
-               TT_STANDIN_NCCL_COUNTS=str(tmp / "nccl.json"), TT_STANDIN_KERNEL_NS="2000")
+               TT_STANDIN_NCCL_COUNTS=str(tmp / "nccl.json"), TT_STANDIN_KERNEL_NS=str(kernel_ns))
     w = subprocess.Popen([str(paths["workload"]), "--wait", *args], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True, env=env)
     assert w.stdout.readline().strip() == "ready"
@@ -106,3 +107,35 @@ def test_short_burst_interval_keeps_counts_exact(gpu_build, tmp_path):
                                         ["--burst-interval-us", "1"])
     assert proc["kernel_launches"] == truth["launches"]
     assert proc["bursts"] > truth["sync_calls"]
+
+
+def test_coalesced_syncs_and_slot_overflow_keep_counts_and_names_exact(gpu_build, tmp_path):
+    """--burst-min-us: a sync flushes only bursts older than 5 ms, so a burst spans many
+    steps of 20 distinct kernels; launches past its 16 slots are named through the
+    kernel_counts map (KCOUNT records), and every count stays exact."""
+    proc, truth, _, doc, _ = run_workload(gpu_build, tmp_path,
+                                          ["--steps", "200", "--kernels", "20"],
+                                          ["--burst-min-us", "5000"])
+    assert proc["kernel_launches"] == truth["launches"] == 200 * 20
+    assert proc["sync_calls"] == truth["sync_calls"]
+    assert proc["query_polls"] == truth["query_not_ready"]
+    assert proc["bursts"] < truth["sync_calls"] / 4
+    top = {k["name"]: k["launches"] for k in proc["top_kernels"]}
+    assert top == {f"_Z11tt_kernel_{k:02d}PfS_i": 200 for k in range(20)}
+    assert doc["report"]["capture.kcounts_full"] == 0
+
+
+def test_sampled_launch_probes_give_marked_estimates_close_to_the_truth(gpu_build, tmp_path):
+    """--gpu-sample 0.5: launch probes attached half of each 0.4 s period. ~2 s of
+    steady launches: the estimate is within 10% of the stand-in's count, the counts the
+    probes saw are about half, and everything not sampled (copies, syncs) stays exact."""
+    proc, truth, _, doc, _ = run_workload(
+        gpu_build, tmp_path, ["--steps", "1500", "--kernels", "12"],
+        ["--gpu-sample", "0.5", "--gpu-sample-period", "0.4"], kernel_ns=100_000)
+    s = doc["gpu"]["launch_sampling"]
+    # detaching is slow (~0.1 s per probe here): the measured share is below the asked one
+    assert s["estimated"] and s["fraction"] == 0.5 and 0.05 < s["measured_on_share"] < 0.7
+    assert 0.1 * truth["launches"] < proc["kernel_launches_seen"] < 0.8 * truth["launches"]
+    assert abs(proc["kernel_launches"] - truth["launches"]) < 0.1 * truth["launches"]
+    assert proc["memcpy_calls"]["h2d"] == truth["h2d_calls"]
+    assert proc["sync_calls"] == truth["sync_calls"]

@@ -80,3 +80,33 @@ def test_payload_shorter_than_declared_is_an_error():
     rec = _data_record(b"abc", len=10)
     with pytest.raises(schema.WireError):
         schema.decode(rec)
+
+
+def test_verbs_counter_record_packs_and_decodes_with_names():
+    """User space builds VERBS records from the kernel's counter map with pack()."""
+    raw = wire.VERBS.pack(pid=7, tid=8, qp_num=0x101, op=C["VERBS_SEND"], opcode=4, ts=5,
+                          count=3, bytes=1536, extra=3)
+    assert len(raw) == wire.VERBS.size
+    ev = schema.decode(raw)
+    assert (ev.pid, ev.tid, ev.qp_num, ev.op, ev.opcode) == (7, 8, 0x101, "send", "rdma_read")
+    assert (ev.count, ev.bytes, ev.errors, ev.extra) == (3, 1536, 0, 3)
+    cqe = schema.decode(wire.VERBS.pack(op=C["VERBS_CQE"], opcode=C["VERBS_OPCODE_ERROR"],
+                                        count=1, errors=1))
+    assert (cqe.op, cqe.opcode, cqe.errors) == ("cqe", "error", 1)
+
+
+def test_pack_refuses_unknown_fields_and_array_records():
+    with pytest.raises(KeyError, match="no field"):
+        wire.VERBS.pack(qpn=1)
+    with pytest.raises(TypeError, match="scalar"):
+        wire.KBURST.pack(pid=1)
+
+
+def test_verbs_mr_and_qp_records_decode():
+    mr = wire.VERBS_MR.header.pack(C["KIND_VERBS_MR"], 1, 2, C["VERBS_DEREG_MR"], 0, 9,
+                                   0xABC, 0x1000, 4096, 5, 6, 1, 0)
+    ev = schema.decode(mr)
+    assert (ev.op, ev.mr, ev.length, ev.lkey, ev.rkey) == ("dereg", 0xABC, 4096, 5, 6)
+    qp = wire.VERBS_QP.header.pack(C["KIND_VERBS_QP"], 1, 2, 0x100, 9, 3, -1, 1, 0)
+    ev = schema.decode(qp)
+    assert (ev.qp_num, ev.state, ev.dest_qp_num) == (0x100, "rts", -1)

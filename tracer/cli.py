@@ -66,6 +66,19 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     g2.add_argument("--burst-interval-us", type=_positive_int, default=10_000, metavar="US",
                     help="flush a thread's summed GPU calls at least this often, even "
                          "without a sync (default: 10000)")
+    g2.add_argument("--gpu-sample", type=float, default=1.0, metavar="FRACTION",
+                    help="attach the kernel-launch probes for FRACTION of each "
+                         "--gpu-sample-period and detach them for the rest, so an eager "
+                         "launch-bound loop pays the uprobe trap on that share of its "
+                         "launches only; launch counts in the summary become estimates, "
+                         "marked so (default: 1, every launch, exact)")
+    g2.add_argument("--gpu-sample-period", type=float, default=1.0, metavar="SECONDS",
+                    help="the --gpu-sample duty cycle's period (default: 1)")
+    g2.add_argument("--burst-min-us", type=int, default=0, metavar="US",
+                    help="let a sync flush a thread's GPU burst only once it is this old, "
+                         "so a loop syncing thousands of times a second costs the agent "
+                         "fewer records; totals stay exact, GPU time attribution gets "
+                         "this coarse (default: 0, every sync)")
     g2.add_argument("--sched-idle", action="store_true",
                     help="run the tracer under SCHED_IDLE once attached: it only takes CPU "
                          "the traced service leaves idle (events wait in the ring buffer; "
@@ -74,6 +87,10 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
 
 def _add_export_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("export (console table unless --quiet)")
+    g.add_argument("--gpu-every", type=float, default=5.0, metavar="SECONDS",
+                   help="run: print a GPU row per process (launches, copies, syncs, NCCL, "
+                        "ibverbs, device memory) this often when it changed; 0: never "
+                        "(default: 5)")
     g.add_argument("--jsonl", metavar="FILE", help="write one JSON object per span to FILE")
     g.add_argument("--otlp", metavar="ENDPOINT",
                    help="send spans over OTLP: host:4317 or grpc://host:4317 for gRPC, "
@@ -228,7 +245,9 @@ def _report(pipeline: Pipeline, console: Any) -> None:
     lost = {k: v for k, v in rep.items()
             if v and (k.startswith("capture.lost") or k in (
                 "bytes_lost", "capture.truncated", "capture.iov_cut", "capture.inflight_full",
-                "capture.conns_full", "http_protocol_errors", "undecodable_records",
+                "capture.conns_full", "capture.verbs_cut", "capture.verbs_full",
+                "capture.kcounts_full", "capture.bursts_full",
+                "http_protocol_errors", "undecodable_records",
                 "in_flight_at_exit", "identity.k8s_errors"))}
     _say(f"{pipeline.records} requests exported; "
          + ("loss and truncation: " + ", ".join(f"{k}={v}" for k, v in lost.items())
@@ -256,7 +275,16 @@ def _targets(args: argparse.Namespace) -> Any:
 
     return CaptureConfig(pids=args.pid, comms=args.comm, ports=args.port,
                          capture_limit=args.capture_limit, ringbuf_mb=args.ringbuf_mb,
-                         burst_ns=args.burst_interval_us * 1000)
+                         burst_ns=args.burst_interval_us * 1000,
+                         burst_min_ns=max(0, args.burst_min_us) * 1000,
+                         gpu_sample=_sample_fraction(args.gpu_sample),
+                         gpu_sample_period_s=max(0.01, args.gpu_sample_period))
+
+
+def _sample_fraction(f: float) -> float:
+    if not 0.0 < f <= 1.0:
+        raise SystemExit(f"error: --gpu-sample must be in (0, 1], not {f}")
+    return f
 
 
 def _sched_idle() -> None:
@@ -312,9 +340,8 @@ def _drive(args: argparse.Namespace, open_: Callable[[], Any], poll: Callable[[]
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from tracer.runner import TraceRun
-
     from tracer.correlate.cost import GpuPricing
+    from tracer.runner import TraceRun
 
     pricing = GpuPricing.resolve(price=args.gpu_price, model=args.gpu_model)
     header = capture.new_header(command="run")
@@ -324,8 +351,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     sinks, console = build_sinks(args, ctx)
     run = TraceRun(_targets(args), sinks, TrackerOptions(keep_content=args.capture_content),
                    record=args.record, ctx=ctx, header=header, pricing=pricing)
+    poll = run.poll
+    if console is not None and getattr(args, "gpu_every", 0) > 0:
+        console.gpu, console.gpu_every_s = run.pipeline.gpu, args.gpu_every
+
+        def poll() -> None:
+            run.poll()
+            console.gpu_tick()
+
     try:
-        rc = _drive(args, run.open, run.poll, lambda: run.session.pids,
+        rc = _drive(args, run.open, poll, lambda: run.session.pids,
                     lambda: run.session.gpu)
     finally:
         run.close()

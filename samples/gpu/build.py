@@ -1,21 +1,29 @@
-"""Build the GPU stand-ins (libcuda.so.1, libnccl.so.2) and the sample workload.
+"""Build the GPU stand-ins (libcuda.so.1, libnccl.so.2, libibverbs.so.1 and its
+provider) and the sample workloads.
 
-``build(out_dir)`` compiles them with the system C compiler and returns the paths;
-nothing is rebuilt when the sources have not changed. The workload links against the
-stand-ins by soname, with an rpath to ``out_dir``, exactly as a CUDA program links
-against the driver.
+``build(out_dir)`` and ``build_verbs(out_dir)`` compile them with the system C compiler
+and return the paths; nothing is rebuilt when the sources have not changed. The
+workloads link against the stand-ins by soname, with an rpath to ``out_dir``, exactly
+as a CUDA or RDMA program links against the real libraries.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+VERBS_SOURCES = [HERE / "standin" / "libibverbs.c", HERE / "standin" / "libttsim.c",
+                 HERE / "standin" / "ttsim.h", HERE / "standin" / "libibverbs.map",
+                 HERE / "standin" / "verbs_abi_check.c", HERE / "verbs_workload.c",
+                 ROOT / "bpf" / "ibverbs.c"]
+VERBS_HEADER = Path("/usr/include/infiniband/verbs.h")
 SOURCES = [HERE / "standin" / "libcuda.c", HERE / "standin" / "libnccl.c", HERE / "workload.c"]
 # -O0: every function keeps its own body at its own address with a push first, as in a
 # real driver. (-O2 merges identical bodies and starts leaf functions with a
@@ -27,12 +35,26 @@ class BuildError(RuntimeError):
     """No C compiler, or the stand-ins failed to compile."""
 
 
-def build(out_dir: str | os.PathLike[str]) -> dict[str, Path]:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+def _compiler() -> str:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise BuildError("no C compiler: apt-get install gcc libc6-dev (`make setup` does)")
+    return cc
+
+
+def _runner(cc: str):  # type: ignore[no-untyped-def]
+    def run(*args: str) -> None:
+        r = subprocess.run([cc, *args], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise BuildError(f"{' '.join(args)}:\n{r.stderr}")
+    return run
+
+
+def build(out_dir: str | os.PathLike[str]) -> dict[str, Path]:
+    """Build libcuda.so.1, libnccl.so.2 and the CUDA workload into ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cc = _compiler()
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)
                             + " ".join(CFLAGS).encode()).hexdigest()[:16]
     paths = {"libcuda": out / "libcuda.so.1", "libnccl": out / "libnccl.so.2",
@@ -41,11 +63,7 @@ def build(out_dir: str | os.PathLike[str]) -> dict[str, Path]:
     if stamp.exists() and stamp.read_text() == digest and all(p.exists() for p in paths.values()):
         return paths
 
-    def run(*args: str) -> None:
-        r = subprocess.run([cc, *args], capture_output=True, text=True)
-        if r.returncode != 0:
-            raise BuildError(f"{' '.join(args)}:\n{r.stderr}")
-
+    run = _runner(cc)
     run(*CFLAGS, "-shared", "-Wl,-soname,libcuda.so.1", "-o", str(paths["libcuda"]),
         str(SOURCES[0]), "-lpthread")
     run(*CFLAGS, "-shared", "-Wl,-soname,libnccl.so.2", "-o", str(paths["libnccl"]),
@@ -59,6 +77,50 @@ def build(out_dir: str | os.PathLike[str]) -> dict[str, Path]:
     return paths
 
 
+def verbs_abi_flags() -> list[str]:
+    """The TT_VERBS_* offsets and constants of bpf/ibverbs.c as -D flags."""
+    text = (ROOT / "bpf" / "ibverbs.c").read_text()
+    return [f"-D{name}={value}" for name, value in
+            re.findall(r"^#define (TT_VERBS_\w+) (\d+)", text, re.M)]
+
+
+def build_verbs(out_dir: str | os.PathLike[str]) -> dict[str, Path]:
+    """Build the stand-in libibverbs.so.1, its provider libibverbs/libttsim-rdmav34.so
+    (stripped) and the RDMA workload, all against the real <infiniband/verbs.h>; first
+    prove that bpf/ibverbs.c's offsets are that header's."""
+    if not VERBS_HEADER.exists():
+        raise BuildError(f"{VERBS_HEADER} is missing: apt-get install libibverbs-dev")
+    out = Path(out_dir)
+    (out / "libibverbs").mkdir(parents=True, exist_ok=True)
+    cc = _compiler()
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in VERBS_SOURCES)
+                            + VERBS_HEADER.read_bytes() + " ".join(CFLAGS).encode()
+                            ).hexdigest()[:16]
+    paths = {"libibverbs": out / "libibverbs.so.1",
+             "provider": out / "libibverbs" / "libttsim-rdmav34.so",
+             "workload": out / "verbs_workload"}
+    stamp = out / ".built-verbs"
+    if stamp.exists() and stamp.read_text() == digest and all(p.exists() for p in paths.values()):
+        return paths
+    run = _runner(cc)
+    std = HERE / "standin"
+    run("-fsyntax-only", *verbs_abi_flags(), str(std / "verbs_abi_check.c"))
+    run(*CFLAGS, "-shared", "-Wl,-soname,libibverbs.so.1",
+        f"-Wl,--version-script={std / 'libibverbs.map'}", "-o", str(paths["libibverbs"]),
+        str(std / "libibverbs.c"), "-ldl")
+    (out / "libibverbs.so").unlink(missing_ok=True)
+    (out / "libibverbs.so").symlink_to("libibverbs.so.1")
+    run(*CFLAGS, "-shared", "-s", "-Wl,-soname,libttsim-rdmav34.so", "-o",
+        str(paths["provider"]), str(std / "libttsim.c"), f"-L{out}", "-libverbs", "-lpthread")
+    run("-O2", "-g", "-o", str(paths["workload"]), str(HERE / "verbs_workload.c"), f"-L{out}",
+        f"-Wl,-rpath,{out}", "-libverbs", "-lpthread")
+    stamp.write_text(digest)
+    return paths
+
+
 if __name__ == "__main__":
-    for k, v in build(sys.argv[1] if len(sys.argv) > 1 else "build/gpu").items():
+    where = sys.argv[1] if len(sys.argv) > 1 else "build/gpu"
+    for k, v in build(where).items():
         print(k, v)
+    for k, v in build_verbs(where).items():
+        print(f"verbs {k}", v)

@@ -1,15 +1,123 @@
-"""The GPU ledger: per process and per thread totals of what the CUDA and NCCL probes
-saw, with kernel handles resolved to names. It consumes the GPU events in order (live
-or replayed) and never sees a single launch: only bursts summed in the kernel.
+"""The GPU ledger: per process and per thread totals of what the CUDA, NCCL and ibverbs
+probes saw, with kernel handles resolved to names. It consumes the GPU events in order
+(live or replayed) and never sees a single launch or post: only bursts and counters
+summed in the kernel.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
-from tracer.events.gpu import COPY_KINDS, KernelBurst, KernelName, MemEvent, NcclEvent
+from tracer.events.gpu import (COPY_KINDS, GpuSampling, KernelBurst, KernelCounts,
+                               KernelName, MemEvent, NcclEvent, VerbsContext, VerbsCounts,
+                               VerbsMr, VerbsQp)
+
+
+@dataclass
+class LaunchSampling:
+    """--gpu-sample's on/off switches of the launch probes. A thread's launch counts
+    are divided by the share of its own active span (first to last burst, which the
+    unsampled copy and sync probes keep marking) that the probes were on."""
+
+    fraction: float  # configured
+    switches: list[tuple[int, bool]] = field(default_factory=list)  # (ts, on), in order
+
+    def switch(self, ev: GpuSampling) -> None:
+        self.switches.append((ev.ts, ev.enabled))
+
+    def on_share(self, a: int, b: int) -> float:
+        """The share of [a, b] the launch probes were on (1.0 for an empty span)."""
+        if b <= a:
+            return 1.0
+        on = 0
+        since: int | None = None
+        for ts, enabled in self.switches:
+            if enabled and since is None:
+                since = ts
+            elif not enabled and since is not None:
+                on += max(0, min(ts, b) - max(since, a))
+                since = None
+        if since is not None:
+            on += max(0, b - max(since, a))
+        return on / (b - a)
+
+    def scale(self, n: int, a: int, b: int) -> int:
+        """An estimate of the launches behind ``n`` seen in [a, b]."""
+        share = self.on_share(a, b)
+        return round(n / share) if share > 0 else n
+
+
+@dataclass
+class VerbsTotals:
+    """ibverbs data path of one thread (or, summed, one process)."""
+
+    wrs: Counter[str] = field(default_factory=Counter)  # posted, by verb (recv: "recv")
+    wr_bytes: Counter[str] = field(default_factory=Counter)
+    sges: Counter[str] = field(default_factory=Counter)
+    post_calls: Counter[str] = field(default_factory=Counter)  # post_send / post_recv
+    chains_cut: int = 0
+    completions: Counter[str] = field(default_factory=Counter)  # by wc opcode, "error"
+    completion_errors: int = 0
+    completion_bytes: int = 0
+    polls: int = 0
+    empty_polls: int = 0
+    poll_errors: int = 0
+    qps: dict[int, Counter[str]] = field(default_factory=dict)  # qp_num -> counts
+
+    def add(self, ev: VerbsCounts) -> None:
+        if ev.op == "poll":
+            self.polls += ev.count
+            self.empty_polls += ev.extra
+            self.poll_errors += ev.errors
+            return
+        if ev.op in ("post_send_call", "post_recv_call"):
+            self.post_calls[ev.op[:-5]] += ev.count
+            self.chains_cut += ev.extra
+            return
+        qp = self.qps.get(ev.qp_num)
+        if qp is None:
+            qp = self.qps[ev.qp_num] = Counter()
+        if ev.op in ("send", "recv"):
+            verb = ev.opcode if ev.op == "send" else "recv"
+            self.wrs[verb] += ev.count
+            self.wr_bytes[verb] += ev.bytes
+            self.sges[verb] += ev.extra
+            qp[f"{ev.op}_wrs"] += ev.count
+            qp[f"{ev.op}_bytes"] += ev.bytes
+        elif ev.op == "cqe":
+            self.completions[ev.opcode] += ev.count
+            self.completion_errors += ev.errors
+            self.completion_bytes += ev.bytes
+            qp["completions"] += ev.count
+            qp["completion_errors"] += ev.errors
+            qp["completion_bytes"] += ev.bytes
+
+    def merge(self, o: "VerbsTotals") -> None:
+        for name in ("wrs", "wr_bytes", "sges", "post_calls", "completions"):
+            getattr(self, name).update(getattr(o, name))
+        for name in ("chains_cut", "completion_errors", "completion_bytes", "polls",
+                     "empty_polls", "poll_errors"):
+            setattr(self, name, getattr(self, name) + getattr(o, name))
+        for qp, c in o.qps.items():
+            self.qps.setdefault(qp, Counter()).update(c)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "posted": {v: {"wrs": n, "bytes": self.wr_bytes[v], "sges": self.sges[v]}
+                       for v, n in sorted(self.wrs.items())},
+            "post_send_calls": self.post_calls["post_send"],
+            "post_recv_calls": self.post_calls["post_recv"],
+            "chains_cut": self.chains_cut,
+            "completions": dict(sorted(self.completions.items())),
+            "completion_errors": self.completion_errors,
+            "completion_bytes": self.completion_bytes,
+            "polls": self.polls,
+            "empty_polls": self.empty_polls,
+            "poll_errors": self.poll_errors,
+            "qps": {str(q): dict(sorted(c.items())) for q, c in sorted(self.qps.items())},
+        }
 
 
 @dataclass
@@ -29,19 +137,34 @@ class ThreadTotals:
     nccl_ops: Counter[str] = field(default_factory=Counter)
     nccl_bytes: Counter[str] = field(default_factory=Counter)
     kernels: Counter[int] = field(default_factory=Counter)  # handle -> launches
+    verbs: VerbsTotals = field(default_factory=VerbsTotals)
+    first_ts: int = 0  # first burst's first call
+    last_ts: int = 0  # last burst's end
 
     def add_burst(self, b: KernelBurst) -> None:
+        if not self.bursts or b.first_ts < self.first_ts:
+            self.first_ts = b.first_ts
+        self.last_ts = max(self.last_ts, b.last_ts)
+        # once per burst: plain dict updates that skip zeros (Counter.update costs a
+        # Python-level loop with type checks per call, most of this method's time)
         self.bursts += 1
         self.kernel_launches += b.launches
         self.graph_launches += b.graph_launches
-        self.memcpy_bytes.update(b.copy_bytes)
-        self.memcpy_calls.update(b.copy_calls)
+        if any(b.copy_calls.values()):
+            for into, src in ((self.memcpy_bytes, b.copy_bytes),
+                              (self.memcpy_calls, b.copy_calls)):
+                for k, n in src.items():
+                    if n:
+                        into[k] = into.get(k, 0) + n
         self.memset_bytes += b.memset_bytes
         self.memset_calls += b.memset_calls
         self.sync_calls += b.sync_calls
         self.sync_wait_ns += b.sync_wait_ns
         self.query_polls += b.query_polls
-        self.kernels.update(b.handle_counts)
+        kernels = self.kernels
+        get = kernels.get
+        for h, n in b.handle_counts.items():
+            kernels[h] = get(h, 0) + n
 
     def add_nccl(self, ev: NcclEvent) -> None:
         self.nccl_ops[ev.op] += 1
@@ -59,6 +182,58 @@ class ProcessGpu:
     frees: int = 0
     frees_of_unknown: int = 0  # allocated before the tracer attached: size unknown
     communicators: list[dict[str, int]] = field(default_factory=list)
+    verbs_contexts: int = 0
+    mrs: dict[int, int] = field(default_factory=dict)  # live ibv_mr -> bytes registered
+    mr_stats: Counter[str] = field(default_factory=Counter)
+    qps: dict[int, dict[str, Any]] = field(default_factory=dict)  # qp_num -> state
+
+    def verbs_event(self, ev: Any) -> None:
+        """A VerbsContext, VerbsMr or VerbsQp event of this process."""
+        if isinstance(ev, VerbsContext):
+            self.verbs_contexts += 1
+        elif isinstance(ev, VerbsMr):
+            st = self.mr_stats
+            if ev.op == "reg":
+                if ev.ret != 0 or not ev.mr:
+                    st["reg_failed"] += 1
+                    return
+                st["reg"] += 1
+                st["reg_bytes"] += ev.length
+                self.mrs[ev.mr] = ev.length
+            else:
+                st["dereg"] += 1
+                if ev.ret != 0:
+                    st["dereg_failed"] += 1
+                    return
+                if self.mrs.pop(ev.mr, None) is None:
+                    st["dereg_of_unknown"] += 1  # registered before the tracer attached
+            live = sum(self.mrs.values())
+            st["peak_registered_bytes"] = max(st["peak_registered_bytes"], live)
+        elif isinstance(ev, VerbsQp):
+            q = self.qps.setdefault(ev.qp_num, {"state": "", "dest_qp_num": -1,
+                                                "transitions": [], "errors": 0})
+            if ev.ret != 0:
+                q["errors"] += 1
+                return
+            if ev.state:
+                q["state"] = ev.state
+                q["transitions"].append(ev.state)
+            if ev.dest_qp_num >= 0:
+                q["dest_qp_num"] = ev.dest_qp_num
+
+    def verbs_summary(self, totals: VerbsTotals) -> dict[str, Any]:
+        st = self.mr_stats
+        return {
+            **totals.summary(),
+            "contexts": self.verbs_contexts,
+            "registered_memory": {
+                "live_bytes": sum(self.mrs.values()), "live_regions": len(self.mrs),
+                "peak_bytes": st["peak_registered_bytes"], "reg_mr": st["reg"],
+                "reg_bytes": st["reg_bytes"], "reg_failed": st["reg_failed"],
+                "dereg_mr": st["dereg"], "dereg_failed": st["dereg_failed"],
+                "dereg_of_unknown": st["dereg_of_unknown"]},
+            "qp_states": {str(q): v for q, v in sorted(self.qps.items())},
+        }
 
     def thread(self, tid: int) -> ThreadTotals:
         t = self.threads.get(tid)
@@ -75,6 +250,7 @@ class GpuLedger:
 
     def __init__(self) -> None:
         self.processes: dict[int, ProcessGpu] = {}
+        self.sampling: LaunchSampling | None = None
 
     def proc(self, pid: int) -> ProcessGpu:
         p = self.processes.get(pid)
@@ -83,7 +259,8 @@ class GpuLedger:
         return p
 
     def handle(self, ev: Any) -> None:
-        """Account one GPU event (KernelBurst, KernelName, MemEvent or NcclEvent)."""
+        """Account one GPU event (KernelBurst, KernelName, MemEvent, NcclEvent or an
+        ibverbs event)."""
         if isinstance(ev, KernelBurst):
             self.proc(ev.pid).thread(ev.tid).add_burst(ev)
         elif isinstance(ev, KernelName):
@@ -108,6 +285,26 @@ class GpuLedger:
                                         "ret": ev.ret})
             else:
                 p.thread(ev.tid).add_nccl(ev)
+        elif isinstance(ev, GpuSampling):
+            if self.sampling is None:
+                self.sampling = LaunchSampling(ev.fraction)
+            self.sampling.switch(ev)
+        elif isinstance(ev, KernelCounts):
+            kernels = self.proc(ev.pid).thread(ev.tid).kernels
+            kernels[ev.handle] = kernels.get(ev.handle, 0) + ev.count
+        elif isinstance(ev, VerbsCounts):
+            self.proc(ev.pid).thread(ev.tid).verbs.add(ev)
+        elif isinstance(ev, (VerbsContext, VerbsMr, VerbsQp)):
+            self.proc(ev.pid).verbs_event(ev)
+
+    def totals(self) -> Iterator[tuple[ProcessGpu, ThreadTotals]]:
+        """Each process with its threads' totals summed (exact counts: the console's
+        live view; sampled launch counts are as seen)."""
+        for pid, p in sorted(self.processes.items()):
+            total = ThreadTotals()
+            for t in p.threads.values():
+                _merge(total, t)
+            yield p, total
 
     def summary(self, top: int = 20) -> dict[str, Any]:
         """A JSON-ready summary: per process, its threads, top kernels by launches."""
@@ -116,16 +313,35 @@ class GpuLedger:
             total = ThreadTotals()
             for t in p.threads.values():
                 _merge(total, t)
+            est: dict[int, ThreadTotals] = {}
+            est_total = None
+            if self.sampling is not None:
+                est = {tid: _scaled(t, self.sampling) for tid, t in p.threads.items()}
+                est_total = ThreadTotals()
+                for e in est.values():
+                    _merge(est_total, e)
             out.append({
                 "pid": pid,
-                **_totals(total, p, top),
+                **_totals(total, p, top, est_total),
                 "device_memory": {"live_bytes": p.live_bytes, "peak_bytes": p.peak_bytes,
                                   "allocs": p.allocs, "frees": p.frees,
                                   "frees_of_unknown_size": p.frees_of_unknown},
                 "nccl_communicators": p.communicators,
-                "threads": {str(tid): _totals(t, p, top) for tid, t in sorted(p.threads.items())},
+                "ibverbs": p.verbs_summary(total.verbs),
+                "threads": {str(tid): {**_totals(t, p, top, est.get(tid)),
+                                       "ibverbs": t.verbs.summary()}
+                            for tid, t in sorted(p.threads.items())},
             })
-        return {"processes": out}
+        doc: dict[str, Any] = {"processes": out}
+        if self.sampling is not None:
+            sw = self.sampling.switches
+            doc["launch_sampling"] = {
+                "estimated": True, "fraction": self.sampling.fraction,
+                "measured_on_share": round(self.sampling.on_share(sw[0][0], sw[-1][0]), 6),
+                "note": "kernel and graph launch counts are estimates: seen / the share of "
+                        "the thread's active span the launch probes were on; *_seen are "
+                        "the counts the probes saw"}
+        return doc
 
 
 def _merge(into: ThreadTotals, t: ThreadTotals) -> None:
@@ -134,15 +350,33 @@ def _merge(into: ThreadTotals, t: ThreadTotals) -> None:
         setattr(into, name, getattr(into, name) + getattr(t, name))
     for name in ("memcpy_bytes", "memcpy_calls", "nccl_ops", "nccl_bytes", "kernels"):
         getattr(into, name).update(getattr(t, name))
+    into.verbs.merge(t.verbs)
+    if t.bursts:
+        into.first_ts = min(into.first_ts, t.first_ts) if into.first_ts else t.first_ts
+        into.last_ts = max(into.last_ts, t.last_ts)
 
 
-def _totals(t: ThreadTotals, p: ProcessGpu, top: int) -> dict[str, Any]:
+def _scaled(t: ThreadTotals, sampling: LaunchSampling) -> ThreadTotals:
+    """The launch counts of ``t`` divided by its on share (floats, rounded on output)."""
+    f = 1.0 / max(sampling.on_share(t.first_ts, t.last_ts), 1e-9)
+    return ThreadTotals(kernel_launches=t.kernel_launches * f,  # type: ignore[arg-type]
+                        graph_launches=t.graph_launches * f,  # type: ignore[arg-type]
+                        kernels=Counter({h: n * f for h, n in t.kernels.items()}))
+
+
+def _totals(t: ThreadTotals, p: ProcessGpu, top: int,
+            est: ThreadTotals | None = None) -> dict[str, Any]:
+    """Summary fields of ``t``; launch counts from ``est`` when launches were sampled."""
+    src = est if est is not None else t
     named: Counter[str] = Counter()
-    for h, n in t.kernels.items():
+    for h, n in src.kernels.items():
         named[p.name_of(h)] += n
+    seen = ({"kernel_launches_seen": t.kernel_launches, "graph_launches_seen": t.graph_launches}
+            if est is not None else {})
     return {
-        "kernel_launches": t.kernel_launches,
-        "graph_launches": t.graph_launches,
+        "kernel_launches": round(src.kernel_launches),
+        "graph_launches": round(src.graph_launches),
+        **seen,
         "memcpy_bytes": {k: t.memcpy_bytes.get(k, 0) for k in COPY_KINDS},
         "memcpy_calls": {k: t.memcpy_calls.get(k, 0) for k in COPY_KINDS},
         "memset_bytes": t.memset_bytes,
@@ -153,5 +387,5 @@ def _totals(t: ThreadTotals, p: ProcessGpu, top: int) -> dict[str, Any]:
         "bursts": t.bursts,
         "nccl_ops": dict(t.nccl_ops),
         "nccl_bytes": dict(t.nccl_bytes),
-        "top_kernels": [{"name": n, "launches": c} for n, c in named.most_common(top)],
+        "top_kernels": [{"name": n, "launches": round(c)} for n, c in named.most_common(top)],
     }

@@ -1,9 +1,12 @@
-"""Typed GPU events decoded from the CUDA/NCCL probes' records (bpf/cuda.c, bpf/nccl.c).
+"""Typed GPU events decoded from the CUDA/NCCL/ibverbs probes' records (bpf/cuda.c,
+bpf/nccl.c, bpf/ibverbs.c).
 
 High-rate calls never arrive one by one: a thread's kernel launches, copies and memsets
 are summed in the kernel into a ``KernelBurst``, flushed at a synchronisation point, at
 a bounded interval, when its handle slots fill, or when the thread exits. Low-rate
 calls (kernel-name resolution, device allocations, NCCL) arrive as single records.
+ibverbs posts and completions are counted in the kernel per thread, QP and opcode and
+arrive as ``VerbsCounts`` deltas; memory registrations and QP state changes one by one.
 """
 
 from __future__ import annotations
@@ -96,22 +99,42 @@ class NcclEvent:
         return self.count * NCCL_DTYPE_SIZE.get(self.dtype, 0)
 
 
+def _burst_layout() -> tuple[int, ...]:
+    """Positions in KBURST's flat unpacked tuple of the fields _decode_burst reads."""
+    pos, i = {}, 0
+    for f in wire.KBURST.fields:
+        pos[f.name] = i
+        i += f.array_len if f.array_len and not f.is_bytes else 1
+    return tuple(pos[n] for n in (
+        "pid", "tid", "reason", "sync_api", "first_ts", "last_ts", "launches",
+        "graph_launches", "copy_bytes", "copy_calls", "memset_bytes", "memset_calls",
+        "sync_calls", "sync_wait_ns", "query_polls", "nslots", "handles", "handle_counts"))
+
+
+(_PID, _TID, _REASON, _SYNC_API, _FIRST, _LAST, _LAUNCHES, _GRAPH, _CB, _CC, _MSB, _MSC,
+ _SYNCS, _WAIT, _POLLS, _NSLOTS, _HANDLES, _COUNTS) = _burst_layout()
+_NCOPY = C["COPY_KINDS"]
+_SLOTS = C["BURST_SLOTS_N"]
+_UNPACK_BURST = wire.KBURST.header.unpack_from
+
+
 def _decode_burst(buf: bytes) -> KernelBurst:
-    f = wire.KBURST.unpack(buf)
-    n = min(f["nslots"], C["BURST_SLOTS_N"])
-    handles: dict[int, int] = {}
-    for h, k in zip(f["handles"][:n], f["handle_counts"][:n]):
-        handles[h] = handles.get(h, 0) + k
+    # Runs once per burst, the agent's hottest path: one unpack into a flat tuple and
+    # fixed positions, no per-field dict (profiled: 2.5x faster than Record.unpack).
+    v = _UNPACK_BURST(buf, 0)
+    n = min(v[_NSLOTS], _SLOTS)
+    handles = v[_HANDLES:_HANDLES + n]
+    counts = v[_COUNTS:_COUNTS + n]
+    hc = dict(zip(handles, counts))
+    if len(hc) != n:  # the kernel keeps one slot per handle; sum anyway if not
+        hc = {}
+        for h, k in zip(handles, counts):
+            hc[h] = hc.get(h, 0) + k
     return KernelBurst(
-        pid=f["pid"], tid=f["tid"], reason=BURST_REASONS.get(f["reason"], str(f["reason"])),
-        sync_api=f["sync_api"], first_ts=f["first_ts"], last_ts=f["last_ts"],
-        launches=f["launches"], graph_launches=f["graph_launches"],
-        copy_bytes=dict(zip(COPY_KINDS, f["copy_bytes"])),
-        copy_calls=dict(zip(COPY_KINDS, f["copy_calls"])),
-        memset_bytes=f["memset_bytes"], memset_calls=f["memset_calls"],
-        sync_calls=f["sync_calls"], sync_wait_ns=f["sync_wait_ns"],
-        query_polls=f["query_polls"], handle_counts=handles,
-    )
+        v[_PID], v[_TID], BURST_REASONS.get(v[_REASON]) or str(v[_REASON]), v[_SYNC_API],
+        v[_FIRST], v[_LAST], v[_LAUNCHES], v[_GRAPH],
+        dict(zip(COPY_KINDS, v[_CB:_CB + _NCOPY])), dict(zip(COPY_KINDS, v[_CC:_CC + _NCOPY])),
+        v[_MSB], v[_MSC], v[_SYNCS], v[_WAIT], v[_POLLS], hc)
 
 
 def _decode_name(buf: bytes) -> KernelName:
@@ -138,11 +161,169 @@ def _decode_nccl(buf: bytes) -> NcclEvent:
                      comm_id=f["comm_id"], peer=f["peer"], nranks=f["nranks"], ret=f["ret"])
 
 
-GpuEvent = KernelBurst | KernelName | MemEvent | NcclEvent
+@dataclass(frozen=True, slots=True)
+class KernelCounts:
+    """Launches of one kernel by one thread that found its burst's slots full, since
+    the previous read (they are already in the bursts' ``launches``)."""
+
+    pid: int
+    tid: int
+    ts: int
+    handle: int
+    count: int
+
+
+def _decode_kcount(buf: bytes) -> KernelCounts:
+    f = wire.KCOUNT.unpack(buf)
+    return KernelCounts(pid=f["pid"], tid=f["tid"], ts=f["ts"], handle=f["handle"],
+                        count=f["count"])
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSampling:
+    """--gpu-sample switched the launch probes on or off at ``ts`` (a user-space event:
+    the middle of the attach or detach). Launch counts are then estimates: what was seen
+    while on, divided by the share of the time the probes were on. ``fraction`` is the
+    configured share."""
+
+    ts: int
+    enabled: bool
+    fraction: float
+
+
+VERBS_OPS = {C["VERBS_SEND"]: "send", C["VERBS_RECV"]: "recv",
+             C["VERBS_POST_SEND_CALL"]: "post_send_call",
+             C["VERBS_POST_RECV_CALL"]: "post_recv_call", C["VERBS_CQE"]: "cqe",
+             C["VERBS_POLL"]: "poll"}
+# enum ibv_wr_opcode (verbs.h)
+WR_OPCODES = {0: "rdma_write", 1: "rdma_write_with_imm", 2: "send", 3: "send_with_imm",
+              4: "rdma_read", 5: "atomic_cmp_and_swp", 6: "atomic_fetch_and_add",
+              7: "local_inv", 8: "bind_mw", 9: "send_with_inv", 10: "tso", 11: "driver1",
+              15: "atomic_write"}
+# enum ibv_wc_opcode (verbs.h), plus the probe's own markers
+WC_OPCODES = {0: "send", 1: "rdma_write", 2: "rdma_read", 3: "comp_swap", 4: "fetch_add",
+              5: "bind_mw", 6: "local_inv", 7: "tso", 9: "atomic_write", 128: "recv",
+              129: "recv_rdma_with_imm", 130: "tm_add", 131: "tm_del", 132: "tm_sync",
+              133: "tm_recv", 134: "tm_no_tag", 135: "driver1", 136: "driver2",
+              137: "driver3", C["VERBS_OPCODE_ERROR"]: "error",
+              C["VERBS_OPCODE_UNREAD"]: "unread"}
+# enum ibv_qp_state (verbs.h)
+QP_STATES = {0: "reset", 1: "init", 2: "rtr", 3: "rts", 4: "sqd", 5: "sqe", 6: "err",
+             7: "unknown"}
+
+
+@dataclass(frozen=True, slots=True)
+class VerbsCounts:
+    """What one thread did on one QP since the previous read of the kernel's counters.
+
+    ``op``: "send"/"recv" (work requests posted, ``opcode`` names the verb; ``bytes``
+    is the sum of their sge lengths, ``extra`` their sges), "post_send_call" /
+    "post_recv_call" (calls; ``extra``: chains longer than the probe reads), "cqe"
+    (completions by opcode, "error" for failed ones; ``bytes``: wc.byte_len of
+    successful receives) or "poll" (ibv_poll_cq calls; ``errors``: negative returns,
+    ``extra``: empty polls)."""
+
+    pid: int
+    tid: int
+    qp_num: int
+    op: str
+    opcode: str
+    ts: int
+    count: int
+    bytes: int
+    errors: int
+    extra: int
+
+
+@dataclass(frozen=True, slots=True)
+class VerbsContext:
+    """A device context first seen, with its provider's data-path functions."""
+
+    pid: int
+    tid: int
+    ts: int
+    via: int
+    ctx: int
+    post_send: int
+    post_recv: int
+    poll_cq: int
+
+
+@dataclass(frozen=True, slots=True)
+class VerbsMr:
+    """A memory registration ("reg") or deregistration ("dereg")."""
+
+    pid: int
+    tid: int
+    ts: int
+    op: str
+    mr: int
+    addr: int
+    length: int
+    lkey: int
+    rkey: int
+    access: int
+    ret: int
+
+
+@dataclass(frozen=True, slots=True)
+class VerbsQp:
+    """An ibv_modify_qp call: the state asked for ("" if not in the mask), the remote
+    QP (-1 if not in the mask) and the result (0 or an errno)."""
+
+    pid: int
+    tid: int
+    ts: int
+    qp_num: int
+    state: str
+    dest_qp_num: int
+    attr_mask: int
+    ret: int
+
+
+def _decode_verbs(buf: bytes) -> VerbsCounts:
+    f = wire.VERBS.unpack(buf)
+    op = VERBS_OPS.get(f["op"], str(f["op"]))
+    names = WR_OPCODES if op == "send" else WC_OPCODES if op == "cqe" else {0: ""}
+    return VerbsCounts(pid=f["pid"], tid=f["tid"], qp_num=f["qp_num"], op=op,
+                       opcode=names.get(f["opcode"], str(f["opcode"])), ts=f["ts"],
+                       count=f["count"], bytes=f["bytes"], errors=f["errors"],
+                       extra=f["extra"])
+
+
+def _decode_verbs_ctx(buf: bytes) -> VerbsContext:
+    f = wire.VERBS_CTX.unpack(buf)
+    return VerbsContext(pid=f["pid"], tid=f["tid"], ts=f["ts"], via=f["via"], ctx=f["ctx"],
+                        post_send=f["post_send"], post_recv=f["post_recv"],
+                        poll_cq=f["poll_cq"])
+
+
+def _decode_verbs_mr(buf: bytes) -> VerbsMr:
+    f = wire.VERBS_MR.unpack(buf)
+    return VerbsMr(pid=f["pid"], tid=f["tid"], ts=f["ts"],
+                   op="reg" if f["op"] == C["VERBS_REG_MR"] else "dereg", mr=f["mr"],
+                   addr=f["addr"], length=f["length"], lkey=f["lkey"], rkey=f["rkey"],
+                   access=f["access"], ret=f["ret"])
+
+
+def _decode_verbs_qp(buf: bytes) -> VerbsQp:
+    f = wire.VERBS_QP.unpack(buf)
+    state = "" if f["state"] < 0 else QP_STATES.get(f["state"], str(f["state"]))
+    return VerbsQp(pid=f["pid"], tid=f["tid"], ts=f["ts"], qp_num=f["qp_num"], state=state,
+                   dest_qp_num=f["dest_qp_num"], attr_mask=f["attr_mask"], ret=f["ret"])
+
+
+GpuEvent = (KernelBurst | KernelName | MemEvent | NcclEvent | KernelCounts | VerbsCounts
+            | VerbsContext | VerbsMr | VerbsQp | GpuSampling)
 
 DECODERS = {
     C["KIND_KBURST"]: _decode_burst,
     C["KIND_KNAME"]: _decode_name,
     C["KIND_MEM"]: _decode_mem,
     C["KIND_NCCL"]: _decode_nccl,
+    C["KIND_KCOUNT"]: _decode_kcount,
+    C["KIND_VERBS"]: _decode_verbs,
+    C["KIND_VERBS_CTX"]: _decode_verbs_ctx,
+    C["KIND_VERBS_MR"]: _decode_verbs_mr,
+    C["KIND_VERBS_QP"]: _decode_verbs_qp,
 }

@@ -254,3 +254,4 @@ def decode(buf: bytes):  # type: ignore[no-untyped-def]
 from tracer.events import gpu as _gpu  # noqa: E402  (needs the names above)
 
 DECODERS.update(_gpu.DECODERS)
+USER_EVENTS[_gpu.GpuSampling.__name__] = _gpu.GpuSampling

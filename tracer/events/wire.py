@@ -15,10 +15,10 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-WIRE_VERSION = 2
-# Versions whose records this code decodes: 2 added the GPU records and changed no
-# earlier layout.
-READABLE_WIRE_VERSIONS = (1, 2)
+WIRE_VERSION = 3
+# Versions whose records this code decodes: 2 added the GPU records, 3 the ibverbs
+# and KCOUNT records; neither changed an earlier layout.
+READABLE_WIRE_VERSIONS = (1, 2, 3)
 
 # Sizes of the C scalar types used on the wire (x86-64 and arm64 alike).
 _SCALARS: dict[str, tuple[str, int]] = {
@@ -42,6 +42,10 @@ CONSTANTS: dict[str, int] = {
     "KIND_VERBS": 7,
     "KIND_MEM": 8,
     "KIND_SYNC": 9,
+    "KIND_VERBS_CTX": 10,
+    "KIND_VERBS_MR": 11,
+    "KIND_VERBS_QP": 12,
+    "KIND_KCOUNT": 13,
     # payload chunking: bytes per DATA record and the loop bound per syscall
     "CHUNK": 16384,
     "MAX_ITER": 64,
@@ -80,7 +84,7 @@ CONSTANTS: dict[str, int] = {
     "BURST_SYNC": 1,
     "BURST_QUERY": 2,
     "BURST_INTERVAL": 3,
-    "BURST_SLOTS": 4,
+    "BURST_SLOTS": 4,  # wire v2 only: its slots were full (now: overflow goes to KCOUNT)
     "BURST_EXIT": 5,
     "BURST_DRAIN": 6,
     "BURST_SLOTS_N": 16,  # distinct kernel handles per burst before it is flushed
@@ -113,9 +117,33 @@ CONSTANTS: dict[str, int] = {
     "NCCL_GROUP_START": 8,
     "NCCL_GROUP_END": 9,
     "NCCL_COMM_INIT": 10,
+    # ibverbs: VERBS.op (what a counter counts; VERBS.opcode then says which verb)
+    "VERBS_SEND": 1,  # send-queue work requests, by ibv_wr_opcode: count, bytes, sges
+    "VERBS_RECV": 2,  # receive work requests: count, bytes (buffer space), sges
+    "VERBS_POST_SEND_CALL": 3,  # ibv_post_send calls: count; extra = chains cut short
+    "VERBS_POST_RECV_CALL": 4,  # ibv_post_recv calls: count; extra = chains cut short
+    "VERBS_CQE": 5,  # completions, by ibv_wc_opcode (VERBS_OPCODE_ERROR when failed)
+    "VERBS_POLL": 6,  # ibv_poll_cq calls (qp 0): errors = negative returns, extra = empty
+    "VERBS_OPCODE_ERROR": 0xFFFF,  # a failed completion: its opcode is undefined
+    "VERBS_OPCODE_UNREAD": 0xFFFE,  # completions past VERBS_MAX_WC: counted, not read
+    "VERBS_MAX_STEPS": 64,  # work requests + sges read per post (more: counted as cut)
+    "VERBS_MAX_SGE": 16,  # scatter/gather entries read per work request
+    "VERBS_MAX_WC": 64,  # completions read per poll
+    # ibverbs: VERBS_MR.op
+    "VERBS_REG_MR": 1,
+    "VERBS_DEREG_MR": 2,
+    # ibverbs: VERBS_CTX.via (the exported call that revealed a device context)
+    "VERBS_VIA_OPEN_DEVICE": 1,
+    "VERBS_VIA_IMPORT_DEVICE": 2,
+    "VERBS_VIA_REG_MR": 3,
+    "VERBS_VIA_DEREG_MR": 4,
+    "VERBS_VIA_MODIFY_QP": 5,
+    "VERBS_VIA_ACK_CQ_EVENTS": 6,
     # run-time settings (index into the `config` array)
     "CFG_CAPTURE_LIMIT": 0,
     "CFG_BURST_NS": 1,
+    "CFG_BURST_MIN_NS": 2,  # a sync flushes its thread's burst only if it is this old
+    "CFG_LAUNCH_GATE_CLOSED": 3,  # --gpu-sample: 1 while launches are not counted
     # drop/loss counters (index into the per-CPU `counters` array)
     "CNT_LOST_CONN": 0,
     "CNT_LOST_DATA": 1,
@@ -127,6 +155,9 @@ CONSTANTS: dict[str, int] = {
     "CNT_LOST_GPU": 7,
     "CNT_BURSTS_FULL": 8,
     "CNT_NAMES_FULL": 9,
+    "CNT_VERBS_FULL": 10,  # ibverbs counter or context map full: those calls not counted
+    "CNT_VERBS_CUT": 11,  # a wr chain, sg list or wc array longer than read: bytes short
+    "CNT_KCOUNTS_FULL": 12,  # kernel_counts map full: launches counted, kernel unknown
     "N_COUNTERS": 16,
 }
 
@@ -240,6 +271,18 @@ class Record:
         )
         lines.append(f"#define TT_{self.cname.upper()}_HDR {self.header_size}")
         return "\n".join(lines)
+
+    def pack(self, **values: int) -> bytes:
+        """Encode a record without arrays or tail (user space builds VERBS records from
+        the kernel's counter map); fields not given are 0, ``kind`` is this record's."""
+        if self._typed_arrays or self.tail is not None:
+            raise TypeError(f"{self.cname}: pack() handles scalar fields only")
+        values.setdefault("kind", self.kind)
+        unknown = set(values) - set(self.names)
+        if unknown:
+            raise KeyError(f"{self.cname} has no field(s) {sorted(unknown)}")
+        raw = self.header.pack(*(values.get(n, 0) for n in self.names))
+        return raw + bytes(self.size - len(raw))
 
     def unpack(self, buf: bytes) -> dict[str, object]:
         """Decode the fixed part; the tail (if any) is ``buf[header_size:]``."""
@@ -397,7 +440,96 @@ NCCL = Record(
     ],
 )
 
-RECORDS: dict[int, Record] = {r.kind: r for r in (CONN, DATA, PROC, KBURST, KNAME, MEM, NCCL)}
+KCOUNT = Record(
+    "tt_kcount",
+    "KIND_KCOUNT",
+    [
+        Field("kind", "u32"),
+        Field("pid", "u32"),
+        Field("tid", "u32"),
+        Field("pad", "u32"),
+        Field("ts", "u64", "when the counter was read (CLOCK_MONOTONIC ns)"),
+        Field("handle", "u64", "CUfunction/CUkernel launched"),
+        Field("count", "u64", "its launches since the last record, past the burst's slots"),
+    ],
+)
+
+VERBS = Record(
+    "tt_verbs",
+    "KIND_VERBS",
+    [
+        Field("kind", "u32"),
+        Field("pid", "u32"),
+        Field("tid", "u32"),
+        Field("qp_num", "u32", "the QP posted to or completed on; 0 for VERBS_POLL"),
+        Field("op", "u16", "TT_VERBS_* (what is counted)"),
+        Field("opcode", "u16", "ibv_wr_opcode (SEND) or ibv_wc_opcode (CQE), else 0"),
+        Field("pad", "u32"),
+        Field("ts", "u64", "when the counters were read (CLOCK_MONOTONIC ns)"),
+        Field("count", "u64", "work requests, calls or completions since the last record"),
+        Field("bytes", "u64", "sum of sge lengths (posts), of wc.byte_len (completions)"),
+        Field("errors", "u64", "completions with a failed status; polls that returned < 0"),
+        Field("extra", "u64", "posts: sges; post calls: chains cut; polls: empty polls"),
+    ],
+)
+
+VERBS_CTX = Record(
+    "tt_verbs_ctx",
+    "KIND_VERBS_CTX",
+    [
+        Field("kind", "u32"),
+        Field("pid", "u32"),
+        Field("tid", "u32"),
+        Field("via", "u16", "TT_VERBS_VIA_*"),
+        Field("pad", "u16"),
+        Field("ts", "u64"),
+        Field("ctx", "u64", "struct ibv_context *"),
+        Field("post_send", "u64", "ctx->ops.post_send: the provider's function"),
+        Field("post_recv", "u64", "ctx->ops.post_recv"),
+        Field("poll_cq", "u64", "ctx->ops.poll_cq"),
+    ],
+)
+
+VERBS_MR = Record(
+    "tt_verbs_mr",
+    "KIND_VERBS_MR",
+    [
+        Field("kind", "u32"),
+        Field("pid", "u32"),
+        Field("tid", "u32"),
+        Field("op", "u16", "TT_VERBS_REG_MR / TT_VERBS_DEREG_MR"),
+        Field("pad", "u16"),
+        Field("ts", "u64"),
+        Field("mr", "u64", "struct ibv_mr * (0: registration failed)"),
+        Field("addr", "u64"),
+        Field("length", "u64", "bytes registered (dereg: read from the mr)"),
+        Field("lkey", "u32"),
+        Field("rkey", "u32"),
+        Field("access", "s32", "ibv_access_flags"),
+        Field("ret", "s32", "dereg: its return value; reg: 0, or -1 when it returned NULL"),
+    ],
+)
+
+VERBS_QP = Record(
+    "tt_verbs_qp",
+    "KIND_VERBS_QP",
+    [
+        Field("kind", "u32"),
+        Field("pid", "u32"),
+        Field("tid", "u32"),
+        Field("qp_num", "u32"),
+        Field("ts", "u64"),
+        Field("state", "s32", "ibv_qp_state requested, -1 if attr_mask lacks IBV_QP_STATE"),
+        Field("dest_qp_num", "s32", "remote QP, -1 if attr_mask lacks IBV_QP_DEST_QPN"),
+        Field("attr_mask", "s32"),
+        Field("ret", "s32", "ibv_modify_qp's return value (0 or an errno)"),
+    ],
+)
+
+RECORDS: dict[int, Record] = {
+    r.kind: r for r in (CONN, DATA, PROC, KBURST, KNAME, MEM, NCCL, KCOUNT, VERBS, VERBS_CTX,
+                        VERBS_MR, VERBS_QP)
+}
 
 
 def register(record: Record) -> Record:

@@ -1,11 +1,12 @@
-"""The live console table: one row per finished request, a summary at exit."""
+"""The live console table: one row per finished request, a summary at exit; and, every
+few seconds, one GPU row per traced process that did something on the GPU since."""
 
 from __future__ import annotations
 
 import statistics
 import sys
 import time
-from typing import IO
+from typing import IO, Any
 
 from tracer.correlate.records import RequestRecord
 from tracer.export.context import ExportContext
@@ -21,6 +22,32 @@ def _ms(ns: float | None) -> str:
         return "-"
     ms = ns / 1e6
     return f"{ms:.1f}ms" if ms < 1000 else f"{ms / 1000:.2f}s"
+
+
+GPU_COLUMNS = (
+    ("GPU", 12), ("PID", 7), ("LAUNCH/s", 9), ("LAUNCHES", 9), ("GRAPHS", 7),
+    ("COPY", 8), ("SYNCS", 7), ("WAIT", 9), ("NCCL", 13), ("IBVERBS", 15), ("DEVMEM", 8),
+)
+
+
+def _short(v: float) -> str:
+    return f"{v:.3g}" if v < 999.5 else f"{v:.0f}"
+
+
+def _n(x: float) -> str:
+    """A count in 4-5 characters: 950, 12.3k, 4.56M."""
+    for div, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{_short(x / div)}{unit}"
+    return f"{x:.0f}"
+
+
+def _bytes(x: float) -> str:
+    """Bytes in 5-6 characters: 512B, 1020KB, 3.75MB."""
+    for div, unit in ((1 << 40, "T"), (1 << 30, "G"), (1 << 20, "M"), (1 << 10, "K")):
+        if x >= div:
+            return f"{_short(x / div)}{unit}B"
+    return f"{x:.0f}B"
 
 
 def _cut(text: str, width: int) -> str:
@@ -39,6 +66,11 @@ class ConsoleTable:
         self._durs: list[float] = []
         self._failed = 0
         self._tokens = 0
+        self.gpu: Any = None  # a tracer.correlate.gpu.GpuLedger, when GPU rows are wanted
+        self.gpu_every_s = 5.0
+        self._gpu_next = 0.0
+        self._gpu_last: dict[int, tuple[float, int, tuple[Any, ...]]] = {}
+        self._gpu_header = False
 
     def _line(self, cells: list[str]) -> str:
         return " ".join(_cut(c, w).ljust(w) for c, (_, w) in zip(cells, COLUMNS)).rstrip()
@@ -68,6 +100,43 @@ class ConsoleTable:
         self._durs.append((rec.end_ns - rec.start_ns) / 1e6)
         self._failed += rec.failed
         self._tokens += (r.output_tokens or 0) if r else 0
+
+    def gpu_tick(self, now: float | None = None) -> None:
+        """Print a GPU row for each process whose totals changed since the last row
+        (call often; prints every ``gpu_every_s``). Totals since tracing started; the
+        rate is since the previous row. Launch counts are as seen (--gpu-sample: the
+        summary file has the estimates)."""
+        now = time.monotonic() if now is None else now
+        if self.gpu is None or self.gpu_every_s <= 0 or now < self._gpu_next:
+            return
+        self._gpu_next = now + self.gpu_every_s
+        stamp = time.strftime("%H:%M:%S")
+        for p, t in self.gpu.totals():
+            v = t.verbs
+            state = (t.kernel_launches, t.graph_launches, t.sync_calls, sum(t.memcpy_bytes.values()),
+                     sum(t.nccl_ops.values()), sum(v.wrs.values()), sum(v.completions.values()),
+                     p.live_bytes)
+            last = self._gpu_last.get(p.pid)
+            self._gpu_last[p.pid] = (now, t.kernel_launches, state)
+            if last is not None and last[2] == state:
+                continue
+            rate = ((t.kernel_launches - last[1]) / (now - last[0])
+                    if last is not None and now > last[0] else None)
+            if not self._gpu_header:
+                self._gpu_header = True
+                self.out.write(" ".join(n.ljust(w) for n, w in GPU_COLUMNS).rstrip() + "\n")
+            nccl = (f"{_n(sum(t.nccl_ops.values()))}/{_bytes(sum(t.nccl_bytes.values()))}"
+                    if t.nccl_ops else "-")
+            ibv = (f"{_n(sum(v.wrs.values()))}/{_bytes(sum(v.wr_bytes.values()))}"
+                   + (f" E{_n(v.completion_errors)}" if v.completion_errors else "")
+                   if v.wrs or v.completions else "-")
+            cells = [stamp, str(p.pid), _n(rate) if rate is not None else "-",
+                     _n(t.kernel_launches), _n(t.graph_launches),
+                     _bytes(sum(t.memcpy_bytes.values())), _n(t.sync_calls),
+                     _ms(t.sync_wait_ns), nccl, ibv, _bytes(p.live_bytes)]
+            self.out.write(" ".join(_cut(c, w).ljust(w)
+                                    for c, (_, w) in zip(cells, GPU_COLUMNS)).rstrip() + "\n")
+        self.out.flush()
 
     def summary(self) -> str:
         if not self.rows:

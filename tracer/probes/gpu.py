@@ -1,19 +1,25 @@
-"""Attach the CUDA and NCCL uprobes (bpf/cuda.c, bpf/nccl.c) to the libraries that the
-traced processes map.
+"""Attach the CUDA, NCCL and ibverbs uprobes (bpf/cuda.c, bpf/nccl.c, bpf/ibverbs.c) to
+the libraries that the traced processes map.
 
 Libraries are found per process in ``/proc/PID/maps`` and opened through
 ``/proc/PID/root`` so that a containerised process's own copy is probed. A uprobe
 belongs to a file (inode), not a process, so each library file is attached once and the
 kernel-side pid filter decides whose calls count. Symbols sharing one address (NCCL's
-``pncclX`` aliases) are attached once, so no call is counted twice.
+``pncclX`` aliases) are attached once, so no call is counted twice. Of a versioned
+symbol (libibverbs exports ``ibv_reg_mr@IBVERBS_1.0`` and ``ibv_reg_mr@@IBVERBS_1.1``)
+only the default version is probed: the old compat versions call the default one.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterator
+
+from elftools.common.exceptions import ELFError
+from elftools.elf.elffile import ELFFile
 
 from tracer.probes import procfs
 
@@ -23,6 +29,7 @@ class Probe:
     symbol: str
     entry: str | None  # BPF function at entry
     ret: str | None = None  # BPF function at return
+    unless: str | None = None  # skip it where the library exports this symbol
 
 
 def _each(symbols: str, entry: str | None, ret: str | None = None) -> list[Probe]:
@@ -78,6 +85,10 @@ NCCL_PROBES: list[Probe] = [
     Probe("ncclCommInitRankConfig", "tt_nccl_comm_init", "tt_nccl_return"),
 ]
 
+# The launch handlers: the probes --gpu-sample switches on and off (their uprobe trap is
+# what an eager launch-bound loop pays per launch).
+LAUNCH_HANDLERS = frozenset({"tt_launch_arg1", "tt_launch_arg2", "tt_graph_launch"})
+
 # libcudart: only device-wide synchronisation, which does not pass through an exported
 # libcuda function on CUDA 13 (seen on an H200, driver 580). Launches are never probed
 # here: they all reach cuLaunchKernel*, and probing both would count them twice.
@@ -85,7 +96,24 @@ CUDART_PROBES: list[Probe] = [
     Probe("cudaDeviceSynchronize", "tt_sync_ctx", "tt_sync_return"),
 ]
 
+# libibverbs.so.1: only what is exported. The data path (post_send, post_recv, poll_cq)
+# is inline in verbs.h and runs in the provider library: these probes learn each device
+# context and tracer/probes/ibverbs.py attaches to the provider functions it points to.
+VERBS_PROBES: list[Probe] = [
+    Probe("ibv_open_device", None, "tt_verbs_open_device_return"),
+    Probe("ibv_import_device", None, "tt_verbs_import_device_return"),
+    # ibv_reg_mr and ibv_reg_mr_iova call ibv_reg_mr_iova2 (libibverbs >= 1.8): probing
+    # them as well would count each registration twice
+    Probe("ibv_reg_mr_iova2", "tt_verbs_reg_mr_iova2", "tt_verbs_mr_return"),
+    Probe("ibv_reg_mr", "tt_verbs_reg_mr", "tt_verbs_mr_return", unless="ibv_reg_mr_iova2"),
+    Probe("ibv_reg_dmabuf_mr", "tt_verbs_reg_dmabuf_mr", "tt_verbs_mr_return"),
+    Probe("ibv_dereg_mr", "tt_verbs_dereg_mr", "tt_verbs_mr_return"),
+    Probe("ibv_modify_qp", "tt_verbs_modify_qp", "tt_verbs_modify_qp_return"),
+    Probe("ibv_ack_cq_events", "tt_verbs_ack_cq_events"),
+]
+
 LIBRARIES: dict[str, tuple[re.Pattern[str], list[Probe]]] = {
+    "ibverbs": (re.compile(r"/libibverbs\.so(\.\d+)*$"), VERBS_PROBES),
     "cuda": (re.compile(r"/libcuda\.so(\.\d+)*$"), CUDA_PROBES),
     "cudart": (re.compile(r"/libcudart\.so(\.\d+)*$"), CUDART_PROBES),
     "nccl": (re.compile(r"/libnccl\.so(\.\d+)*$"), NCCL_PROBES),
@@ -102,12 +130,19 @@ class AttachedLibrary:
 
 
 class GpuProbes:
-    """Finds CUDA/NCCL libraries in traced processes and attaches to each file once."""
+    """Finds CUDA/NCCL/ibverbs libraries in traced processes and attaches to each file
+    once; ``verbs`` attaches to the ibverbs providers those libraries reveal."""
 
     def __init__(self, bpf: Any) -> None:
         self.bpf = bpf
         self.attached: dict[tuple[int, int], AttachedLibrary] = {}  # (dev, inode) -> lib
         self.errors: dict[str, str] = {}
+        from tracer.probes.ibverbs import VerbsProbes
+
+        self.verbs = VerbsProbes(bpf, self.errors)
+        self.launch_probes: list[tuple[bytes, int, bytes]] = []  # (path, addr, handler)
+        self.launches_on = True
+        self._kcounts = CounterDeltas(bpf, b"kernel_counts", lambda v: (v.value,))
 
     def scan(self, pid: int) -> list[AttachedLibrary]:
         """Attach to the GPU libraries ``pid`` maps that are not attached yet."""
@@ -129,7 +164,11 @@ class GpuProbes:
         key = (st.st_dev, st.st_ino)
         if key in self.attached:
             return None
-        addresses = self._exported_functions(path)
+        try:
+            addresses = exported_functions(path)
+        except (OSError, ELFError) as e:
+            self.errors[path] = f"cannot read its symbols: {e}"
+            addresses = {}
         done: dict[int, str] = {}  # address -> first symbol attached there
         lib = AttachedLibrary(kind, path, 0, [], [])
         for p in probes:
@@ -137,16 +176,24 @@ class GpuProbes:
             if addr is None:
                 lib.missing.append(p.symbol)
                 continue
+            if p.unless and p.unless in addresses:
+                continue
             if addr in done:  # an alias of a symbol already probed
                 continue
             done[addr] = p.symbol
             try:
+                # by address: BCC's lookup by name may pick a non-default version
+                if p.entry in LAUNCH_HANDLERS:
+                    self.launch_probes.append((path.encode(), addr, p.entry.encode()))
+                    if not self.launches_on:  # attached when sampling turns them on
+                        lib.symbols.append(p.symbol)
+                        continue
                 if p.entry:
-                    self.bpf.attach_uprobe(name=path.encode(), sym=p.symbol.encode(),
+                    self.bpf.attach_uprobe(name=path.encode(), addr=addr,
                                            fn_name=p.entry.encode())
                     lib.probes += 1
                 if p.ret:
-                    self.bpf.attach_uretprobe(name=path.encode(), sym=p.symbol.encode(),
+                    self.bpf.attach_uretprobe(name=path.encode(), addr=addr,
                                               fn_name=p.ret.encode())
                     lib.probes += 1
             except Exception as e:  # BCC raises bare Exception on attach failure
@@ -156,18 +203,29 @@ class GpuProbes:
         self.attached[key] = lib
         return lib
 
-    def _exported_functions(self, path: str) -> dict[str, int]:
-        import bcc  # type: ignore[import-not-found]
+    def set_launch_probes(self, on: bool) -> None:
+        """Attach (on) or detach (off) the launch probes of every library: --gpu-sample
+        duty-cycles them, so that a detached launch costs no uprobe trap at all."""
+        if on == self.launches_on:
+            return
+        for path, addr, fn in self.launch_probes:
+            try:
+                if on:
+                    self.bpf.attach_uprobe(name=path, addr=addr, fn_name=fn)
+                else:
+                    self.bpf.detach_uprobe(name=path, addr=addr)
+            except Exception as e:  # BCC raises bare Exception
+                self.errors[f"{path.decode()}@{addr:#x} ({'on' if on else 'off'})"] = str(e)
+        self.launches_on = on
 
-        out: dict[str, int] = {}
-        try:
-            pairs = bcc.BPF.get_user_functions_and_addresses(path.encode(), b".*")
-        except Exception as e:
-            self.errors[path] = f"cannot read its symbols: {e}"
-            return out
-        for name, addr in pairs:
-            out.setdefault(name.decode(), addr)
-        return out
+    def collect(self) -> list[bytes]:
+        """KCOUNT records for the launches counted past full burst slots since the last
+        call (see bpf/cuda.c); exited threads' entries are read a last time and removed."""
+        from tracer.events import wire
+
+        ts = time.monotonic_ns()
+        return [wire.KCOUNT.pack(pid=k.pid, tid=k.tid, ts=ts, handle=k.handle, count=d[0])
+                for k, d in self._kcounts.read()]
 
     def drain(self) -> list[bytes]:
         """The bursts still open in the kernel, as KBURST records (reason DRAIN), removed
@@ -188,3 +246,65 @@ class GpuProbes:
             except KeyError:
                 pass
         return out
+
+
+class CounterDeltas:
+    """Reads a BPF hash of cumulative per-thread counters (keys with ``pid`` and
+    ``tid``) as deltas since the previous read, so that what is sent sums to the exact
+    totals. Entries of exited threads are read one last time, then deleted: a dead
+    thread cannot count any more, so nothing is lost and the map does not fill up."""
+
+    def __init__(self, bpf: Any, name: bytes,
+                 values: Callable[[Any], tuple[int, ...]]) -> None:
+        self.bpf = bpf
+        self.name = name
+        self.values = values
+        self._last: dict[bytes, tuple[int, ...]] = {}
+
+    def read(self) -> Iterator[tuple[Any, list[int]]]:
+        """(key, deltas) for every entry that changed."""
+        table = self.bpf[self.name]
+        items = list(table.items())
+        # decided before reading: a thread found dead here cannot change its counters
+        gone = {(k.pid, k.tid) for k, _ in items
+                if not os.path.exists(f"/proc/{k.pid}/task/{k.tid}")}
+        for k, v in table.items():
+            key = bytes(k)
+            now = self.values(v)
+            last = self._last.get(key)
+            if now != last:
+                yield k, [a - b for a, b in zip(now, last or (0,) * len(now))]
+            if (k.pid, k.tid) in gone:
+                self._last.pop(key, None)
+                try:
+                    del table[k]
+                except KeyError:
+                    pass
+            else:
+                self._last[key] = now
+
+
+_VERSYM_HIDDEN = 0x8000  # a non-default version of a versioned symbol (ELF gABI)
+
+
+def exported_functions(path: str) -> dict[str, int]:
+    """Defined dynamic function symbols of an ELF file -> their address (ELF virtual
+    address, as BCC's ``addr`` takes it); non-default symbol versions left out."""
+    out: dict[str, int] = {}
+    with open(path, "rb") as f:
+        elf = ELFFile(f)
+        dynsym = elf.get_section_by_name(".dynsym")
+        if dynsym is None:
+            return out
+        versym = elf.get_section_by_name(".gnu.version")
+        for i, sym in enumerate(dynsym.iter_symbols()):
+            if sym["st_info"]["type"] not in ("STT_FUNC", "STT_GNU_IFUNC"):
+                continue
+            if sym["st_shndx"] == "SHN_UNDEF" or not sym["st_value"] or not sym.name:
+                continue
+            if versym is not None:
+                ndx = versym.get_symbol(i)["ndx"]
+                if isinstance(ndx, int) and ndx & _VERSYM_HIDDEN:
+                    continue
+            out.setdefault(sym.name, sym["st_value"])
+    return out

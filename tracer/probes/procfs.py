@@ -227,3 +227,36 @@ def maps(pid: int) -> tuple[str, ...]:
         if len(cols) == 6 and "x" in cols[1] and cols[5].startswith("/"):
             seen.setdefault(cols[5], None)
     return tuple(seen)
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """One line of /proc/PID/maps that maps a file."""
+
+    start: int
+    end: int
+    perms: str
+    offset: int  # file offset of ``start``
+    inode: int
+    path: str
+
+
+def mappings(pid: int) -> list[Mapping]:
+    """The file-backed mappings of ``pid`` (empty if it is gone)."""
+    out = []
+    for line in str(_read(PROC / str(pid) / "maps")).splitlines():
+        cols = line.split(None, 5)
+        if len(cols) < 6 or not cols[5].startswith("/"):
+            continue
+        lo, hi = cols[0].split("-")
+        out.append(Mapping(int(lo, 16), int(hi, 16), cols[1], int(cols[2], 16),
+                           int(cols[4]), cols[5]))
+    return out
+
+
+def mapping_of(pid: int, addr: int) -> Mapping | None:
+    """The file mapping of ``pid`` that holds ``addr``, or None."""
+    for m in mappings(pid):
+        if m.start <= addr < m.end:
+            return m
+    return None

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable
 
 from tracer.events import schema, wire
 from tracer.probes import loader, procfs, sockdiag
+from tracer.events.gpu import GpuSampling
 from tracer.probes.gpu import GpuProbes
 
 C = wire.CONSTANTS
@@ -37,9 +38,13 @@ class CaptureConfig:
     rescan_interval_s: float = 2.0  # look for new --comm/--port processes this often
     counters_interval_s: float = 1.0
     # cuda must precede process: process.c flushes a thread's GPU burst at its exit
-    concerns: tuple[str, ...] = ("cuda", "nccl", "process", "sockets")
+    concerns: tuple[str, ...] = ("cuda", "nccl", "ibverbs", "process", "sockets")
     burst_ns: int = 10_000_000  # a thread's GPU burst is flushed at least this often
+    burst_min_ns: int = 0  # ...and at a sync only if it is at least this old
     gpu_rescan_interval_s: float = 1.0  # look for newly loaded GPU libraries
+    gpu_sample: float = 1.0  # share of each period the launch probes are attached
+    gpu_sample_period_s: float = 1.0
+    counter_maps_interval_s: float = 1.0  # read the kernel's counter maps (kernels, ibverbs)
     exclude_pids: set[int] = field(default_factory=set)
 
 
@@ -72,6 +77,8 @@ class CaptureSession:
         self.user_counters: dict[str, int] = {"undecodable_records": 0}
         self.gpu: GpuProbes | None = None
         self._next_gpu_scan = 0.0
+        self._next_counter_maps = 0.0
+        self._next_sample_toggle = 0.0
 
     # ---- lifecycle --------------------------------------------------------------
 
@@ -81,8 +88,17 @@ class CaptureSession:
         config = self.bpf[b"config"]
         config[ctypes.c_int(C["CFG_CAPTURE_LIMIT"])] = ctypes.c_uint64(self.config.capture_limit)
         config[ctypes.c_int(C["CFG_BURST_NS"])] = ctypes.c_uint64(self.config.burst_ns)
+        config[ctypes.c_int(C["CFG_BURST_MIN_NS"])] = ctypes.c_uint64(self.config.burst_min_ns)
         if "cuda" in self.config.concerns:
             self.gpu = GpuProbes(self.bpf)
+            if self.config.gpu_sample < 1.0:
+                # the first period starts "on" (so libraries found now attach their
+                # launch probes) and says so
+                self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=True,
+                                      fraction=self.config.gpu_sample))
+                self._next_sample_toggle = (time.monotonic()
+                                            + self.config.gpu_sample_period_s
+                                            * self.config.gpu_sample)
         for name in self.config.comms:
             key = self.bpf[b"traced_comms"].Key()
             key.comm = name.encode()[:15]
@@ -108,18 +124,62 @@ class CaptureSession:
             self._next_gpu_scan = now + self.config.gpu_rescan_interval_s
             for pid in sorted(self.pids):
                 self.gpu.scan(pid)
+        if self.gpu is not None and self.config.gpu_sample < 1.0 and now >= self._next_sample_toggle:
+            self._toggle_launch_probes(now)
+        if self.gpu is not None:
+            if "ibverbs" in self.config.concerns:
+                self.gpu.verbs.attach_pending()  # contexts learned during this poll
+            if now >= self._next_counter_maps:
+                self._next_counter_maps = now + self.config.counter_maps_interval_s
+                self._collect_counters()
         if now >= self._next_counters:
             self._next_counters = now + self.config.counters_interval_s
             self.report_counters()
+
+    def _toggle_launch_probes(self, now: float) -> None:
+        """--gpu-sample: launch probes on for ``gpu_sample`` of each period, off for the
+        rest. Detaching takes long (tens to hundreds of ms per probe), so the counted
+        span is set by a gate in the kernel: closed before the detach, opened after the
+        attach, each switch an event stamped at that instant."""
+        assert self.gpu is not None
+        on = not self.gpu.launches_on
+        gate = self.bpf[b"config"]
+        idx = ctypes.c_int(C["CFG_LAUNCH_GATE_CLOSED"])
+        if not on:
+            gate[idx] = ctypes.c_uint64(1)
+            self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=False,
+                                  fraction=self.config.gpu_sample))
+        self.gpu.set_launch_probes(on)
+        if on:
+            gate[idx] = ctypes.c_uint64(0)
+            self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=True,
+                                  fraction=self.config.gpu_sample))
+        share = self.config.gpu_sample if on else 1.0 - self.config.gpu_sample
+        self._next_sample_toggle = time.monotonic() + self.config.gpu_sample_period_s * share
+
+    def _collect_counters(self) -> None:
+        """Send what the kernel's cumulative counter maps gained since the last read."""
+        assert self.gpu is not None
+        for raw in self.gpu.collect():
+            self.sink(raw)
+        if "ibverbs" in self.config.concerns:
+            for raw in self.gpu.verbs.collect():
+                self.sink(raw)
 
     def stop(self) -> None:
         """Drain what is left and report the final counters."""
         if self.bpf is None:
             return
         self.bpf.ring_buffer_consume()
+        if self.gpu is not None and self.config.gpu_sample < 1.0:
+            # the end of the sampled span: no launch after this is counted
+            self.bpf[b"config"][ctypes.c_int(C["CFG_LAUNCH_GATE_CLOSED"])] = ctypes.c_uint64(1)
+            self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=False,
+                                  fraction=self.config.gpu_sample))
         if self.gpu is not None:
             for raw in self.gpu.drain():  # bursts not yet flushed: counts stay exact
                 self.sink(raw)
+            self._collect_counters()  # the final per-kernel and ibverbs counts
         self.report_counters(force=True)
         self.bpf.cleanup()
         self.bpf = None
@@ -215,6 +275,8 @@ class CaptureSession:
                 self._after_conn(schema.decode(buf))
             elif kind == C["KIND_PROC"]:
                 self._after_proc(schema.decode(buf))
+            elif kind == C["KIND_VERBS_CTX"] and self.gpu is not None:
+                self.gpu.verbs.on_context(schema.decode(buf))
         except schema.WireError:
             self.user_counters["undecodable_records"] += 1
 
