@@ -346,7 +346,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     pricing = GpuPricing.resolve(price=args.gpu_price, model=args.gpu_model)
     header = capture.new_header(command="run")
     header["gpu_model"] = pricing.model
-    _say(f"GPU price: {pricing.describe()}")
     ctx = ExportContext(capture_id=header["capture_id"], host=header["host"])
     sinks, console = build_sinks(args, ctx)
     run = TraceRun(_targets(args), sinks, TrackerOptions(keep_content=args.capture_content),
@@ -367,6 +366,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if rc == 0:
         _write_summary(args.summary, run.pipeline)
         _report(run.pipeline, console)
+        _say(f"GPU time priced at {pricing.describe()}")
     return rc
 
 
