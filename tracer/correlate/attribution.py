@@ -381,22 +381,23 @@ class GpuAttribution:
         it was queued, and queued requests are not charged."""
         spans: list[tuple[int, int, int, bool]] = []  # (arrival step, first, last, tokens)
         own_lower = log.first_started_after(rec.request_end_ns or rec.start_ns)
-        spans.append((own_lower, first, last, how != "time"))
+        spans.append((own_lower, first, last, how != "time", rec.request_end_ns or rec.start_ns))
         for r, finished, rel in others:
             if rel is not None and log.key in rel.ranges:
                 orng = rel.ranges[log.key]
                 if orng is not None:
-                    spans.append((orng[0], orng[0], orng[1], False))  # already widened
+                    spans.append((orng[0], orng[0], orng[1], False, 0))  # already widened
                 continue
             orng = request_range(r, log, finished=finished)
             if orng is None or orng[1] < own_lower:
                 continue
             lower = log.first_started_after(r.request_end_ns or r.start_ns)
-            spans.append((lower, orng[0], orng[1], orng[2] != "time"))
+            spans.append((lower, orng[0], orng[1], orng[2] != "time",
+                          r.request_end_ns or r.start_ns))
         lo = min(x[0] for x in spans)
         hi = max(last, max(x[1] for x in spans))
         emitting = [0] * (hi - lo + 2)
-        for _, f, la, _tok in spans:
+        for _, f, la, _tok, _arr in spans:
             if la >= lo:
                 emitting[max(f, lo) - lo] += 1
                 emitting[min(la, hi) - lo + 1] -= 1
@@ -405,13 +406,19 @@ class GpuAttribution:
             n += d
             counts.append(n)
         cap = self.capacity[log.key] = max(self.capacity.get(log.key, 1), max(counts))
-        out = []
-        for lower, f, la, tokens in spans:
+        # first come, first served: earlier arrivals take the free slots first, and a
+        # prefilling request holds its slot like an emitting one
+        out = [(f, la) for _, f, la, _tok, _arr in spans]
+        for i in sorted(range(len(spans)), key=lambda i: spans[i][4]):
+            lower, f, la, tokens, _ = spans[i]
+            if not tokens:
+                continue
             a = f
-            if tokens:
-                while a - 1 >= max(lower, lo) and counts[a - 1 - lo] < cap:
-                    a -= 1
-            out.append((a, la))
+            while a - 1 >= max(lower, lo) and counts[a - 1 - lo] < cap:
+                a -= 1
+            for j in range(a, f):
+                counts[j - lo] += 1
+            out[i] = (a, la)
         return out
 
     def _ranks(self, pid: int, logs: list[StepLog]) -> tuple[list[StepLog], list[StepLog]]:
