@@ -94,8 +94,8 @@ async def _tokens(engine: Engine, prompt: str, n: int, temperature: float,
         yield tok
 
 
-def build_app(engine: Engine) -> FastAPI:
-    app = FastAPI(title="tokentrace sample OpenAI server")
+def add_info_routes(app: FastAPI) -> None:
+    """GET /health and GET /v1/models, the same in every sample server."""
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -105,6 +105,11 @@ def build_app(engine: Engine) -> FastAPI:
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": MODEL_NAME, "object": "model",
                                             "owned_by": "tokentrace"}]}
+
+
+def build_app(engine: Engine) -> FastAPI:
+    app = FastAPI(title="tokentrace sample OpenAI server")
+    add_info_routes(app)
 
     async def complete(request: Request, chat: bool) -> Any:
         try:

@@ -45,7 +45,8 @@ from samples import tinygpt
 from samples.batching import wire
 from samples.batching.engine import Engine
 from samples.batching.truth import TruthFile
-from samples.openai_server import DEFAULT_MAX_TOKENS, MODEL_NAME, _error, _prompt_of
+from samples.openai_server import (DEFAULT_MAX_TOKENS, MODEL_NAME, _error, _prompt_of,
+                                   add_info_routes)
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = tinygpt.GPTConfig().block
@@ -249,15 +250,7 @@ class SocketLink:
 def build_app(hub: Hub, link: Link) -> FastAPI:
     """The OpenAI routes of samples.openai_server, answered by the batching engine."""
     app = FastAPI(title="tokentrace continuous-batching sample")
-
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": MODEL_NAME, "object": "model",
-                                            "owned_by": "tokentrace"}]}
+    add_info_routes(app)
 
     async def complete(request: Request, chat: bool) -> Any:
         raw = await request.body()
