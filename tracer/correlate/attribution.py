@@ -182,16 +182,10 @@ class GpuAttribution:
             self._share(mine[0]).add(b, 1.0)
             self.stats["gpu_bursts_same_thread"] += 1
         else:
-            log = self.logs.get((b.pid, b.tid))
-            if log is None:
-                log = self.logs[(b.pid, b.tid)] = StepLog(b.pid, b.tid)
-                self.stats["gpu_step_threads"] += 1
+            log = self._log(b.pid, b.tid)
             step = log.add_burst(b)
             if step is not None:
-                self.stats["gpu_steps"] += 1
-                self.stats["gpu_step_launches"] += step.launches
-                if len(log.steps) > MAX_STEPS:
-                    self._retire(log.prune(log.steps[-MAX_STEPS].end_ts))
+                self._closed(log, step)
         # work its own thread did is complete once its process launches after its end
         self._release(b.pid, lambda r: r.end_ns < b.first_ts and self._served_alone(r))
 
@@ -207,9 +201,7 @@ class GpuAttribution:
             if ev.ret == 0:
                 self.comms[(ev.pid, ev.comm)] = (ev.comm_id, ev.peer)
             return
-        log = self.logs.get((ev.pid, ev.tid))
-        if log is None:
-            log = self.logs[(ev.pid, ev.tid)] = StepLog(ev.pid, ev.tid)
+        log = self._log(ev.pid, ev.tid)
         comm = self.comms.get((ev.pid, ev.comm))
         if comm is not None and ev.op in COLLECTIVES:
             log.comm_id, log.rank = comm
@@ -270,9 +262,9 @@ class GpuAttribution:
     def close(self) -> None:
         """End of the stream: release everything held, in end order."""
         for log in self.logs.values():
-            if log.open is not None and log.open.bursts:
-                log._close()
-                self.stats["gpu_steps"] += 1
+            step = log.finish()
+            if step is not None:
+                self._closed(log, step)
         for pid in list(self.held):
             self._release(pid, lambda r: True)
         for log in self.logs.values():
@@ -280,9 +272,19 @@ class GpuAttribution:
 
     # ---- internals ------------------------------------------------------------------
 
-    def _has_steps(self, pid: int) -> bool:
-        group = self.ipc.serving_group(pid)
-        return any(k[0] in group for k in self.logs)
+    def _log(self, pid: int, tid: int) -> StepLog:
+        log = self.logs.get((pid, tid))
+        if log is None:
+            log = self.logs[(pid, tid)] = StepLog(pid, tid)
+            self.stats["gpu_step_threads"] += 1
+        return log
+
+    def _closed(self, log: StepLog, step: Step) -> None:
+        """A step of ``log`` ended: count it, and keep the log bounded."""
+        self.stats["gpu_steps"] += 1
+        self.stats["gpu_step_launches"] += step.launches
+        if len(log.steps) > MAX_STEPS:
+            self._retire(log.prune(log.steps[-MAX_STEPS].end_ts))
 
     def _in_flight(self, pid: int, first_ts: int, last_ts: int) -> list[RequestRecord]:
         out = [r for r in self.open_records(pid) if r.start_ns <= last_ts]
@@ -488,7 +490,7 @@ class GpuAttribution:
             if not due(rec):
                 continue
             held.remove(rec)  # from here on it is a released member, not a held one
-            rel = self._charge_steps(rec) if self._has_steps(pid) else _Released(rec)
+            rel = self._charge_steps(rec)
             share = self.shares.pop(rec.key, None)
             if share is not None:
                 rec.gpu.update(share.attributes(self.pricing))

@@ -107,6 +107,12 @@ class StepLog:
         if ev.bytes and self.open.signature is None:
             self.open.signature = (ev.op, ev.count, ev.dtype)
 
+    def finish(self) -> Step | None:
+        """End of the stream: close the step still open, if it has any work."""
+        if self.open is not None and self.open.bursts:
+            return self._close()
+        return None
+
     def _close(self) -> Step:
         step, self.open = self.open, None
         assert step is not None
