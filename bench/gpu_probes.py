@@ -169,12 +169,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         paths = build(tmp / "gpu")
+        print(f"built the stand-ins in {tmp / 'gpu'}", file=sys.stderr, flush=True)
         for sample in args.gpu_sample:
             for burst_min_us in args.burst_min_us:
                 runs = []
                 for r in range(args.rounds):
                     for traced in ((False, True) if r % 2 == 0 else (True, False)):
+                        t0 = time.perf_counter()
                         runs.append(one(paths, args, burst_min_us, sample, traced, tmp))
+                        print(f"round {r} burst_min_us={burst_min_us} sample={sample} "
+                              f"traced={traced}: {runs[-1]['launches_per_s']:,.0f} "
+                              f"launches/s, {time.perf_counter() - t0:.1f} s",
+                              file=sys.stderr, flush=True)
                 configs.append(summarise(runs, burst_min_us, sample,
                                          args.procs * args.threads))
     res = {

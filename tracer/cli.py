@@ -72,8 +72,10 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                          "launch-bound loop pays the uprobe trap on that share of its "
                          "launches only; launch counts in the summary become estimates, "
                          "marked so (default: 1, every launch, exact)")
-    g2.add_argument("--gpu-sample-period", type=float, default=1.0, metavar="SECONDS",
-                    help="the --gpu-sample duty cycle's period (default: 1)")
+    g2.add_argument("--gpu-sample-period", type=float, default=5.0, metavar="SECONDS",
+                    help="the --gpu-sample duty cycle's period; detaching takes ~0.1 s "
+                         "per launch probe, so keep the off share over a second "
+                         "(default: 5)")
     g2.add_argument("--burst-min-us", type=int, default=0, metavar="US",
                     help="let a sync flush a thread's GPU burst only once it is this old, "
                          "so a loop syncing thousands of times a second costs the agent "

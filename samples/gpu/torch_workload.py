@@ -4,6 +4,8 @@ NCCL probes on a GPU machine (bench/gpu_validate.py drives it).
 Commands (one per line; each answers one JSON line on stdout):
   init            build the tiny GPT on cuda (first kernels resolve here)
   decode N        eager decode loop, N tokens, synchronised per token
+  decode_timed N  the same, answering each token's end (CLOCK_MONOTONIC ns, the clock
+                  of the probes' timestamps) as well
   suite_eager     under torch.profiler (CUPTI): eager decode, cuBLAS GEMMs, a Triton
                   kernel (torch.compile) if Triton works here
   suite_graph     under the profiler: 100 replays of a CUDA graph captured before
@@ -41,16 +43,23 @@ class Work:
         self.decode(4)
         return {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
 
-    def decode(self, n: int) -> dict:
+    def decode(self, n: int, timed: bool = False) -> dict:
         ctx = torch.zeros((1, 8), dtype=torch.long, device=self.dev)
         torch.cuda.synchronize()
+        ends = []
         t0 = time.perf_counter()
         for _ in range(n):
             nxt = self.model.step(ctx, temperature=0)
             ctx = torch.cat([ctx[:, 1:], nxt[:, None]], dim=1)
             nxt.item()  # one D2H copy + sync per token, as a server's decode loop does
+            ends.append(time.monotonic_ns())
         dt = time.perf_counter() - t0
-        return {"tokens": n, "seconds": dt, "tokens_per_s": n / dt}
+        steps = sorted(b - a for a, b in zip(ends, ends[1:]))
+        out = {"tokens": n, "seconds": dt, "tokens_per_s": n / dt,
+               "median_token_us": steps[len(steps) // 2] / 1e3 if steps else None}
+        if timed:
+            out["token_end_ns"] = ends
+        return out
 
     def gemms(self, n: int) -> None:
         a = torch.randn(512, 512, device=self.dev, dtype=torch.float16)
@@ -154,6 +163,8 @@ def main() -> None:
             say(w.init())
         elif cmd == "decode":
             say(w.decode(int(rest[0])))
+        elif cmd == "decode_timed":
+            say(w.decode(int(rest[0]), timed=True))
         elif cmd == "prep":
             say(w.prep())
         elif cmd == "microbench":

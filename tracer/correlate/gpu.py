@@ -13,40 +13,7 @@ from typing import Any, Iterator
 from tracer.events.gpu import (COPY_KINDS, GpuSampling, KernelBurst, KernelCounts,
                                KernelName, MemEvent, NcclEvent, VerbsContext, VerbsCounts,
                                VerbsMr, VerbsQp)
-
-
-@dataclass
-class LaunchSampling:
-    """--gpu-sample's on/off switches of the launch probes. A thread's launch counts
-    are divided by the share of its own active span (first to last burst, which the
-    unsampled copy and sync probes keep marking) that the probes were on."""
-
-    fraction: float  # configured
-    switches: list[tuple[int, bool]] = field(default_factory=list)  # (ts, on), in order
-
-    def switch(self, ev: GpuSampling) -> None:
-        self.switches.append((ev.ts, ev.enabled))
-
-    def on_share(self, a: int, b: int) -> float:
-        """The share of [a, b] the launch probes were on (1.0 for an empty span)."""
-        if b <= a:
-            return 1.0
-        on = 0
-        since: int | None = None
-        for ts, enabled in self.switches:
-            if enabled and since is None:
-                since = ts
-            elif not enabled and since is not None:
-                on += max(0, min(ts, b) - max(since, a))
-                since = None
-        if since is not None:
-            on += max(0, b - max(since, a))
-        return on / (b - a)
-
-    def scale(self, n: int, a: int, b: int) -> int:
-        """An estimate of the launches behind ``n`` seen in [a, b]."""
-        share = self.on_share(a, b)
-        return round(n / share) if share > 0 else n
+from tracer.correlate.sampling import LaunchSampling, StepSample, estimate
 
 
 @dataclass
@@ -140,6 +107,7 @@ class ThreadTotals:
     verbs: VerbsTotals = field(default_factory=VerbsTotals)
     first_ts: int = 0  # first burst's first call
     last_ts: int = 0  # last burst's end
+    sample: StepSample | None = None  # steps seen under --gpu-sample
 
     def add_burst(self, b: KernelBurst) -> None:
         if not self.bursts or b.first_ts < self.first_ts:
@@ -262,7 +230,13 @@ class GpuLedger:
         """Account one GPU event (KernelBurst, KernelName, MemEvent, NcclEvent or an
         ibverbs event)."""
         if isinstance(ev, KernelBurst):
-            self.proc(ev.pid).thread(ev.tid).add_burst(ev)
+            t = self.proc(ev.pid).thread(ev.tid)
+            t.add_burst(ev)
+            if self.sampling is not None:
+                if t.sample is None:
+                    t.sample = StepSample()
+                t.sample.add(ev.reason, ev.first_ts, ev.last_ts, ev.launches,
+                             ev.graph_launches, self.sampling)
         elif isinstance(ev, KernelName):
             p = self.proc(ev.pid)
             name = ev.name if ev.name else p.names.get(ev.alias_of, "")
@@ -288,7 +262,7 @@ class GpuLedger:
         elif isinstance(ev, GpuSampling):
             if self.sampling is None:
                 self.sampling = LaunchSampling(ev.fraction)
-            self.sampling.switch(ev)
+            self.sampling.switch(ev.ts, ev.enabled, ev.attach_s, ev.detach_s)
         elif isinstance(ev, KernelCounts):
             kernels = self.proc(ev.pid).thread(ev.tid).kernels
             kernels[ev.handle] = kernels.get(ev.handle, 0) + ev.count
@@ -315,8 +289,10 @@ class GpuLedger:
                 _merge(total, t)
             est: dict[int, ThreadTotals] = {}
             est_total = None
+            methods: dict[int, str] = {}
             if self.sampling is not None:
-                est = {tid: _scaled(t, self.sampling) for tid, t in p.threads.items()}
+                for tid, t in p.threads.items():
+                    est[tid], methods[tid] = _scaled(t, self.sampling)
                 est_total = ThreadTotals()
                 for e in est.values():
                     _merge(est_total, e)
@@ -329,18 +305,18 @@ class GpuLedger:
                 "nccl_communicators": p.communicators,
                 "ibverbs": p.verbs_summary(total.verbs),
                 "threads": {str(tid): {**_totals(t, p, top, est.get(tid)),
+                                       **_sampling_fields(t, methods.get(tid)),
                                        "ibverbs": t.verbs.summary()}
                             for tid, t in sorted(p.threads.items())},
             })
         doc: dict[str, Any] = {"processes": out}
         if self.sampling is not None:
-            sw = self.sampling.switches
             doc["launch_sampling"] = {
-                "estimated": True, "fraction": self.sampling.fraction,
-                "measured_on_share": round(self.sampling.on_share(sw[0][0], sw[-1][0]), 6),
-                "note": "kernel and graph launch counts are estimates: seen / the share of "
-                        "the thread's active span the launch probes were on; *_seen are "
-                        "the counts the probes saw"}
+                **self.sampling.summary(),
+                "note": "kernel and graph launch counts are estimates: launches in steps "
+                        "wholly sampled x all steps / sampled steps (method 'steps'), or "
+                        "seen / the share of the thread's active span the launch probes "
+                        "were on ('time_share'); *_seen are the counts the probes saw"}
         return doc
 
 
@@ -356,12 +332,25 @@ def _merge(into: ThreadTotals, t: ThreadTotals) -> None:
         into.last_ts = max(into.last_ts, t.last_ts)
 
 
-def _scaled(t: ThreadTotals, sampling: LaunchSampling) -> ThreadTotals:
-    """The launch counts of ``t`` divided by its on share (floats, rounded on output)."""
-    f = 1.0 / max(sampling.on_share(t.first_ts, t.last_ts), 1e-9)
-    return ThreadTotals(kernel_launches=t.kernel_launches * f,  # type: ignore[arg-type]
-                        graph_launches=t.graph_launches * f,  # type: ignore[arg-type]
-                        kernels=Counter({h: n * f for h, n in t.kernels.items()}))
+def _scaled(t: ThreadTotals, sampling: LaunchSampling) -> tuple[ThreadTotals, str]:
+    """Estimated launch counts of ``t`` (floats, rounded on output) and the method."""
+    s = t.sample
+    launches, method = estimate(t.kernel_launches, s.sampled_launches if s else 0, s,
+                                sampling, t.first_ts, t.last_ts)
+    graphs, _ = estimate(t.graph_launches, s.sampled_graph_launches if s else 0, s,
+                         sampling, t.first_ts, t.last_ts)
+    # per kernel: the thread's seen mix, scaled to the estimated total
+    f = launches / t.kernel_launches if t.kernel_launches else 0.0
+    return ThreadTotals(kernel_launches=launches,  # type: ignore[arg-type]
+                        graph_launches=graphs,  # type: ignore[arg-type]
+                        kernels=Counter({h: n * f for h, n in t.kernels.items()})), method
+
+
+def _sampling_fields(t: ThreadTotals, method: str | None) -> dict[str, Any]:
+    if method is None or t.sample is None:
+        return {}
+    return {"launch_estimate": {"method": method, "steps": t.sample.steps,
+                                "sampled_steps": t.sample.sampled_steps}}
 
 
 def _totals(t: ThreadTotals, p: ProcessGpu, top: int,

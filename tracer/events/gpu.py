@@ -181,14 +181,17 @@ def _decode_kcount(buf: bytes) -> KernelCounts:
 
 @dataclass(frozen=True, slots=True)
 class GpuSampling:
-    """--gpu-sample switched the launch probes on or off at ``ts`` (a user-space event:
-    the middle of the attach or detach). Launch counts are then estimates: what was seen
-    while on, divided by the share of the time the probes were on. ``fraction`` is the
-    configured share."""
+    """--gpu-sample switched the launch probes on (stamped after the attach) or off
+    (stamped before the detach) at ``ts``. Launch counts are then estimates
+    (tracer/correlate/sampling.py). ``fraction`` is the configured share;
+    ``attach_s`` is how long this switch's attach took, ``detach_s`` how long the
+    previous detach took (both 0 where unknown, as in older captures)."""
 
     ts: int
     enabled: bool
     fraction: float
+    attach_s: float = 0.0
+    detach_s: float = 0.0
 
 
 VERBS_OPS = {C["VERBS_SEND"]: "send", C["VERBS_RECV"]: "recv",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -142,6 +143,10 @@ class GpuProbes:
         self.verbs = VerbsProbes(bpf, self.errors)
         self.launch_probes: list[tuple[bytes, int, bytes]] = []  # (path, addr, handler)
         self.launches_on = True
+        self.last_detach_s = 0.0  # how long the last detach of the launch probes took
+        self._detacher: threading.Thread | None = None
+        # BCC's attach and detach bookkeeping is not meant for two threads at once
+        self._bcc_lock = threading.Lock()
         self._kcounts = CounterDeltas(bpf, b"kernel_counts", lambda v: (v.value,))
 
     def scan(self, pid: int) -> list[AttachedLibrary]:
@@ -188,14 +193,15 @@ class GpuProbes:
                     if not self.launches_on:  # attached when sampling turns them on
                         lib.symbols.append(p.symbol)
                         continue
-                if p.entry:
-                    self.bpf.attach_uprobe(name=path.encode(), addr=addr,
-                                           fn_name=p.entry.encode())
-                    lib.probes += 1
-                if p.ret:
-                    self.bpf.attach_uretprobe(name=path.encode(), addr=addr,
-                                              fn_name=p.ret.encode())
-                    lib.probes += 1
+                with self._bcc_lock:
+                    if p.entry:
+                        self.bpf.attach_uprobe(name=path.encode(), addr=addr,
+                                               fn_name=p.entry.encode())
+                        lib.probes += 1
+                    if p.ret:
+                        self.bpf.attach_uretprobe(name=path.encode(), addr=addr,
+                                                  fn_name=p.ret.encode())
+                        lib.probes += 1
             except Exception as e:  # BCC raises bare Exception on attach failure
                 self.errors[f"{path}:{p.symbol}"] = str(e)
                 continue
@@ -203,20 +209,57 @@ class GpuProbes:
         self.attached[key] = lib
         return lib
 
-    def set_launch_probes(self, on: bool) -> None:
-        """Attach (on) or detach (off) the launch probes of every library: --gpu-sample
-        duty-cycles them, so that a detached launch costs no uprobe trap at all."""
-        if on == self.launches_on:
-            return
+    @property
+    def detaching(self) -> bool:
+        """Whether a detach of the launch probes is still under way."""
+        return self._detacher is not None and self._detacher.is_alive()
+
+    def attach_launch_probes(self) -> float:
+        """--gpu-sample: attach the launch probes of every library (a few ms); the
+        seconds it took. Call only once a detach has finished (``detaching``)."""
+        if self.launches_on:
+            return 0.0
+        if self.detaching:
+            raise RuntimeError("the launch probes are still being detached")
+        t0 = time.perf_counter()
         for path, addr, fn in self.launch_probes:
             try:
-                if on:
+                with self._bcc_lock:
                     self.bpf.attach_uprobe(name=path, addr=addr, fn_name=fn)
-                else:
-                    self.bpf.detach_uprobe(name=path, addr=addr)
             except Exception as e:  # BCC raises bare Exception
-                self.errors[f"{path.decode()}@{addr:#x} ({'on' if on else 'off'})"] = str(e)
-        self.launches_on = on
+                self.errors[f"{path.decode()}@{addr:#x} (on)"] = str(e)
+        self.launches_on = True
+        return time.perf_counter() - t0
+
+    def detach_launch_probes(self, wait: bool = False) -> None:
+        """--gpu-sample: detach the launch probes, so that a launch costs no uprobe
+        trap at all. Each detach blocks ~0.1 s in the kernel (closing a uprobe's perf
+        event waits for a grace period, serialised under one lock), so it runs on a
+        thread of its own and the agent keeps draining the ring buffer meanwhile."""
+        if not self.launches_on:
+            return
+        self.launches_on = False
+        probes = list(self.launch_probes)
+
+        def detach() -> None:
+            t0 = time.perf_counter()
+            for path, addr, _ in probes:
+                try:
+                    with self._bcc_lock:
+                        self.bpf.detach_uprobe(name=path, addr=addr)
+                except Exception as e:  # BCC raises bare Exception
+                    self.errors[f"{path.decode()}@{addr:#x} (off)"] = str(e)
+            self.last_detach_s = time.perf_counter() - t0
+
+        self._detacher = threading.Thread(target=detach, name="tt-detach", daemon=True)
+        self._detacher.start()
+        if wait:
+            self.join_detach()
+
+    def join_detach(self) -> None:
+        """Wait for a detach under way (before the BPF program is torn down)."""
+        if self._detacher is not None:
+            self._detacher.join()
 
     def collect(self) -> list[bytes]:
         """KCOUNT records for the launches counted past full burst slots since the last

@@ -43,7 +43,7 @@ class CaptureConfig:
     burst_min_ns: int = 0  # ...and at a sync only if it is at least this old
     gpu_rescan_interval_s: float = 1.0  # look for newly loaded GPU libraries
     gpu_sample: float = 1.0  # share of each period the launch probes are attached
-    gpu_sample_period_s: float = 1.0
+    gpu_sample_period_s: float = 5.0
     counter_maps_interval_s: float = 1.0  # read the kernel's counter maps (kernels, ibverbs)
     exclude_pids: set[int] = field(default_factory=set)
 
@@ -138,23 +138,27 @@ class CaptureSession:
 
     def _toggle_launch_probes(self, now: float) -> None:
         """--gpu-sample: launch probes on for ``gpu_sample`` of each period, off for the
-        rest. Detaching takes long (tens to hundreds of ms per probe), so the counted
-        span is set by a gate in the kernel: closed before the detach, opened after the
-        attach, each switch an event stamped at that instant."""
+        rest. What is counted is set by a gate in the kernel: closed before the detach
+        (which runs on its own thread: ~0.1 s per probe), opened after the attach, each
+        switch an event stamped at that instant. An "on" switch waits for the previous
+        detach to finish (the off span is then longer; the estimate does not mind)."""
         assert self.gpu is not None
-        on = not self.gpu.launches_on
         gate = self.bpf[b"config"]
         idx = ctypes.c_int(C["CFG_LAUNCH_GATE_CLOSED"])
-        if not on:
+        fraction = self.config.gpu_sample
+        if self.gpu.launches_on:
             gate[idx] = ctypes.c_uint64(1)
-            self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=False,
-                                  fraction=self.config.gpu_sample))
-        self.gpu.set_launch_probes(on)
-        if on:
+            self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=False, fraction=fraction))
+            self.gpu.detach_launch_probes()
+            share = 1.0 - fraction
+        else:
+            if self.gpu.detaching:
+                return  # polled again in POLL_MS
+            attach_s = self.gpu.attach_launch_probes()
             gate[idx] = ctypes.c_uint64(0)
-            self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=True,
-                                  fraction=self.config.gpu_sample))
-        share = self.config.gpu_sample if on else 1.0 - self.config.gpu_sample
+            self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=True, fraction=fraction,
+                                  attach_s=attach_s, detach_s=self.gpu.last_detach_s))
+            share = fraction
         self._next_sample_toggle = time.monotonic() + self.config.gpu_sample_period_s * share
 
     def _collect_counters(self) -> None:
@@ -177,6 +181,7 @@ class CaptureSession:
             self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=False,
                                   fraction=self.config.gpu_sample))
         if self.gpu is not None:
+            self.gpu.join_detach()  # before cleanup() detaches everything itself
             for raw in self.gpu.drain():  # bursts not yet flushed: counts stay exact
                 self.sink(raw)
             self._collect_counters()  # the final per-kernel and ibverbs counts
