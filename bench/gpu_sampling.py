@@ -54,16 +54,22 @@ def pair_ratio(untraced: dict, traced: dict) -> dict:
     return {"untraced_tokens_per_s": round(untraced["tokens_per_s"], 1),
             "traced_tokens_per_s": round(traced["tokens_per_s"], 1),
             "tokens_per_s_ratio": traced["tokens_per_s"] / untraced["tokens_per_s"],
-            "median_token_time_ratio": traced["median_token_us"] / untraced["median_token_us"]}
+            "median_token_time_ratio": traced["median_token_us"] / untraced["median_token_us"],
+            "untraced_cpu_us_per_token": round(untraced["cpu_us_per_token"], 2),
+            "traced_cpu_us_per_token": round(traced["cpu_us_per_token"], 2),
+            "cpu_per_token_ratio": traced["cpu_us_per_token"] / untraced["cpu_us_per_token"]}
 
 
 def summarise(pairs: list[dict]) -> dict:
     rates = [p["tokens_per_s_ratio"] for p in pairs]
     times = [p["median_token_time_ratio"] for p in pairs]
+    cpu = [p["cpu_per_token_ratio"] for p in pairs]
     return {"pairs": pairs,
             "median_tokens_per_s_ratio": statistics.median(rates),
             "median_token_time_ratio": statistics.median(times),
-            "range_tokens_per_s_ratio": [min(rates), max(rates)]}
+            "median_cpu_per_token_ratio": statistics.median(cpu),
+            "range_tokens_per_s_ratio": [min(rates), max(rates)],
+            "range_cpu_per_token_ratio": [min(cpu), max(cpu)]}
 
 
 def full_tracing(w: Workload, pairs: int, tokens: int) -> tuple[dict, int]:
@@ -146,15 +152,17 @@ def main() -> None:
     ap.add_argument("out", nargs="?", default="out")
     ap.add_argument("--pairs", type=int, default=6, help="untraced/traced pairs (default 6)")
     ap.add_argument("--tokens", type=int, default=3000, help="tokens per full-tracing round")
-    ap.add_argument("--mode", nargs="*", default=["0.1:2", "0.25:2"],
+    ap.add_argument("--mode", nargs="*", default=["0.1:5", "0.25:5"],
                     help="--gpu-sample FRACTION:PERIOD pairs to measure")
     ap.add_argument("--periods", type=float, default=4,
                     help="sampled rounds last this many periods (default 4)")
     ap.add_argument("--sampled-pairs", type=int, default=2)
+    ap.add_argument("--cpu", type=int, default=None,
+                    help="pin the workload to this CPU (less drift between rounds)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    w = Workload()
+    w = Workload({args.cpu} if args.cpu is not None else None)
     res: dict = {"init": w.ask("init")}
     warm = w.ask("decode 500")
     res["warm_tokens_per_s"] = warm["tokens_per_s"]

@@ -97,9 +97,12 @@ def diff(a: dict, b: dict) -> dict:
 
 
 class Workload:
-    def __init__(self) -> None:
+    def __init__(self, cpus: set[int] | None = None) -> None:
+        """``cpus``: pin the workload there (less drift between rounds)."""
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
         self.p = subprocess.Popen([sys.executable, str(ROOT / "samples/gpu/torch_workload.py")],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                  preexec_fn=pin)
         assert json.loads(self.p.stdout.readline())["ready"]
 
     def ask(self, cmd: str) -> dict:

@@ -71,8 +71,10 @@ def build(out_dir: str | os.PathLike[str]) -> dict[str, Path]:
     for link, target in (("libcuda.so", "libcuda.so.1"), ("libnccl.so", "libnccl.so.2")):
         (out / link).unlink(missing_ok=True)
         (out / link).symlink_to(target)
+    # DT_RPATH, not DT_RUNPATH: searched before LD_LIBRARY_PATH, so that on a GPU host
+    # (LD_LIBRARY_PATH naming the real driver) the workload still loads the stand-ins
     run("-O2", "-g", "-o", str(paths["workload"]), str(SOURCES[2]), f"-L{out}",
-        f"-Wl,-rpath,{out}", "-lcuda", "-lnccl", "-lpthread")
+        f"-Wl,-rpath,{out}", "-Wl,--disable-new-dtags", "-lcuda", "-lnccl", "-lpthread")
     stamp.write_text(digest)
     return paths
 
@@ -113,7 +115,7 @@ def build_verbs(out_dir: str | os.PathLike[str]) -> dict[str, Path]:
     run(*CFLAGS, "-shared", "-s", "-Wl,-soname,libttsim-rdmav34.so", "-o",
         str(paths["provider"]), str(std / "libttsim.c"), f"-L{out}", "-libverbs", "-lpthread")
     run("-O2", "-g", "-o", str(paths["workload"]), str(HERE / "verbs_workload.c"), f"-L{out}",
-        f"-Wl,-rpath,{out}", "-libverbs", "-lpthread")
+        f"-Wl,-rpath,{out}", "-Wl,--disable-new-dtags", "-libverbs", "-lpthread")
     stamp.write_text(digest)
     return paths
 

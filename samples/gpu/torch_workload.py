@@ -47,6 +47,7 @@ class Work:
         ctx = torch.zeros((1, 8), dtype=torch.long, device=self.dev)
         torch.cuda.synchronize()
         ends = []
+        cpu0 = time.thread_time()  # this thread's CPU, uprobe traps (system time) included
         t0 = time.perf_counter()
         for _ in range(n):
             nxt = self.model.step(ctx, temperature=0)
@@ -54,8 +55,10 @@ class Work:
             nxt.item()  # one D2H copy + sync per token, as a server's decode loop does
             ends.append(time.monotonic_ns())
         dt = time.perf_counter() - t0
+        cpu = time.thread_time() - cpu0
         steps = sorted(b - a for a, b in zip(ends, ends[1:]))
         out = {"tokens": n, "seconds": dt, "tokens_per_s": n / dt,
+               "cpu_us_per_token": cpu / n * 1e6,
                "median_token_us": steps[len(steps) // 2] / 1e3 if steps else None}
         if timed:
             out["token_end_ns"] = ends
