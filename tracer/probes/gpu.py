@@ -90,10 +90,19 @@ NCCL_PROBES: list[Probe] = [
 LAUNCH_HANDLERS = frozenset({"tt_launch_arg1", "tt_launch_arg2", "tt_graph_launch"})
 
 # libcudart: only device-wide synchronisation, which does not pass through an exported
-# libcuda function on CUDA 13 (seen on an H200, driver 580). Launches are never probed
-# here: they all reach cuLaunchKernel*, and probing both would count them twice.
+# libcuda function on CUDA 13 (seen on an H200, driver 580). Launches are never counted
+# here: they all reach cuLaunchKernel*, and counting both would count them twice.
 CUDART_PROBES: list[Probe] = [
     Probe("cudaDeviceSynchronize", "tt_sync_ctx", "tt_sync_return"),
+]
+
+# libcudart's launch calls, whose func argument is the kernel's host stub: probed only
+# while kernel naming by host stub is open (tracer/probes/stubnames.py), to learn which
+# stub each handle belongs to; they count nothing.
+STUB_PROBES: list[Probe] = [
+    *_each("cudaLaunchKernel cudaLaunchKernel_ptsz cudaLaunchCooperativeKernel "
+           "cudaLaunchCooperativeKernel_ptsz", "tt_stub_arg1"),
+    *_each("cudaLaunchKernelExC cudaLaunchKernelExC_ptsz", "tt_stub_arg2"),
 ]
 
 # libibverbs.so.1: only what is exported. The data path (post_send, post_recv, poll_cq)
@@ -133,13 +142,16 @@ class GpuProbes:
     """Finds CUDA/NCCL/ibverbs libraries in traced processes and attaches to each file
     once; ``verbs`` attaches to the ibverbs providers those libraries reveal."""
 
-    def __init__(self, bpf: Any) -> None:
+    def __init__(self, bpf: Any, stub_quiet_s: float = 5.0, stub_max_s: float = 60.0) -> None:
         self.bpf = bpf
         self.attached: dict[tuple[int, int], AttachedLibrary] = {}  # (dev, inode) -> lib
         self.errors: dict[str, str] = {}
         from tracer.probes.ibverbs import VerbsProbes
+        from tracer.probes.stubnames import StubNames
 
         self.verbs = VerbsProbes(bpf, self.errors)
+        self.stubs = StubNames(bpf, self.errors, stub_quiet_s, stub_max_s)
+        self._stub_seen: set[tuple[int, str]] = set()  # (pid, libcudart path) found
         self.launch_probes: list[tuple[bytes, int, bytes]] = []  # (path, addr, handler)
         self.launches_on = True
         self._kcounts = CounterDeltas(bpf, b"kernel_counts", lambda v: (v.value,))
@@ -153,7 +165,17 @@ class GpuProbes:
                     lib = self._attach_file(kind, f"/proc/{pid}/root{path}", probes)
                     if lib is not None:
                         new.append(lib)
+                    if kind == "cudart" and (pid, path) not in self._stub_seen:
+                        # its kernels may all have been resolved before we came: name
+                        # them by their host stubs for a while
+                        self._stub_seen.add((pid, path))
+                        self.stubs.open_window()
         return new
+
+    def forget(self, pid: int) -> None:
+        """``pid`` exited."""
+        self.stubs.forget(pid)
+        self._stub_seen = {k for k in self._stub_seen if k[0] != pid}
 
     def _attach_file(self, kind: str, path: str, probes: list[Probe]) -> AttachedLibrary | None:
         try:
@@ -200,8 +222,21 @@ class GpuProbes:
                 self.errors[f"{path}:{p.symbol}"] = str(e)
                 continue
             lib.symbols.append(p.symbol)
+        if kind == "cudart":
+            self._add_stub_sites(lib, addresses)
         self.attached[key] = lib
         return lib
+
+    def _add_stub_sites(self, lib: AttachedLibrary, addresses: dict[str, int]) -> None:
+        """Hand libcudart's launch calls to stub naming, which attaches them itself."""
+        sites: dict[int, str] = {}
+        for p in STUB_PROBES:
+            addr = addresses.get(p.symbol)
+            if addr is None:
+                lib.missing.append(p.symbol)
+            elif p.entry:
+                sites.setdefault(addr, p.entry)  # an alias of a symbol already there
+        self.stubs.add_sites(lib.path, sorted(sites.items()))
 
     def set_launch_probes(self, on: bool) -> None:
         """Attach (on) or detach (off) the launch probes of every library: --gpu-sample
