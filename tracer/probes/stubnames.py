@@ -112,8 +112,8 @@ class StubNames:
                 self.errors[f"{path.decode()}@{addr:#x} (stub naming off)"] = str(e)
         self.attached.clear()
         self.bpf[b"stub_pending"].clear()  # calls caught mid-way: never to be paired
-        self.opened_at = None
         self.closed_why = why
+        self.opened_at = None  # last: another thread reading state sees it all done
 
     def _set_flag(self, on: int) -> None:
         self.bpf[b"config"][ctypes.c_int(C["CFG_STUB_NAMING"])] = ctypes.c_uint64(on)
