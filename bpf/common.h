@@ -18,7 +18,7 @@ struct comm_key { char comm[16]; };
 BPF_HASH(traced_comms, struct comm_key, u32, 64);
 
 /* Run-time settings written by Python before attaching. */
-BPF_ARRAY(config, u64, 4);
+BPF_ARRAY(config, u64, TT_N_CONFIG);
 
 /* Loss and truncation counters (TT_CNT_*), per CPU so that counting never contends. */
 BPF_PERCPU_ARRAY(counters, u64, TT_N_COUNTERS);

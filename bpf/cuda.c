@@ -1,7 +1,8 @@
 /*
  * CUDA driver API uprobes (libcuda.so.1). The runtime, cuBLAS, cuDNN and Triton all
  * launch through these entry points, so each launch is counted exactly once here
- * (never probe cudaLaunchKernel as well: that double-counts).
+ * (never count at cudaLaunchKernel as well: that double-counts; its probes below only
+ * learn host stubs).
  *
  * Launches, copies and memsets happen tens of thousands of times a second, so they
  * are summed per thread in `bursts` (a struct tt_kburst per thread) and sent as one
@@ -76,6 +77,112 @@ static __always_inline struct tt_kburst *begin_call(u64 id, u64 now)
     return b;
 }
 
+/* ---- kernel names from the runtime's host stubs ----------------------------------
+ *
+ * A handle resolved before the tracer attached (lazy loading resolves each kernel at
+ * its first launch; a warmed-up server resolved them all) never passes the name probes
+ * below. But cudaLaunchKernel*(func, ...) in libcudart receives func = the address of
+ * nvcc's host stub, a host function whose symbol is the kernel's own mangled name, and
+ * then calls cuLaunchKernel* with the handle on the same thread. So: the runtime's
+ * entry probe leaves func pending for the thread, the driver's launch probe takes it
+ * and sends (handle, stub) once per process and handle (KSTUB), and user space finds
+ * the symbol (tracer/probes/symbols.py). The runtime probes count nothing (the driver's
+ * count every launch) and user space detaches them once naming has gone quiet.
+ */
+struct stub_pending {
+    u64 stub;
+    u64 sp;  /* stack pointer at the runtime call's entry: its return address's slot */
+    u64 ret; /* that return address, to tell a live runtime frame from a returned one */
+};
+BPF_HASH(stub_pending, u32, struct stub_pending, 16384); /* tid -> pending stub */
+
+struct stub_key {
+    u32 pid;
+    u32 pad;
+    u64 handle;
+};
+/* (pid, handle) already sent, or named live by the name probes further down: a set,
+ * pruned of exited processes by user space */
+BPF_HASH(stub_sent, struct stub_key, u8, 65536);
+/* runtime launch calls seen: user space closes naming after a stretch of launches with
+ * no new stub, and must tell that from a process that launches nothing (idle) */
+BPF_PERCPU_ARRAY(stub_calls, u64, 1);
+
+static __always_inline int stub_enter(struct pt_regs *ctx, u64 stub)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!is_traced(id >> 32))
+        return 0;
+    struct stub_pending p = {.stub = stub, .sp = PT_REGS_SP(ctx)};
+#if defined(bpf_target_x86) /* elsewhere (arm64: in a register) only the sp test holds */
+    /* at a function's first instruction the return address is at the stack pointer */
+    bpf_probe_read_user(&p.ret, sizeof(p.ret), (void *)p.sp);
+#endif
+    u32 tid = (u32)id;
+    if (stub_pending.update(&tid, &p) != 0)
+        count(TT_CNT_STUBS_FULL);
+    u32 zero = 0;
+    u64 *calls = stub_calls.lookup(&zero);
+    if (calls)
+        (*calls)++;
+    return 0;
+}
+
+static __always_inline void stub_mark_named(u32 pid, u64 handle)
+{
+    struct stub_key k = {.pid = pid, .handle = handle};
+    u8 one = 1;
+    stub_sent.update(&k, &one); /* full: the stub may be sent too; the live name wins */
+}
+
+/* cudaLaunchKernel(func, grid, block, args, shmem, stream), _ptsz, and
+ * cudaLaunchCooperativeKernel[_ptsz] (same arguments) */
+int tt_stub_arg1(struct pt_regs *ctx) { return stub_enter(ctx, PT_REGS_PARM1(ctx)); }
+/* cudaLaunchKernelExC[_ptsz](config, func, args) */
+int tt_stub_arg2(struct pt_regs *ctx) { return stub_enter(ctx, PT_REGS_PARM2(ctx)); }
+
+static __always_inline void stub_claim(struct pt_regs *ctx, u64 id, u64 handle, u64 now)
+{
+    u32 tid = (u32)id;
+    struct stub_pending *pp = stub_pending.lookup(&tid);
+    if (!pp)
+        return; /* a driver-API launch (Triton, cuBLAS's static runtime): no stub */
+    struct stub_pending p = *pp;
+    stub_pending.delete(&tid);
+    /* Pair only a launch made from inside the runtime call: a call that failed before
+     * reaching the driver leaves its stub behind, and the thread's next launch may be
+     * a driver-API one of another kernel. Inside the call (or in a tail call from it,
+     * which reuses its slot) this frame is no shallower and the runtime call's return
+     * address is still in its slot. Once the call has returned, a launch from a
+     * shallower frame fails the first test; one from the same or a deeper frame got
+     * there by later calls, which push their own return addresses over that slot. */
+    if (PT_REGS_SP(ctx) > p.sp) {
+        count(TT_CNT_STUB_STALE);
+        return;
+    }
+#if defined(bpf_target_x86)
+    u64 ret = 0;
+    if (bpf_probe_read_user(&ret, sizeof(ret), (void *)p.sp) != 0 || ret != p.ret) {
+        count(TT_CNT_STUB_STALE);
+        return;
+    }
+#endif
+    struct stub_key k = {.pid = id >> 32, .handle = handle};
+    if (stub_sent.lookup(&k))
+        return; /* the steady state: sent before, or named by the driver */
+    u8 one = 1;
+    int err = stub_sent.insert(&k, &one);
+    if (err == -EEXIST)
+        return; /* another thread sent it just now */
+    if (err != 0) {
+        count(TT_CNT_STUBS_FULL);
+        return;
+    }
+    struct tt_kstub s = {.kind = TT_KIND_KSTUB, .pid = id >> 32, .tid = tid, .ts = now,
+                         .handle = handle, .stub = p.stub};
+    submit(&s, sizeof(s), TT_CNT_LOST_GPU);
+}
+
 static __always_inline int on_launch(struct pt_regs *ctx, u64 handle, int graph)
 {
     /* --gpu-sample: the gate closes at once, before the (slow) detach, and opens
@@ -92,6 +199,10 @@ static __always_inline int on_launch(struct pt_regs *ctx, u64 handle, int graph)
         b->graph_launches++;
         return 0;
     }
+    /* an array flag (the verifier inlines its lookup): while the runtime's launch
+     * probes are detached, naming costs a launch nothing more */
+    if (config_get(TT_CFG_STUB_NAMING, 0))
+        stub_claim(ctx, id, handle, now);
     /* find the handle's slot; a full table flushes first so counts stay exact */
     u32 n = b->nslots;
     /* Spelled out: constant offsets, which the verifier checks without the range
@@ -304,6 +415,8 @@ int tt_name_return(struct pt_regs *ctx)
     n->alias_of = 0;
     n->name[0] = 0;
     bpf_probe_read_user(&n->handle, sizeof(n->handle), (void *)args.out);
+    /* named live: its host stub need never be sent */
+    stub_mark_named(n->pid, n->handle);
     if (args.source == TT_NAME_KERNEL_GET_FUNCTION)
         n->alias_of = args.name;
     else if (bpf_probe_read_user_str(n->name, sizeof(n->name), (void *)args.name) < 0)
@@ -405,5 +518,6 @@ static __always_inline void gpu_thread_exit(u32 tid)
     struct tt_kburst *b = bursts.lookup(&tid);
     if (b)
         flush(tid, b, TT_BURST_EXIT);
+    stub_pending.delete(&tid);
 }
 #define TT_HAVE_GPU_THREAD_EXIT 1

@@ -110,3 +110,16 @@ def test_verbs_mr_and_qp_records_decode():
     qp = wire.VERBS_QP.header.pack(C["KIND_VERBS_QP"], 1, 2, 0x100, 9, 3, -1, 1, 0)
     ev = schema.decode(qp)
     assert (ev.qp_num, ev.state, ev.dest_qp_num) == (0x100, "rts", -1)
+
+
+def test_kstub_record_decodes_and_wire_v3_captures_stay_readable():
+    """KSTUB (wire v4) is a new kind; no earlier layout changed, so v1-v3 still read."""
+    raw = wire.KSTUB.pack(pid=7, tid=8, ts=5, handle=0xABC0, stub=0x5555_0000_1240)
+    assert len(raw) == wire.KSTUB.size == 40
+    ev = schema.decode(raw)
+    assert (ev.pid, ev.tid, ev.ts, ev.handle, ev.stub) == (7, 8, 5, 0xABC0, 0x5555_0000_1240)
+    assert wire.WIRE_VERSION == 4 and set(wire.READABLE_WIRE_VERSIONS) == {1, 2, 3, 4}
+    assert C["NAME_HOST_STUB"] not in (C["NAME_MODULE_GET_FUNCTION"],
+                                       C["NAME_LIBRARY_GET_KERNEL"],
+                                       C["NAME_KERNEL_GET_FUNCTION"])
+    assert C["CFG_STUB_NAMING"] < C["N_CONFIG"]

@@ -76,6 +76,11 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                     help="the --gpu-sample duty cycle's period; detaching takes ~0.1 s "
                          "per launch probe, so keep the off share over a second "
                          "(default: 5)")
+    g2.add_argument("--stub-names-quiet", type=float, default=5.0, metavar="SECONDS",
+                    help="name kernels resolved before attach by their host stubs: "
+                         "libcudart's launch calls stay probed (a uprobe trap per launch, "
+                         "~0.6 us) until runtime launches went on this long with no new "
+                         "stub, or for 60 s of launches in all; 0 turns it off (default: 5)")
     g2.add_argument("--burst-min-us", type=int, default=0, metavar="US",
                     help="let a sync flush a thread's GPU burst only once it is this old, "
                          "so a loop syncing thousands of times a second costs the agent "
@@ -280,7 +285,8 @@ def _targets(args: argparse.Namespace) -> Any:
                          burst_ns=args.burst_interval_us * 1000,
                          burst_min_ns=max(0, args.burst_min_us) * 1000,
                          gpu_sample=_sample_fraction(args.gpu_sample),
-                         gpu_sample_period_s=max(0.01, args.gpu_sample_period))
+                         gpu_sample_period_s=max(0.01, args.gpu_sample_period),
+                         stub_names_quiet_s=max(0.0, args.stub_names_quiet))
 
 
 def _sample_fraction(f: float) -> float:

@@ -1,8 +1,9 @@
-"""Build the GPU stand-ins (libcuda.so.1, libnccl.so.2, libibverbs.so.1 and its
-provider) and the sample workloads.
+"""Build the GPU stand-ins (libcuda.so.1, libnccl.so.2, libcudart.so.12,
+libibverbs.so.1 and its provider) and the sample workloads.
 
-``build(out_dir)`` and ``build_verbs(out_dir)`` compile them with the system C compiler
-and return the paths; nothing is rebuilt when the sources have not changed. The
+``build(out_dir)``, ``build_stubs(out_dir)`` and ``build_verbs(out_dir)`` compile them
+with the system C compiler and return the paths; nothing is rebuilt when the sources
+have not changed. The
 workloads link against the stand-ins by soname, with an rpath to ``out_dir``, exactly
 as a CUDA or RDMA program links against the real libraries.
 """
@@ -24,6 +25,8 @@ VERBS_SOURCES = [HERE / "standin" / "libibverbs.c", HERE / "standin" / "libttsim
                  HERE / "standin" / "verbs_abi_check.c", HERE / "verbs_workload.c",
                  ROOT / "bpf" / "ibverbs.c"]
 VERBS_HEADER = Path("/usr/include/infiniband/verbs.h")
+STUB_SOURCES = [HERE / "standin" / "libcudart.c", HERE / "stub_kernels.c",
+                HERE / "stub_workload.c"]
 SOURCES = [HERE / "standin" / "libcuda.c", HERE / "standin" / "libnccl.c", HERE / "workload.c"]
 # -O0: every function keeps its own body at its own address with a push first, as in a
 # real driver. (-O2 merges identical bodies and starts leaf functions with a
@@ -79,6 +82,34 @@ def build(out_dir: str | os.PathLike[str]) -> dict[str, Path]:
     return paths
 
 
+def build_stubs(out_dir: str | os.PathLike[str]) -> dict[str, Path]:
+    """Build the stand-in libcudart.so.12 and the host-stub naming workload (with
+    ``build``'s libcuda.so.1): ``stub_workload``, a PIE whose own host stubs are in its
+    .symtab only, linked against ``libttkernels.so``, stripped, whose exported stubs
+    are in .dynsym only and one static stub in no symbol table at all."""
+    paths = build(out_dir)
+    out = Path(out_dir)
+    cc = _compiler()
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in STUB_SOURCES)
+                            + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    paths = {**paths, "libcudart": out / "libcudart.so.12",
+             "libttkernels": out / "libttkernels.so", "stub_workload": out / "stub_workload"}
+    stamp = out / ".built-stubs"
+    if stamp.exists() and stamp.read_text() == digest and all(p.exists() for p in paths.values()):
+        return paths
+    run = _runner(cc)
+    run(*CFLAGS, "-shared", "-Wl,-soname,libcudart.so.12", "-o", str(paths["libcudart"]),
+        str(STUB_SOURCES[0]), f"-L{out}", "-lcuda", "-lpthread")
+    (out / "libcudart.so").unlink(missing_ok=True)
+    (out / "libcudart.so").symlink_to("libcudart.so.12")
+    run("-O2", "-fPIC", "-shared", "-s", "-Wl,-soname,libttkernels.so", "-o",
+        str(paths["libttkernels"]), str(STUB_SOURCES[1]), f"-L{out}", "-lcudart")
+    run("-O2", "-g", "-pie", "-fPIE", "-o", str(paths["stub_workload"]), str(STUB_SOURCES[2]),
+        f"-L{out}", f"-Wl,-rpath,{out}", "-lttkernels", "-lcudart", "-lcuda")
+    stamp.write_text(digest)
+    return paths
+
+
 def verbs_abi_flags() -> list[str]:
     """The TT_VERBS_* offsets and constants of bpf/ibverbs.c as -D flags."""
     text = (ROOT / "bpf" / "ibverbs.c").read_text()
@@ -122,7 +153,7 @@ def build_verbs(out_dir: str | os.PathLike[str]) -> dict[str, Path]:
 
 if __name__ == "__main__":
     where = sys.argv[1] if len(sys.argv) > 1 else "build/gpu"
-    for k, v in build(where).items():
+    for k, v in build_stubs(where).items():
         print(k, v)
     for k, v in build_verbs(where).items():
         print(f"verbs {k}", v)

@@ -9,7 +9,8 @@ Commands (one per line; each answers one JSON line on stdout):
   suite_eager     under torch.profiler (CUPTI): eager decode, cuBLAS GEMMs, a Triton
                   kernel (torch.compile) if Triton works here
   suite_graph     under the profiler: 100 replays of a CUDA graph captured before
-                  Each suite answers the profiler's GPU kernel and launch-API counts.
+                  Each suite answers the profiler's GPU kernel and launch-API counts;
+                  "suite_eager names" also each kernel's launches by its name.
   quit
 """
 
@@ -83,7 +84,7 @@ class Work:
         torch.cuda.synchronize()
         return "ok"
 
-    def suite(self, window: str) -> dict:
+    def suite(self, window: str, names: bool = False) -> dict:
         """Profile one window with CUPTI. "eager": decode, GEMMs and the Triton kernel,
         where every GPU kernel comes from one launch call; "graph": only replays of a
         graph captured beforehand, where one cuGraphLaunch runs several kernels."""
@@ -102,15 +103,18 @@ class Work:
                     g.replay()
             torch.cuda.synchronize()
         api: Counter[str] = Counter()
-        kernels = 0
+        by_name: Counter[str] = Counter()
         for ev in prof.events():
             if ev.name in LAUNCH_APIS or ev.name in ("cudaGraphLaunch", "cuGraphLaunch"):
                 api[ev.name] += 1
             if getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA and \
                     not ev.name.startswith("Memcpy") and not ev.name.startswith("Memset"):
-                kernels += 1
-        return {"profiler_api_calls": dict(api), "profiler_gpu_kernels": kernels,
-                "triton": triton_state}
+                by_name[ev.name] += 1
+        out = {"profiler_api_calls": dict(api), "profiler_gpu_kernels": sum(by_name.values()),
+               "triton": triton_state}
+        if names:
+            out["profiler_kernel_names"] = dict(by_name)
+        return out
 
     def prep(self) -> dict:
         """Compile the Triton kernel and capture the graph outside the profiled windows."""
@@ -173,7 +177,7 @@ def main() -> None:
         elif cmd == "microbench":
             say(w.microbench(int(rest[0])))
         elif cmd.startswith("suite_"):
-            say(w.suite(cmd[6:]))
+            say(w.suite(cmd[6:], names="names" in rest))
         else:
             say({"error": f"unknown command {cmd}"})
 

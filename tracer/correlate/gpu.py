@@ -10,10 +10,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from tracer.events.gpu import (COPY_KINDS, GpuSampling, KernelBurst, KernelCounts,
-                               KernelName, MemEvent, NcclEvent, VerbsContext, VerbsCounts,
-                               VerbsMr, VerbsQp)
 from tracer.correlate.sampling import LaunchSampling, StepSample, estimate
+from tracer.events import wire
+from tracer.events.gpu import (COPY_KINDS, LIVE_NAME_SOURCES, GpuSampling, KernelBurst,
+                               KernelCounts, KernelName, KernelStub, MemEvent, NcclEvent,
+                               VerbsContext, VerbsCounts, VerbsMr, VerbsQp)
+
+HOST_STUB = wire.CONSTANTS["NAME_HOST_STUB"]
 
 
 @dataclass
@@ -144,6 +147,8 @@ class ProcessGpu:
     pid: int
     threads: dict[int, ThreadTotals] = field(default_factory=dict)
     names: dict[int, str] = field(default_factory=dict)  # handle -> kernel name
+    name_sources: dict[int, int] = field(default_factory=dict)  # handle -> NAME_* source
+    host_stubs: int = 0  # handles whose host stub the runtime probes learnt (KSTUB)
     live_bytes: int = 0
     peak_bytes: int = 0
     allocs: int = 0
@@ -212,6 +217,29 @@ class ProcessGpu:
     def name_of(self, handle: int) -> str:
         return self.names.get(handle) or f"unknown@{handle:#x}"
 
+    def add_name(self, ev: KernelName) -> None:
+        """Name a handle; a name seen live by the driver's probes is never replaced by
+        one symbolised from a host stub (it is the driver's own word)."""
+        name = ev.name if ev.name else self.names.get(ev.alias_of, "")
+        if not name:
+            return
+        if (ev.source not in LIVE_NAME_SOURCES
+                and self.name_sources.get(ev.handle) in LIVE_NAME_SOURCES):
+            return
+        self.names[ev.handle] = name
+        self.name_sources[ev.handle] = ev.source
+
+    def names_summary(self, kernels: Counter[int]) -> dict[str, Any]:
+        """Launched handles and their launches by where their names came from."""
+        out = {k: {"handles": 0, "launches": 0} for k in ("live", "host_stub", "unknown")}
+        for h, n in kernels.items():
+            src = self.name_sources.get(h) if h in self.names else None
+            row = out["unknown" if src is None else "host_stub" if src == HOST_STUB
+                      else "live"]
+            row["handles"] += 1
+            row["launches"] += n
+        return {**out, "host_stubs_seen": self.host_stubs}
+
 
 class GpuLedger:
     """Per-process GPU totals from a stream of GPU events."""
@@ -227,8 +255,8 @@ class GpuLedger:
         return p
 
     def handle(self, ev: Any) -> None:
-        """Account one GPU event (KernelBurst, KernelName, MemEvent, NcclEvent or an
-        ibverbs event)."""
+        """Account one GPU event (KernelBurst, KernelName, KernelStub, MemEvent,
+        NcclEvent or an ibverbs event)."""
         if isinstance(ev, KernelBurst):
             t = self.proc(ev.pid).thread(ev.tid)
             t.add_burst(ev)
@@ -238,10 +266,9 @@ class GpuLedger:
                 t.sample.add(ev.reason, ev.first_ts, ev.last_ts, ev.launches,
                              ev.graph_launches, self.sampling)
         elif isinstance(ev, KernelName):
-            p = self.proc(ev.pid)
-            name = ev.name if ev.name else p.names.get(ev.alias_of, "")
-            if name:
-                p.names[ev.handle] = name
+            self.proc(ev.pid).add_name(ev)
+        elif isinstance(ev, KernelStub):
+            self.proc(ev.pid).host_stubs += 1
         elif isinstance(ev, MemEvent):
             p = self.proc(ev.pid)
             if ev.op == "alloc":
@@ -303,6 +330,7 @@ class GpuLedger:
                                   "allocs": p.allocs, "frees": p.frees,
                                   "frees_of_unknown_size": p.frees_of_unknown},
                 "nccl_communicators": p.communicators,
+                "kernel_names": p.names_summary(total.kernels),
                 "ibverbs": p.verbs_summary(total.verbs),
                 "threads": {str(tid): {**_totals(t, p, top, est.get(tid)),
                                        **_sampling_fields(t, methods.get(tid)),

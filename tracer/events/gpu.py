@@ -4,8 +4,8 @@ bpf/nccl.c, bpf/ibverbs.c).
 High-rate calls never arrive one by one: a thread's kernel launches, copies and memsets
 are summed in the kernel into a ``KernelBurst``, flushed at a synchronisation point, at
 a bounded interval, when its handle slots fill, or when the thread exits. Low-rate
-calls (kernel-name resolution, device allocations, NCCL) arrive as single records.
-ibverbs posts and completions are counted in the kernel per thread, QP and opcode and
+calls (kernel-name resolution, a host stub per kernel, device allocations, NCCL) arrive
+as single records. ibverbs posts and completions are counted in the kernel per thread, QP and opcode and
 arrive as ``VerbsCounts`` deltas; memory registrations and QP state changes one by one.
 """
 
@@ -59,6 +59,29 @@ class KernelName:
     handle: int
     alias_of: int
     name: str
+
+
+# KernelName.source: the driver's name probes see a name resolved after attach; the
+# host stub route names handles resolved before it (tracer/probes/symbols.py)
+NAME_SOURCES = {C["NAME_MODULE_GET_FUNCTION"]: "module_get_function",
+                C["NAME_LIBRARY_GET_KERNEL"]: "library_get_kernel",
+                C["NAME_KERNEL_GET_FUNCTION"]: "kernel_get_function",
+                C["NAME_HOST_STUB"]: "host_stub"}
+LIVE_NAME_SOURCES = frozenset({C["NAME_MODULE_GET_FUNCTION"], C["NAME_LIBRARY_GET_KERNEL"],
+                               C["NAME_KERNEL_GET_FUNCTION"]})
+
+
+@dataclass(frozen=True, slots=True)
+class KernelStub:
+    """The first launch of ``handle`` that came through the CUDA runtime after its
+    probes attached: ``stub`` is the host stub address cudaLaunchKernel* was given, to
+    be symbolised in process ``pid`` (a KernelName with source NAME_HOST_STUB)."""
+
+    pid: int
+    tid: int
+    ts: int
+    handle: int
+    stub: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +182,12 @@ def _decode_nccl(buf: bytes) -> NcclEvent:
                      dtype=f["dtype"], ts_enter=f["ts_enter"], ts_exit=f["ts_exit"],
                      count=f["count"], comm=f["comm"], stream=f["stream"],
                      comm_id=f["comm_id"], peer=f["peer"], nranks=f["nranks"], ret=f["ret"])
+
+
+def _decode_stub(buf: bytes) -> KernelStub:
+    f = wire.KSTUB.unpack(buf)
+    return KernelStub(pid=f["pid"], tid=f["tid"], ts=f["ts"], handle=f["handle"],
+                      stub=f["stub"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,8 +345,8 @@ def _decode_verbs_qp(buf: bytes) -> VerbsQp:
                    dest_qp_num=f["dest_qp_num"], attr_mask=f["attr_mask"], ret=f["ret"])
 
 
-GpuEvent = (KernelBurst | KernelName | MemEvent | NcclEvent | KernelCounts | VerbsCounts
-            | VerbsContext | VerbsMr | VerbsQp | GpuSampling)
+GpuEvent = (KernelBurst | KernelName | KernelStub | MemEvent | NcclEvent | KernelCounts
+            | VerbsCounts | VerbsContext | VerbsMr | VerbsQp | GpuSampling)
 
 DECODERS = {
     C["KIND_KBURST"]: _decode_burst,
@@ -325,6 +354,7 @@ DECODERS = {
     C["KIND_MEM"]: _decode_mem,
     C["KIND_NCCL"]: _decode_nccl,
     C["KIND_KCOUNT"]: _decode_kcount,
+    C["KIND_KSTUB"]: _decode_stub,
     C["KIND_VERBS"]: _decode_verbs,
     C["KIND_VERBS_CTX"]: _decode_verbs_ctx,
     C["KIND_VERBS_MR"]: _decode_verbs_mr,

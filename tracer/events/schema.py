@@ -255,3 +255,5 @@ from tracer.events import gpu as _gpu  # noqa: E402  (needs the names above)
 
 DECODERS.update(_gpu.DECODERS)
 USER_EVENTS[_gpu.GpuSampling.__name__] = _gpu.GpuSampling
+# a host stub symbolised in user space (tracer/probes/symbols.py) names its kernel
+USER_EVENTS[_gpu.KernelName.__name__] = _gpu.KernelName

@@ -15,10 +15,10 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 # Versions whose records this code decodes: 2 added the GPU records, 3 the ibverbs
-# and KCOUNT records; neither changed an earlier layout.
-READABLE_WIRE_VERSIONS = (1, 2, 3)
+# and KCOUNT records, 4 the KSTUB record; none changed an earlier layout.
+READABLE_WIRE_VERSIONS = (1, 2, 3, 4)
 
 # Sizes of the C scalar types used on the wire (x86-64 and arm64 alike).
 _SCALARS: dict[str, tuple[str, int]] = {
@@ -46,6 +46,7 @@ CONSTANTS: dict[str, int] = {
     "KIND_VERBS_MR": 11,
     "KIND_VERBS_QP": 12,
     "KIND_KCOUNT": 13,
+    "KIND_KSTUB": 14,
     # payload chunking: bytes per DATA record and the loop bound per syscall
     "CHUNK": 16384,
     "MAX_ITER": 64,
@@ -102,6 +103,7 @@ CONSTANTS: dict[str, int] = {
     "NAME_MODULE_GET_FUNCTION": 1,
     "NAME_LIBRARY_GET_KERNEL": 2,
     "NAME_KERNEL_GET_FUNCTION": 3,  # an alias: handle names the same kernel as alias_of
+    "NAME_HOST_STUB": 4,  # the ELF symbol of the runtime's host stub (a KSTUB, symbolised)
     "NAME_LEN": 128,
     # GPU: MEM.op
     "MEM_ALLOC": 1,
@@ -144,6 +146,8 @@ CONSTANTS: dict[str, int] = {
     "CFG_BURST_NS": 1,
     "CFG_BURST_MIN_NS": 2,  # a sync flushes its thread's burst only if it is this old
     "CFG_LAUNCH_GATE_CLOSED": 3,  # --gpu-sample: 1 while launches are not counted
+    "CFG_STUB_NAMING": 4,  # 1 while the runtime's launch probes are attached (KSTUB)
+    "N_CONFIG": 8,
     # drop/loss counters (index into the per-CPU `counters` array)
     "CNT_LOST_CONN": 0,
     "CNT_LOST_DATA": 1,
@@ -158,6 +162,8 @@ CONSTANTS: dict[str, int] = {
     "CNT_VERBS_FULL": 10,  # ibverbs counter or context map full: those calls not counted
     "CNT_VERBS_CUT": 11,  # a wr chain, sg list or wc array longer than read: bytes short
     "CNT_KCOUNTS_FULL": 12,  # kernel_counts map full: launches counted, kernel unknown
+    "CNT_STUBS_FULL": 13,  # stub_pending or stub_sent full: a handle's host stub not sent
+    "CNT_STUB_STALE": 14,  # a runtime call's stub not followed by its own driver launch
     "N_COUNTERS": 16,
 }
 
@@ -454,6 +460,20 @@ KCOUNT = Record(
     ],
 )
 
+KSTUB = Record(
+    "tt_kstub",
+    "KIND_KSTUB",
+    [
+        Field("kind", "u32"),
+        Field("pid", "u32"),
+        Field("tid", "u32"),
+        Field("pad", "u32"),
+        Field("ts", "u64", "the first driver launch of handle seen after a runtime launch"),
+        Field("handle", "u64", "CUfunction/CUkernel the driver launched"),
+        Field("stub", "u64", "the host stub (func of cudaLaunchKernel*): a process address"),
+    ],
+)
+
 VERBS = Record(
     "tt_verbs",
     "KIND_VERBS",
@@ -527,8 +547,8 @@ VERBS_QP = Record(
 )
 
 RECORDS: dict[int, Record] = {
-    r.kind: r for r in (CONN, DATA, PROC, KBURST, KNAME, MEM, NCCL, KCOUNT, VERBS, VERBS_CTX,
-                        VERBS_MR, VERBS_QP)
+    r.kind: r for r in (CONN, DATA, PROC, KBURST, KNAME, MEM, NCCL, KCOUNT, KSTUB, VERBS,
+                        VERBS_CTX, VERBS_MR, VERBS_QP)
 }
 
 

@@ -23,6 +23,7 @@ from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 
 from tracer.probes import procfs
+from tracer.probes.detach import detach_in_background
 
 
 @dataclass(frozen=True)
@@ -91,10 +92,19 @@ NCCL_PROBES: list[Probe] = [
 LAUNCH_HANDLERS = frozenset({"tt_launch_arg1", "tt_launch_arg2", "tt_graph_launch"})
 
 # libcudart: only device-wide synchronisation, which does not pass through an exported
-# libcuda function on CUDA 13 (seen on an H200, driver 580). Launches are never probed
-# here: they all reach cuLaunchKernel*, and probing both would count them twice.
+# libcuda function on CUDA 13 (seen on an H200, driver 580). Launches are never counted
+# here: they all reach cuLaunchKernel*, and counting both would count them twice.
 CUDART_PROBES: list[Probe] = [
     Probe("cudaDeviceSynchronize", "tt_sync_ctx", "tt_sync_return"),
+]
+
+# libcudart's launch calls, whose func argument is the kernel's host stub: probed only
+# while kernel naming by host stub is open (tracer/probes/stubnames.py), to learn which
+# stub each handle belongs to; they count nothing.
+STUB_PROBES: list[Probe] = [
+    *_each("cudaLaunchKernel cudaLaunchKernel_ptsz cudaLaunchCooperativeKernel "
+           "cudaLaunchCooperativeKernel_ptsz", "tt_stub_arg1"),
+    *_each("cudaLaunchKernelExC cudaLaunchKernelExC_ptsz", "tt_stub_arg2"),
 ]
 
 # libibverbs.so.1: only what is exported. The data path (post_send, post_recv, poll_cq)
@@ -134,19 +144,22 @@ class GpuProbes:
     """Finds CUDA/NCCL/ibverbs libraries in traced processes and attaches to each file
     once; ``verbs`` attaches to the ibverbs providers those libraries reveal."""
 
-    def __init__(self, bpf: Any) -> None:
+    def __init__(self, bpf: Any, stub_quiet_s: float = 5.0, stub_max_s: float = 60.0) -> None:
         self.bpf = bpf
         self.attached: dict[tuple[int, int], AttachedLibrary] = {}  # (dev, inode) -> lib
         self.errors: dict[str, str] = {}
         from tracer.probes.ibverbs import VerbsProbes
+        from tracer.probes.stubnames import StubNames
 
+        # BCC's attach and detach bookkeeping is not meant for two threads at once
+        self._bcc_lock = threading.Lock()
         self.verbs = VerbsProbes(bpf, self.errors)
+        self.stubs = StubNames(bpf, self.errors, self._bcc_lock, stub_quiet_s, stub_max_s)
+        self._stub_seen: set[tuple[int, str]] = set()  # (pid, libcudart path) found
         self.launch_probes: list[tuple[bytes, int, bytes]] = []  # (path, addr, handler)
         self.launches_on = True
         self.last_detach_s = 0.0  # how long the last detach of the launch probes took
         self._detacher: threading.Thread | None = None
-        # BCC's attach and detach bookkeeping is not meant for two threads at once
-        self._bcc_lock = threading.Lock()
         self._kcounts = CounterDeltas(bpf, b"kernel_counts", lambda v: (v.value,))
 
     def scan(self, pid: int) -> list[AttachedLibrary]:
@@ -158,7 +171,17 @@ class GpuProbes:
                     lib = self._attach_file(kind, f"/proc/{pid}/root{path}", probes)
                     if lib is not None:
                         new.append(lib)
+                    if kind == "cudart" and (pid, path) not in self._stub_seen:
+                        # its kernels may all have been resolved before we came: name
+                        # them by their host stubs for a while
+                        self._stub_seen.add((pid, path))
+                        self.stubs.open_window()
         return new
+
+    def forget(self, pid: int) -> None:
+        """``pid`` exited."""
+        self.stubs.forget(pid)
+        self._stub_seen = {k for k in self._stub_seen if k[0] != pid}
 
     def _attach_file(self, kind: str, path: str, probes: list[Probe]) -> AttachedLibrary | None:
         try:
@@ -206,8 +229,21 @@ class GpuProbes:
                 self.errors[f"{path}:{p.symbol}"] = str(e)
                 continue
             lib.symbols.append(p.symbol)
+        if kind == "cudart":
+            self._add_stub_sites(lib, addresses)
         self.attached[key] = lib
         return lib
+
+    def _add_stub_sites(self, lib: AttachedLibrary, addresses: dict[str, int]) -> None:
+        """Hand libcudart's launch calls to stub naming, which attaches them itself."""
+        sites: dict[int, str] = {}
+        for p in STUB_PROBES:
+            addr = addresses.get(p.symbol)
+            if addr is None:
+                lib.missing.append(p.symbol)
+            elif p.entry:
+                sites.setdefault(addr, p.entry)  # an alias of a symbol already there
+        self.stubs.add_sites(lib.path, sorted(sites.items()))
 
     @property
     def detaching(self) -> bool:
@@ -239,20 +275,9 @@ class GpuProbes:
         if not self.launches_on:
             return
         self.launches_on = False
-        probes = list(self.launch_probes)
-
-        def detach() -> None:
-            t0 = time.perf_counter()
-            for path, addr, _ in probes:
-                try:
-                    with self._bcc_lock:
-                        self.bpf.detach_uprobe(name=path, addr=addr)
-                except Exception as e:  # BCC raises bare Exception
-                    self.errors[f"{path.decode()}@{addr:#x} (off)"] = str(e)
-            self.last_detach_s = time.perf_counter() - t0
-
-        self._detacher = threading.Thread(target=detach, name="tt-detach", daemon=True)
-        self._detacher.start()
+        self._detacher = detach_in_background(
+            self.bpf, self._bcc_lock, [(p, a) for p, a, _ in self.launch_probes],
+            self.errors, "off", done=lambda s: setattr(self, "last_detach_s", s))
         if wait:
             self.join_detach()
 
@@ -260,6 +285,7 @@ class GpuProbes:
         """Wait for a detach under way (before the BPF program is torn down)."""
         if self._detacher is not None:
             self._detacher.join()
+        self.stubs.join_detach()
 
     def collect(self) -> list[bytes]:
         """KCOUNT records for the launches counted past full burst slots since the last

@@ -45,6 +45,11 @@ class CaptureConfig:
     gpu_sample: float = 1.0  # share of each period the launch probes are attached
     gpu_sample_period_s: float = 5.0
     counter_maps_interval_s: float = 1.0  # read the kernel's counter maps (kernels, ibverbs)
+    # kernel names by host stub (tracer/probes/stubnames.py): libcudart's launch probes
+    # stay attached until runtime launches went on this long with no new stub (0: never
+    # attach them)...
+    stub_names_quiet_s: float = 5.0
+    stub_names_max_s: float = 60.0  # ...or went on this long in all
     exclude_pids: set[int] = field(default_factory=set)
 
 
@@ -90,7 +95,8 @@ class CaptureSession:
         config[ctypes.c_int(C["CFG_BURST_NS"])] = ctypes.c_uint64(self.config.burst_ns)
         config[ctypes.c_int(C["CFG_BURST_MIN_NS"])] = ctypes.c_uint64(self.config.burst_min_ns)
         if "cuda" in self.config.concerns:
-            self.gpu = GpuProbes(self.bpf)
+            self.gpu = GpuProbes(self.bpf, self.config.stub_names_quiet_s,
+                                 self.config.stub_names_max_s)
             if self.config.gpu_sample < 1.0:
                 # the first period starts "on" (so libraries found now attach their
                 # launch probes) and says so
@@ -127,6 +133,9 @@ class CaptureSession:
         if self.gpu is not None and self.config.gpu_sample < 1.0 and now >= self._next_sample_toggle:
             self._toggle_launch_probes(now)
         if self.gpu is not None:
+            for name in self.gpu.stubs.resolve():  # host stubs sent during this poll
+                self.sink(name)
+            self.gpu.stubs.tick(now)
             if "ibverbs" in self.config.concerns:
                 self.gpu.verbs.attach_pending()  # contexts learned during this poll
             if now >= self._next_counter_maps:
@@ -166,6 +175,7 @@ class CaptureSession:
         assert self.gpu is not None
         for raw in self.gpu.collect():
             self.sink(raw)
+        self.gpu.stubs.prune()
         if "ibverbs" in self.config.concerns:
             for raw in self.gpu.verbs.collect():
                 self.sink(raw)
@@ -175,6 +185,9 @@ class CaptureSession:
         if self.bpf is None:
             return
         self.bpf.ring_buffer_consume()
+        if self.gpu is not None:
+            for name in self.gpu.stubs.resolve():
+                self.sink(name)
         if self.gpu is not None and self.config.gpu_sample < 1.0:
             # the end of the sampled span: no launch after this is counted
             self.bpf[b"config"][ctypes.c_int(C["CFG_LAUNCH_GATE_CLOSED"])] = ctypes.c_uint64(1)
@@ -282,6 +295,8 @@ class CaptureSession:
                 self._after_proc(schema.decode(buf))
             elif kind == C["KIND_VERBS_CTX"] and self.gpu is not None:
                 self.gpu.verbs.on_context(schema.decode(buf))
+            elif kind == C["KIND_KSTUB"] and self.gpu is not None:
+                self.gpu.stubs.on_stub(schema.decode(buf))
         except schema.WireError:
             self.user_counters["undecodable_records"] += 1
 
@@ -321,6 +336,8 @@ class CaptureSession:
         elif ev.op == C["PROC_EXIT"]:
             self.pids.discard(ev.pid)
             self._forget_pid(ev.pid)
+            if self.gpu is not None:
+                self.gpu.forget(ev.pid)
 
     def _forget_pid(self, pid: int) -> None:
         """A dead process's sockets were closed by the kernel, not by close(2)."""
@@ -351,6 +368,7 @@ class CaptureSession:
         counters.update(self.user_counters)
         if self.gpu is not None:
             counters["gpu_attach_errors"] = len(self.gpu.errors)
+            counters.update(self.gpu.stubs.counters())
         if force or counters != self._last_counters:
             self._last_counters = dict(counters)
             self.sink(schema.DropReport(ts=time.monotonic_ns(), counters=counters))

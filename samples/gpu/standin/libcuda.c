@@ -131,6 +131,7 @@ static CUresult launched(void)
 EXPORT CUresult cuLaunchKernel(LAUNCH_ARGS, void **extra) { return launched(); }
 EXPORT CUresult cuLaunchKernel_ptsz(LAUNCH_ARGS, void **extra) { return launched(); }
 EXPORT CUresult cuLaunchCooperativeKernel(LAUNCH_ARGS) { return launched(); }
+EXPORT CUresult cuLaunchCooperativeKernel_ptsz(LAUNCH_ARGS) { return launched(); }
 EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *cfg, CUfunction f, void **params,
                                  void **extra) { return launched(); }
 EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *cfg, CUfunction f,
