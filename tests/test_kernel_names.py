@@ -57,3 +57,20 @@ def test_host_stub_name_is_a_user_event_in_captures(tmp_path):
     items = list(capture.CaptureReader(path))
     assert isinstance(schema.decode(items[0]), KernelStub)
     assert items[1] == ev
+
+
+def test_a_runtime_given_the_kernel_handle_itself_is_counted_not_symbolised():
+    """PyTorch 2.11 + CUDA 13 on an H100: cudaLaunchKernel's "func" was the driver's
+    kernel handle (the same value cuLaunchKernel got), not a host-stub address. Such a
+    stub is never looked up in the process's mappings, and is counted by that reason."""
+    import os
+    import threading
+
+    from tracer.probes.stubnames import StubNames
+
+    names = StubNames(None, {}, threading.Lock())
+    names.on_stub(KernelStub(pid=os.getpid(), tid=1, ts=1, handle=0x30B91240, stub=0x30B91240))
+    assert names.resolve() == []
+    assert names.unresolved == {"kernel_handle": 1}
+    assert "kernel handle" in names.unresolved_examples["kernel_handle"]
+    assert names.counters() == {"stub_unresolved": 1}

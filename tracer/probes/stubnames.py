@@ -163,6 +163,17 @@ class StubNames:
         out = []
         maps: dict[int, list[procfs.Mapping]] = {}
         for ev in pending:
+            if ev.stub == ev.handle:
+                # The runtime was given the kernel handle itself (cudaKernel_t), not a
+                # host stub: seen with PyTorch 2.11 + CUDA 13 on an H100, where every
+                # launch's "func" equals the CUfunction the driver gets. No code
+                # address, nothing to symbolise.
+                why = "kernel_handle"
+                self.unresolved[why] += 1
+                self.unresolved_examples.setdefault(
+                    why, f"pid {ev.pid}: the runtime launch got {ev.stub:#x}, the driver's "
+                         "own kernel handle, not a host-stub address")
+                continue
             try:
                 if ev.pid not in maps:
                     maps[ev.pid] = procfs.mappings(ev.pid)
