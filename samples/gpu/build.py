@@ -31,7 +31,10 @@ SOURCES = [HERE / "standin" / "libcuda.c", HERE / "standin" / "libnccl.c", HERE 
 # -O0: every function keeps its own body at its own address with a push first, as in a
 # real driver. (-O2 merges identical bodies and starts leaf functions with a
 # lock-prefixed add, an instruction x86 uprobes refuse to probe.)
-CFLAGS = ["-O0", "-g", "-fPIC", "-Wall", "-Wno-unused-parameter"]
+# -fcf-protection=full: every function starts with ENDBR64, as in distributions that
+# build with CET (Ubuntu's gcc default), so the tests cover the tracer's probe placement
+# past it (tracer/probes/entry.py).
+CFLAGS = ["-O0", "-g", "-fPIC", "-fcf-protection=full", "-Wall", "-Wno-unused-parameter"]
 
 
 class BuildError(RuntimeError):

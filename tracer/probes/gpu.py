@@ -24,6 +24,7 @@ from elftools.elf.elffile import ELFFile
 
 from tracer.probes import procfs
 from tracer.probes.detach import detach_in_background
+from tracer.probes.entry import entry_site
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,7 @@ class GpuProbes:
         if key in self.attached:
             return None
         try:
-            addresses = exported_functions(path)
+            addresses = exported_functions(path, probe_sites=True)
         except (OSError, ELFError) as e:
             self.errors[path] = f"cannot read its symbols: {e}"
             addresses = {}
@@ -356,9 +357,10 @@ class CounterDeltas:
 _VERSYM_HIDDEN = 0x8000  # a non-default version of a versioned symbol (ELF gABI)
 
 
-def exported_functions(path: str) -> dict[str, int]:
+def exported_functions(path: str, probe_sites: bool = False) -> dict[str, int]:
     """Defined dynamic function symbols of an ELF file -> their address (ELF virtual
-    address, as BCC's ``addr`` takes it); non-default symbol versions left out."""
+    address, as BCC's ``addr`` takes it); non-default symbol versions left out. With
+    ``probe_sites``, where each one's entry uprobe goes (past an ENDBR64: entry.py)."""
     out: dict[str, int] = {}
     with open(path, "rb") as f:
         elf = ELFFile(f)
@@ -376,4 +378,6 @@ def exported_functions(path: str) -> dict[str, int]:
                 if isinstance(ndx, int) and ndx & _VERSYM_HIDDEN:
                     continue
             out.setdefault(sym.name, sym["st_value"])
+        if probe_sites:
+            out = {name: entry_site(elf, f, a) for name, a in out.items()}
     return out

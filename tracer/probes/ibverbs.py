@@ -27,6 +27,7 @@ from elftools.elf.elffile import ELFFile
 from tracer.events import wire
 from tracer.events.gpu import VerbsContext
 from tracer.probes import procfs
+from tracer.probes.entry import entry_sites
 from tracer.probes.gpu import CounterDeltas
 
 
@@ -103,6 +104,11 @@ class VerbsProbes:
             return 0
         if vaddr is None:
             self.errors[where] = f"{m.path}: offset outside every PT_LOAD segment"
+            return 0
+        try:
+            vaddr = entry_sites(path, {op: vaddr})[op]  # past an ENDBR64 (entry.py)
+        except (OSError, ELFError) as e:
+            self.errors[where] = str(e)
             return 0
         key = (st.st_dev, st.st_ino, vaddr)
         if key in self._done:
