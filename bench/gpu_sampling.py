@@ -12,7 +12,8 @@ rounds in the same process:
   against the exact count (from a fully traced round of the same length), the
   estimate's method, what attaching and detaching cost the agent, and whether the
   target stalls at the switches (token times within 20 ms of a switch against the
-  rest).
+  rest), and the median token time while the launch probes were on against while
+  they were off in the same run (drift-free: they alternate every few seconds).
 
     python3 bench/gpu_sampling.py OUT_DIR [--pairs 6] [--tokens 3000]
                                   [--mode 0.1:2 0.25:2] [--periods 4]
@@ -111,6 +112,26 @@ def switch_stalls(token_ends: list[int], switches: list[tuple[int, bool]],
             "median_us_elsewhere": statistics.median(rest) if rest else None}
 
 
+def on_off_token_times(token_ends: list[int], sampling, settle_ns: int = 20_000_000) -> dict:
+    """Median token time while the launch probes were on against while they were off,
+    in one run: the two alternate every few seconds, so the host's drift cancels and
+    the ratio is what the launch probes cost a token. Tokens within ``settle_ns`` of a
+    switch are left out."""
+    if sampling is None:
+        return {}
+    on, off = [], []
+    starts = [t for t, _ in sampling.switches]
+    for a, b in zip(token_ends, token_ends[1:]):
+        if any(a - settle_ns <= t <= b for t in starts):
+            continue
+        (on if sampling.wholly_on(a, b) else off).append((b - a) / 1e3)
+    if not on or not off:
+        return {}
+    m_on, m_off = statistics.median(on), statistics.median(off)
+    return {"tokens_on": len(on), "tokens_off": len(off), "median_us_on": m_on,
+            "median_us_off": m_off, "on_over_off": m_on / m_off}
+
+
 def sampled(w: Workload, fraction: float, period: float, tokens: int, pairs: int) -> dict:
     exact_round = traced_round(w, tokens)
     exact = totals(exact_round["ledger"], w.p.pid)["launches"]
@@ -139,7 +160,9 @@ def sampled(w: Workload, fraction: float, period: float, tokens: int, pairs: int
                 "lost_gpu": r["drops"].get("lost_gpu"),
                 "stalls": switch_stalls(r["decode"]["token_end_ns"],
                                         r["ledger"].sampling.switches
-                                        if r["ledger"].sampling else [])}
+                                        if r["ledger"].sampling else []),
+                "probes_on_vs_off": on_off_token_times(r["decode"]["token_end_ns"],
+                                                       r["ledger"].sampling)}
         out.append({"order": order, **pair_ratio(got["untraced"], got["sampled"]),
                     **got["est"]})
     return {"fraction": fraction, "period_s": period, "tokens": tokens,
