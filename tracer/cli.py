@@ -79,7 +79,7 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     g2.add_argument("--stub-names-quiet", type=float, default=5.0, metavar="SECONDS",
                     help="name kernels resolved before attach by their host stubs: "
                          "libcudart's launch calls stay probed (a uprobe trap per launch, "
-                         "~0.6 us) until runtime launches went on this long with no new "
+                         "~1 us) until runtime launches went on this long with no new "
                          "stub, or for 60 s of launches in all; 0 turns it off (default: 5)")
     g2.add_argument("--burst-min-us", type=int, default=0, metavar="US",
                     help="let a sync flush a thread's GPU burst only once it is this old, "
