@@ -26,7 +26,7 @@ VERBS_SOURCES = [HERE / "standin" / "libibverbs.c", HERE / "standin" / "libttsim
                  ROOT / "bpf" / "ibverbs.c"]
 VERBS_HEADER = Path("/usr/include/infiniband/verbs.h")
 STUB_SOURCES = [HERE / "standin" / "libcudart.c", HERE / "stub_kernels.c",
-                HERE / "stub_workload.c"]
+                HERE / "stub_workload.c", HERE / "standin" / "cudart.h"]
 SOURCES = [HERE / "standin" / "libcuda.c", HERE / "standin" / "libnccl.c", HERE / "workload.c"]
 # -O0: every function keeps its own body at its own address with a push first, as in a
 # real driver. (-O2 merges identical bodies and starts leaf functions with a
@@ -106,9 +106,10 @@ def build_stubs(out_dir: str | os.PathLike[str]) -> dict[str, Path]:
     (out / "libcudart.so").unlink(missing_ok=True)
     (out / "libcudart.so").symlink_to("libcudart.so.12")
     run("-O2", "-fPIC", "-shared", "-s", "-Wl,-soname,libttkernels.so", "-o",
-        str(paths["libttkernels"]), str(STUB_SOURCES[1]), f"-L{out}", "-lcudart")
+        str(paths["libttkernels"]), str(STUB_SOURCES[1]), f"-I{HERE}", f"-L{out}", "-lcudart")
     run("-O2", "-g", "-pie", "-fPIE", "-o", str(paths["stub_workload"]), str(STUB_SOURCES[2]),
-        f"-L{out}", f"-Wl,-rpath,{out}", "-lttkernels", "-lcudart", "-lcuda")
+        f"-I{HERE}", f"-L{out}", f"-Wl,-rpath,{out}", "-Wl,--disable-new-dtags", "-lttkernels",
+        "-lcudart", "-lcuda")
     stamp.write_text(digest)
     return paths
 

@@ -28,26 +28,9 @@
 #include <string.h>
 #include <time.h>
 
-typedef struct { unsigned int x, y, z; } dim3;
-typedef struct CUstream_st *cudaStream_t;
-typedef void *CUfunction;
-typedef struct {
-    dim3 gridDim;
-    dim3 blockDim;
-    size_t dynamicSmemBytes;
-    cudaStream_t stream;
-    void *attrs;
-    unsigned int numAttrs;
-} cudaLaunchConfig_t;
+#include "standin/cudart.h"
 
-int cudaLaunchKernel(const void *, dim3, dim3, void **, size_t, cudaStream_t);
-int cudaLaunchKernel_ptsz(const void *, dim3, dim3, void **, size_t, cudaStream_t);
-int cudaLaunchCooperativeKernel(const void *, dim3, dim3, void **, size_t, cudaStream_t);
-int cudaLaunchKernelExC(const cudaLaunchConfig_t *, const void *, void **);
-void **__cudaRegisterFatBinary(void *);
-void __cudaRegisterFatBinaryEnd(void **);
-void __cudaRegisterFunction(void **, const char *, char *, const char *, int, void *,
-                            void *, void *, void *, int *);
+typedef void *CUfunction;
 int cuInit(unsigned);
 int cuModuleGetFunction(CUfunction *, void *, const char *);
 int cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,

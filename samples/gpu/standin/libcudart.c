@@ -21,24 +21,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef int cudaError_t;
+#include "cudart.h"
+
 typedef int CUresult;
-typedef struct CUstream_st *cudaStream_t;
 typedef struct CUfunc_st *CUfunction;
 typedef struct CUmod_st *CUmodule;
-struct dim3 { unsigned int x, y, z; };
-typedef struct dim3 dim3;
-struct uint3 { unsigned int x, y, z; };
-typedef struct uint3 uint3;
-typedef struct cudaLaunchAttribute_st cudaLaunchAttribute;
-typedef struct cudaLaunchConfig_st {
-    dim3 gridDim;
-    dim3 blockDim;
-    size_t dynamicSmemBytes;
-    cudaStream_t stream;
-    cudaLaunchAttribute *attrs;
-    unsigned int numAttrs;
-} cudaLaunchConfig_t;
 typedef struct CUlaunchConfig_st {
     unsigned int gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ;
     unsigned int sharedMemBytes;
@@ -164,8 +151,7 @@ static CUfunction function_of(const void *func)
 }
 
 /* ---- launches ------------------------------------------------------------------------ */
-#define LAUNCH_PARAMS const void *func, dim3 gridDim, dim3 blockDim, void **args,     \
-    size_t sharedMem, cudaStream_t stream
+#define LAUNCH_PARAMS TT_CUDART_LAUNCH_PARAMS
 #define DRIVER_ARGS f, gridDim.x, gridDim.y, gridDim.z, blockDim.x, blockDim.y, blockDim.z, \
     (unsigned)sharedMem, stream, args
 
