@@ -18,6 +18,7 @@ seen divided by the share of its active span the probes were on; ``method`` says
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,8 +37,11 @@ class LaunchSampling:
     attach_s: list[float] = field(default_factory=list)
     detach_s: list[float] = field(default_factory=list)
 
+    _ts: list[int] = field(default_factory=list)  # the switches' times, for bisect
+
     def switch(self, ts: int, on: bool, attach_s: float = 0.0, detach_s: float = 0.0) -> None:
         self.switches.append((ts, on))
+        self._ts.append(ts)
         if on and attach_s:
             self.attach_s.append(attach_s)
         if detach_s:
@@ -64,14 +68,11 @@ class LaunchSampling:
         ``a`` turned them on and none came in between. Switches are stamped by the agent
         before a detach and after an attach, so an "on" span is never wider than the
         time the probes really counted."""
-        state = False
-        for ts, enabled in self.switches:
-            if ts > b:
-                break
-            if ts > a:
-                return False
-            state = enabled
-        return state
+        # once per step, so by bisection: a long sampled run has thousands of switches
+        i = bisect_right(self._ts, a)  # switches at or before a
+        if i == 0 or not self.switches[i - 1][1]:
+            return False
+        return bisect_right(self._ts, b) == i  # and none in (a, b]
 
     def summary(self) -> dict[str, Any]:
         sw = self.switches
