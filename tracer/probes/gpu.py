@@ -268,7 +268,7 @@ class GpuProbes:
         self.launches_on = True
         return time.perf_counter() - t0
 
-    def detach_launch_probes(self, wait: bool = False) -> None:
+    def detach_launch_probes(self) -> None:
         """--gpu-sample: detach the launch probes, so that a launch costs no uprobe
         trap at all. Each detach blocks ~0.1 s in the kernel (closing a uprobe's perf
         event waits for a grace period, serialised under one lock), so it runs on a
@@ -279,8 +279,6 @@ class GpuProbes:
         self._detacher = detach_in_background(
             self.bpf, self._bcc_lock, [(p, a) for p, a, _ in self.launch_probes],
             self.errors, "off", done=lambda s: setattr(self, "last_detach_s", s))
-        if wait:
-            self.join_detach()
 
     def join_detach(self) -> None:
         """Wait for a detach under way (before the BPF program is torn down)."""
