@@ -176,6 +176,12 @@ def test_a_host_process_has_no_container() -> None:
 def test_resource_of_a_real_process() -> None:
     proc = subprocess.Popen(["sleep", "30"])
     try:
+        # Popen returns when exec closes the child's error pipe, which the kernel does
+        # before it lays out the new arguments: cmdline can still read empty (seen
+        # once in CI), so wait for the new image
+        deadline = time.monotonic() + 5
+        while procfs.cmdline(proc.pid) != ("sleep", "30") and time.monotonic() < deadline:
+            time.sleep(0.01)
         info = ProcessInfo(pid=proc.pid, ts=0, comm=procfs.comm(proc.pid),
                            exe=procfs.exe(proc.pid), cmdline=procfs.cmdline(proc.pid),
                            ppid=procfs.ppid(proc.pid))
