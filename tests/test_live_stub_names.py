@@ -95,7 +95,10 @@ def test_kernels_resolved_before_attach_are_named_by_their_host_stubs(stub_build
         _wait(lambda: not stubs.open, f"naming still open: {stubs.state()}")
         assert stubs.state()["busy_s"] < 3
         assert "no new host stub" in stubs.closed_why and not stubs.attached
+        stubs.join_detach()  # the detach runs on its own thread
         assert run.session.bpf.num_open_uprobes() == uprobes_open - STUB_SITES
+        # nothing a runtime call left half-way stays behind to be paired on reopening
+        assert len(run.session.bpf[b"stub_pending"]) == 0
         # warmed up before attach, launched first now: the probes are gone, no name
         w.ask("after 30")
         time.sleep(0.3)

@@ -111,11 +111,14 @@ class StubNames:
         if self.opened_at is None:
             return
         self._set_flag(0)  # launches stop pairing at once; the detach takes longer
+        # calls caught mid-way are never to be paired: cleared once the probes are gone,
+        # since until then each runtime launch still leaves one
+        pending = self.bpf[b"stub_pending"]
         self._detacher = detach_in_background(self.bpf, self._bcc_lock,
                                               sorted(self.attached), self.errors,
-                                              "stub naming off")
+                                              "stub naming off",
+                                              done=lambda _s: pending.clear())
         self.attached.clear()
-        self.bpf[b"stub_pending"].clear()  # calls caught mid-way: never to be paired
         self.closed_why = why
         self.opened_at = None  # last: another thread reading state sees it all done
 
