@@ -26,8 +26,10 @@ VERBS_SOURCES = [HERE / "standin" / "libibverbs.c", HERE / "standin" / "libttsim
                  ROOT / "bpf" / "ibverbs.c"]
 VERBS_HEADER = Path("/usr/include/infiniband/verbs.h")
 STUB_SOURCES = [HERE / "standin" / "libcudart.c", HERE / "stub_kernels.c",
-                HERE / "stub_workload.c", HERE / "standin" / "cudart.h"]
-SOURCES = [HERE / "standin" / "libcuda.c", HERE / "standin" / "libnccl.c", HERE / "workload.c"]
+                HERE / "stub_workload.c", HERE / "standin" / "cudart.h",
+                HERE / "standin" / "counts.h"]
+SOURCES = [HERE / "standin" / "libcuda.c", HERE / "standin" / "libnccl.c", HERE / "workload.c",
+           HERE / "standin" / "counts.h"]
 # -O0: every function keeps its own body at its own address with a push first, as in a
 # real driver. (-O2 merges identical bodies and starts leaf functions with a
 # lock-prefixed add, an instruction x86 uprobes refuse to probe.)

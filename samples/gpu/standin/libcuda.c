@@ -16,6 +16,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "counts.h"
+
 typedef int CUresult;
 typedef int CUdevice;
 typedef unsigned long long CUdeviceptr;
@@ -65,18 +67,7 @@ static void wait_gpu(void)
 
 __attribute__((destructor)) static void write_counts(void)
 {
-    const char *path = getenv("TT_STANDIN_COUNTS");
-    if (!path)
-        return;
-    FILE *f = fopen(path, "w");
-    if (!f)
-        return;
-    fprintf(f, "{");
-    for (int i = 0; i < C_N; i++)
-        fprintf(f, "%s\"%s\": %llu", i ? ", " : "", count_names[i],
-                (unsigned long long)counts[i]);
-    fprintf(f, "}\n");
-    fclose(f);
+    tt_write_counts("TT_STANDIN_COUNTS", count_names, counts, C_N);
 }
 
 EXPORT CUresult cuInit(unsigned int flags) { (void)flags; return CUDA_SUCCESS; }

@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "counts.h"
 #include "cudart.h"
 
 typedef int CUresult;
@@ -69,16 +70,7 @@ static _Atomic unsigned long long counts[R_N];
 
 __attribute__((destructor)) static void write_counts(void)
 {
-    const char *path = getenv("TT_STANDIN_CUDART_COUNTS");
-    FILE *f = path ? fopen(path, "w") : NULL;
-    if (!f)
-        return;
-    fprintf(f, "{");
-    for (int i = 0; i < R_N; i++)
-        fprintf(f, "%s\"%s\": %llu", i ? ", " : "", count_names[i],
-                (unsigned long long)counts[i]);
-    fprintf(f, "}\n");
-    fclose(f);
+    tt_write_counts("TT_STANDIN_CUDART_COUNTS", count_names, counts, R_N);
 }
 
 static int eager(void)
