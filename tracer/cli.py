@@ -55,7 +55,7 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("-P", "--port", type=int, action="append", default=[], metavar="PORT",
                    help="processes listening on TCP PORT, now and later")
     p.add_argument("-d", "--duration", type=float, metavar="SECONDS",
-                   help="stop after SECONDS (default: until Ctrl-C or SIGTERM)")
+                   help="stop SECONDS after the probes are attached (default: until Ctrl-C or SIGTERM)")
     g2 = p.add_argument_group("capture")
     g2.add_argument("--capture-limit", type=_positive_int, default=256 * 1024, metavar="BYTES",
                     help="payload bytes captured per syscall; more is counted as truncated "
@@ -262,16 +262,27 @@ def _report(pipeline: Pipeline, console: Any) -> None:
 
 
 class _Stopper:
-    """Stops on SIGINT/SIGTERM or after a duration."""
+    """Stops on SIGINT/SIGTERM, or once `duration` seconds have passed since `arm()`.
+
+    The clock starts when the probes are attached, not when the command starts:
+    compiling and attaching can take seconds on a small machine, and a duration that
+    had mostly run out before the first event could be seen would trace nothing.
+    """
 
     def __init__(self, duration: float | None) -> None:
-        self.deadline = time.monotonic() + duration if duration else None
+        self.duration = duration
+        self.deadline: float | None = None
         self.stopped = False
         signal.signal(signal.SIGINT, self._stop)
         signal.signal(signal.SIGTERM, self._stop)
 
     def _stop(self, *_: Any) -> None:
         self.stopped = True
+
+    def arm(self) -> None:
+        """Start the duration's clock (a no-op without a duration)."""
+        if self.duration:
+            self.deadline = time.monotonic() + self.duration
 
     def __bool__(self) -> bool:
         return self.stopped or (self.deadline is not None and time.monotonic() >= self.deadline)
@@ -339,6 +350,7 @@ def _drive(args: argparse.Namespace, open_: Callable[[], Any], poll: Callable[[]
     desc = ", ".join(str(p) for p in sorted(pids())) or "none yet"
     _say(f"attached to {len(pids())} process(es) (pids: {desc}); "
          + (f"tracing for {args.duration:g}s" if args.duration else "Ctrl-C to stop"))
+    stop.arm()
     while not stop:
         poll()
     return 0
