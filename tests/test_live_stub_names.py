@@ -81,7 +81,7 @@ def test_kernels_resolved_before_attach_are_named_by_their_host_stubs(stub_build
     try:
         # attached with libcudart found, although the process is idle
         assert stubs.open and len(stubs.attached) == STUB_SITES, stubs.state()
-        uprobes_open = run.session.bpf.num_open_uprobes()
+        uprobes_open = run.session.gpu.uprobes.sites_attached()
         w.ask(f"run {STEPS}")
         # 7 stubs named (4 of the program, 3 of the library); the hidden one is not
         _wait(lambda: stubs.named + sum(stubs.unresolved.values()) >= 8,
@@ -96,7 +96,7 @@ def test_kernels_resolved_before_attach_are_named_by_their_host_stubs(stub_build
         assert stubs.state()["busy_s"] < 3
         assert "no new host stub" in stubs.closed_why and not stubs.attached
         stubs.join_detach()  # the detach runs on its own thread
-        assert run.session.bpf.num_open_uprobes() == uprobes_open - STUB_SITES
+        assert run.session.gpu.uprobes.sites_attached() == uprobes_open - STUB_SITES
         # nothing a runtime call left half-way stays behind to be paired on reopening
         assert len(run.session.bpf[b"stub_pending"]) == 0
         # warmed up before attach, launched first now: the probes are gone, no name

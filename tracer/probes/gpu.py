@@ -23,8 +23,8 @@ from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 
 from tracer.probes import procfs
-from tracer.probes.detach import detach_in_background
 from tracer.probes.entry import entry_site
+from tracer.probes.uprobes import Attached, Site, Uprobes
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,8 @@ class GpuProbes:
     """Finds CUDA/NCCL/ibverbs libraries in traced processes and attaches to each file
     once; ``verbs`` attaches to the ibverbs providers those libraries reveal."""
 
-    def __init__(self, bpf: Any, stub_quiet_s: float = 5.0, stub_max_s: float = 60.0) -> None:
+    def __init__(self, bpf: Any, stub_quiet_s: float = 5.0, stub_max_s: float = 60.0,
+                 uprobe_mode: str = "auto") -> None:
         self.bpf = bpf
         self.attached: dict[tuple[int, int], AttachedLibrary] = {}  # (dev, inode) -> lib
         self.errors: dict[str, str] = {}
@@ -153,11 +154,12 @@ class GpuProbes:
         from tracer.probes.stubnames import StubNames
 
         # BCC's attach and detach bookkeeping is not meant for two threads at once
-        self._bcc_lock = threading.Lock()
-        self.verbs = VerbsProbes(bpf, self.errors)
-        self.stubs = StubNames(bpf, self.errors, self._bcc_lock, stub_quiet_s, stub_max_s)
+        self.uprobes = Uprobes(bpf, threading.Lock(), uprobe_mode)
+        self.verbs = VerbsProbes(bpf, self.errors, self.uprobes)
+        self.stubs = StubNames(bpf, self.errors, self.uprobes, stub_quiet_s, stub_max_s)
         self._stub_seen: set[tuple[int, str]] = set()  # (pid, libcudart path) found
-        self.launch_probes: list[tuple[bytes, int, bytes]] = []  # (path, addr, handler)
+        self.launch_sites: list[Site] = []  # every library's launch probes
+        self._launch_attached: list[Attached] = []  # those attached now
         self.launches_on = True
         self.last_detach_s = 0.0  # how long the last detach of the launch probes took
         self._detacher: threading.Thread | None = None
@@ -200,6 +202,8 @@ class GpuProbes:
             addresses = {}
         done: dict[int, str] = {}  # address -> first symbol attached there
         lib = AttachedLibrary(kind, path, 0, [], [])
+        sites: list[Site] = []
+        launch: list[Site] = []
         for p in probes:
             addr = addresses.get(p.symbol)
             if addr is None:
@@ -210,26 +214,22 @@ class GpuProbes:
             if addr in done:  # an alias of a symbol already probed
                 continue
             done[addr] = p.symbol
-            try:
-                # by address: BCC's lookup by name may pick a non-default version
-                if p.entry in LAUNCH_HANDLERS:
-                    self.launch_probes.append((path.encode(), addr, p.entry.encode()))
-                    if not self.launches_on:  # attached when sampling turns them on
-                        lib.symbols.append(p.symbol)
-                        continue
-                with self._bcc_lock:
-                    if p.entry:
-                        self.bpf.attach_uprobe(name=path.encode(), addr=addr,
-                                               fn_name=p.entry.encode())
-                        lib.probes += 1
-                    if p.ret:
-                        self.bpf.attach_uretprobe(name=path.encode(), addr=addr,
-                                                  fn_name=p.ret.encode())
-                        lib.probes += 1
-            except Exception as e:  # BCC raises bare Exception on attach failure
-                self.errors[f"{path}:{p.symbol}"] = str(e)
-                continue
-            lib.symbols.append(p.symbol)
+            # by address: BCC's lookup by name may pick a non-default version
+            if p.entry:
+                (launch if p.entry in LAUNCH_HANDLERS else sites).append(
+                    Site(path, addr, p.entry, False, p.symbol))
+            if p.ret:
+                sites.append(Site(path, addr, p.ret, True, p.symbol))
+        self.launch_sites.extend(launch)
+        attached = list(self.uprobes.attach(sites, self.errors).sites)
+        if self.launches_on:  # else attached when sampling turns them on
+            on = self.uprobes.attach(launch, self.errors)
+            self._launch_attached.append(on)
+            attached += on.sites
+        lib.probes = len(attached)
+        wanted = sites + launch if self.launches_on else sites
+        failed = {s.name for s in set(wanted) - set(attached)}
+        lib.symbols = [name for name in done.values() if name not in failed]
         if kind == "cudart":
             self._add_stub_sites(lib, addresses)
         self.attached[key] = lib
@@ -259,32 +259,33 @@ class GpuProbes:
         if self.detaching:
             raise RuntimeError("the launch probes are still being detached")
         t0 = time.perf_counter()
-        for path, addr, fn in self.launch_probes:
-            try:
-                with self._bcc_lock:
-                    self.bpf.attach_uprobe(name=path, addr=addr, fn_name=fn)
-            except Exception as e:  # BCC raises bare Exception
-                self.errors[f"{path.decode()}@{addr:#x} (on)"] = str(e)
+        self._launch_attached = [self.uprobes.attach(self.launch_sites, self.errors)]
         self.launches_on = True
         return time.perf_counter() - t0
 
     def detach_launch_probes(self) -> None:
         """--gpu-sample: detach the launch probes, so that a launch costs no uprobe
-        trap at all. Each detach blocks ~0.1 s in the kernel (closing a uprobe's perf
-        event waits for a grace period, serialised under one lock), so it runs on a
-        thread of its own and the agent keeps draining the ring buffer meanwhile."""
+        trap at all. On a thread of its own: through perf events each probe's detach
+        blocks ~0.1 s in the kernel (tracer/probes/uprobes.py), and the agent keeps
+        draining the ring buffer meanwhile."""
         if not self.launches_on:
             return
         self.launches_on = False
-        self._detacher = detach_in_background(
-            self.bpf, self._bcc_lock, [(p, a) for p, a, _ in self.launch_probes],
-            self.errors, "off", done=lambda s: setattr(self, "last_detach_s", s))
+        groups, self._launch_attached = self._launch_attached, []
+        self._detacher = self.uprobes.detach_in_background(
+            groups, self.errors, "off", done=lambda s: setattr(self, "last_detach_s", s))
 
     def join_detach(self) -> None:
         """Wait for a detach under way (before the BPF program is torn down)."""
         if self._detacher is not None:
             self._detacher.join()
         self.stubs.join_detach()
+
+    def close(self) -> float:
+        """Detach every uprobe (before the BPF program is torn down); the seconds it
+        took."""
+        self.join_detach()
+        return self.uprobes.close(self.errors)
 
     def collect(self) -> list[bytes]:
         """KCOUNT records for the launches counted past full burst slots since the last

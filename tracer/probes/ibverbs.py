@@ -29,6 +29,7 @@ from tracer.events.gpu import VerbsContext
 from tracer.probes import procfs
 from tracer.probes.entry import entry_sites
 from tracer.probes.gpu import CounterDeltas
+from tracer.probes.uprobes import Site, Uprobes
 
 
 # ctx->ops member -> (BPF function at entry, at return)
@@ -61,9 +62,10 @@ def file_offset_to_vaddr(path: str, offset: int) -> int | None:
 class VerbsProbes:
     """Provider probes learned from VERBS_CTX records, and the counter map's reader."""
 
-    def __init__(self, bpf: Any, errors: dict[str, str]) -> None:
+    def __init__(self, bpf: Any, errors: dict[str, str], uprobes: Uprobes) -> None:
         self.bpf = bpf
         self.errors = errors
+        self.uprobes = uprobes
         self.providers: dict[tuple[int, int], ProviderFile] = {}  # (dev, inode) -> file
         self.contexts = 0
         self._pending: list[VerbsContext] = []
@@ -115,15 +117,12 @@ class VerbsProbes:
             return 0
         self._done.add(key)
         entry, ret = PROVIDER_OPS[op]
-        n = 0
-        try:
-            self.bpf.attach_uprobe(name=path.encode(), addr=vaddr, fn_name=entry.encode())
-            n += 1
-            if ret:
-                self.bpf.attach_uretprobe(name=path.encode(), addr=vaddr, fn_name=ret.encode())
-                n += 1
-        except Exception as e:  # BCC raises bare Exception on attach failure
-            self.errors[f"{path}:{op}@{vaddr:#x}"] = str(e)
+        name = f"{op}@{vaddr:#x}"
+        sites = [Site(path, vaddr, entry, False, name)]
+        if ret:
+            sites.append(Site(path, vaddr, ret, True, name))
+        n = len(self.uprobes.attach(sites, self.errors))
+        if n < len(sites):
             return n
         prov = self.providers.setdefault((st.st_dev, st.st_ino), ProviderFile(path))
         prov.functions[op] = vaddr

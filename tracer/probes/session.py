@@ -13,7 +13,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from tracer.events import schema, wire
 from tracer.probes import loader, procfs, sockdiag
@@ -50,6 +50,10 @@ class CaptureConfig:
     # attach them)...
     stub_names_quiet_s: float = 5.0
     stub_names_max_s: float = 60.0  # ...or went on this long in all
+    # uprobes through uprobe_multi links where the kernel has them ("auto"), always
+    # ("multi": an error where it has not) or as BCC's perf events ("perf"); see
+    # tracer/probes/uprobes.py
+    uprobe_links: str = "auto"
     exclude_pids: set[int] = field(default_factory=set)
 
 
@@ -84,6 +88,7 @@ class CaptureSession:
         self._next_gpu_scan = 0.0
         self._next_counter_maps = 0.0
         self._next_sample_toggle = 0.0
+        self.detach_s = 0.0  # how long detaching the GPU uprobes took at stop
 
     # ---- lifecycle --------------------------------------------------------------
 
@@ -96,7 +101,7 @@ class CaptureSession:
         config[ctypes.c_int(C["CFG_BURST_MIN_NS"])] = ctypes.c_uint64(self.config.burst_min_ns)
         if "cuda" in self.config.concerns:
             self.gpu = GpuProbes(self.bpf, self.config.stub_names_quiet_s,
-                                 self.config.stub_names_max_s)
+                                 self.config.stub_names_max_s, self.config.uprobe_links)
             if self.config.gpu_sample < 1.0:
                 # the first period starts "on" (so libraries found now attach their
                 # launch probes) and says so
@@ -148,7 +153,8 @@ class CaptureSession:
     def _toggle_launch_probes(self, now: float) -> None:
         """--gpu-sample: launch probes on for ``gpu_sample`` of each period, off for the
         rest. What is counted is set by a gate in the kernel: closed before the detach
-        (which runs on its own thread: ~0.1 s per probe), opened after the attach, each
+        (which runs on its own thread: ~80 ms through links, ~0.1 s per probe through
+        perf events; tracer/probes/uprobes.py), opened after the attach, each
         switch an event stamped at that instant. An "on" switch waits for the previous
         detach to finish (the off span is then longer; the estimate does not mind)."""
         assert self.gpu is not None
@@ -194,7 +200,8 @@ class CaptureSession:
             self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=False,
                                   fraction=self.config.gpu_sample))
         if self.gpu is not None:
-            self.gpu.join_detach()  # before cleanup() detaches everything itself
+            self.gpu.join_detach()
+            self.detach_s = self.gpu.close()  # before the drain: no launch after it
             for raw in self.gpu.drain():  # bursts not yet flushed: counts stay exact
                 self.sink(raw)
             self._collect_counters()  # the final per-kernel and ibverbs counts

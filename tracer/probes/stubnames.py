@@ -28,8 +28,8 @@ from typing import Any
 from tracer.events import wire
 from tracer.events.gpu import KernelName, KernelStub
 from tracer.probes import procfs
-from tracer.probes.detach import detach_in_background
 from tracer.probes.symbols import SymbolError, Symbolizer
+from tracer.probes.uprobes import Attached, Site, Uprobes
 
 C = wire.CONSTANTS
 CHECK_S = 0.25  # how often the runtime's launch count is read while naming is open
@@ -39,17 +39,18 @@ class StubNames:
     """The runtime's launch probes (attached while the window is open) and the
     symbolising of the stubs they reveal."""
 
-    def __init__(self, bpf: Any, errors: dict[str, str], bcc_lock: threading.Lock,
+    def __init__(self, bpf: Any, errors: dict[str, str], uprobes: Uprobes | None,
                  quiet_s: float = 5.0, max_s: float = 60.0) -> None:
         self.bpf = bpf
         self.errors = errors
-        self._bcc_lock = bcc_lock
+        self.uprobes = uprobes
         self._detacher: threading.Thread | None = None
         self.quiet_s = quiet_s
         self.max_s = max_s
         self.enabled = quiet_s > 0
-        self.sites: dict[tuple[bytes, int], bytes] = {}  # (path, addr) -> BPF function
-        self.attached: set[tuple[bytes, int]] = set()
+        self.sites: dict[tuple[str, int], str] = {}  # (path, addr) -> BPF function
+        self.attached: set[tuple[str, int]] = set()
+        self._groups: list[Attached] = []  # what holds ``attached``
         self.opened_at: float | None = None  # monotonic time; None while closed
         self.quiet_active = 0.0  # seconds with runtime launches since the last new stub
         self.open_active = 0.0  # seconds with runtime launches since the window opened
@@ -74,7 +75,7 @@ class StubNames:
         """Probe sites (ELF address, BPF function) of one libcudart file; attached at
         once if the window is open."""
         for addr, fn in sites:
-            self.sites.setdefault((path.encode(), addr), fn.encode())
+            self.sites.setdefault((path, addr), fn)
         if self.open:
             self._attach_all()
 
@@ -94,17 +95,15 @@ class StubNames:
         self._set_flag(1)
 
     def _attach_all(self) -> None:
+        assert self.uprobes is not None
         self.join_detach()  # a window closed just before: its probes must be gone first
-        for key, fn in self.sites.items():
-            if key in self.attached:
-                continue
-            try:
-                with self._bcc_lock:
-                    self.bpf.attach_uprobe(name=key[0], addr=key[1], fn_name=fn)
-            except Exception as e:  # BCC raises bare Exception on attach failure
-                self.errors[f"{key[0].decode()}@{key[1]:#x} (stub naming)"] = str(e)
-                continue
-            self.attached.add(key)
+        todo = [Site(path, addr, fn, name=f"{addr:#x} (stub naming)")
+                for (path, addr), fn in self.sites.items() if (path, addr) not in self.attached]
+        if not todo:
+            return
+        got = self.uprobes.attach(todo, self.errors)
+        self._groups.append(got)
+        self.attached.update((s.path, s.vaddr) for s in got.sites)
 
     def close_window(self, why: str) -> None:
         """Detach the runtime's launch probes; stubs already sent are still named."""
@@ -114,10 +113,10 @@ class StubNames:
         # calls caught mid-way are never to be paired: cleared once the probes are gone,
         # since until then each runtime launch still leaves one
         pending = self.bpf[b"stub_pending"]
-        self._detacher = detach_in_background(self.bpf, self._bcc_lock,
-                                              sorted(self.attached), self.errors,
-                                              "stub naming off",
-                                              done=lambda _s: pending.clear())
+        assert self.uprobes is not None
+        groups, self._groups = self._groups, []
+        self._detacher = self.uprobes.detach_in_background(
+            groups, self.errors, "stub-naming-off", done=lambda _s: pending.clear())
         self.attached.clear()
         self.closed_why = why
         self.opened_at = None  # last: another thread reading state sees it all done

@@ -1,0 +1,301 @@
+"""Attaching and detaching uprobes in groups.
+
+BCC attaches each uprobe as a perf event of its own, and closing one waits for a kernel
+grace period while holding the tracing subsystem's one mutex: ~0.14 s per probe,
+serialised even when closed from many threads (measured on the dev VM: 20 probes, 2.8 s
+one by one, 2.1 s from 20 threads). With ~100 GPU probes that made stopping take ~12 s,
+and it kept the --gpu-sample launch probes firing for 1-1.6 s after every "off" switch.
+
+Linux 6.6 added uprobe_multi links (``BPF_LINK_CREATE`` with
+``BPF_TRACE_UPROBE_MULTI``): one link holds many probe sites of one BPF program in one
+file, and closing it unregisters them all behind a single grace period, with no global
+mutex held (the same VM: one link of 20 sites closes in ~40 ms; 20 one-site links from
+20 threads in ~70-100 ms). Where the kernel has them, every uprobe goes through them;
+elsewhere BCC's perf events are used, one by one. A program loaded for uprobe_multi
+cannot be attached as a perf event and the other way round, so the choice is made once
+per BPF object, before any handler is loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import platform
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from elftools.common.exceptions import ELFError
+from elftools.elf.elffile import ELFFile
+
+from tracer.probes.entry import file_offset
+from tracer.probes.loader import ProbeSetupError
+
+# include/uapi/linux/bpf.h (6.6+); checked against this kernel's BTF (enum
+# bpf_attach_type and union bpf_attr's link_create.uprobe_multi)
+BPF_PROG_LOAD = 5
+BPF_LINK_CREATE = 28
+BPF_PROG_TYPE_KPROBE = 2
+BPF_TRACE_UPROBE_MULTI = 48
+BPF_F_UPROBE_MULTI_RETURN = 1
+SYS_BPF = {"x86_64": 321, "aarch64": 280}
+
+MODES = ("auto", "multi", "perf")
+
+
+class _ProgLoadAttr(ctypes.Structure):
+    _fields_ = [("prog_type", ctypes.c_uint32), ("insn_cnt", ctypes.c_uint32),
+                ("insns", ctypes.c_uint64), ("license", ctypes.c_uint64),
+                ("log_level", ctypes.c_uint32), ("log_size", ctypes.c_uint32),
+                ("log_buf", ctypes.c_uint64), ("kern_version", ctypes.c_uint32),
+                ("prog_flags", ctypes.c_uint32), ("prog_name", ctypes.c_char * 16),
+                ("prog_ifindex", ctypes.c_uint32), ("expected_attach_type", ctypes.c_uint32)]
+
+
+class _LinkCreateAttr(ctypes.Structure):
+    _fields_ = [("prog_fd", ctypes.c_uint32), ("target_fd", ctypes.c_uint32),
+                ("attach_type", ctypes.c_uint32), ("flags", ctypes.c_uint32),
+                ("path", ctypes.c_uint64), ("offsets", ctypes.c_uint64),
+                ("ref_ctr_offsets", ctypes.c_uint64), ("cookies", ctypes.c_uint64),
+                ("cnt", ctypes.c_uint32), ("multi_flags", ctypes.c_uint32),
+                ("pid", ctypes.c_uint32), ("_pad", ctypes.c_uint32)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _sys_bpf(cmd: int, attr: ctypes.Structure) -> int:
+    """bpf(2); the new fd, or raises OSError."""
+    nr = SYS_BPF.get(platform.machine())
+    if nr is None:
+        raise OSError(errno.ENOSYS, f"bpf(2) number unknown on {platform.machine()}")
+    fd = _libc.syscall(ctypes.c_long(nr), ctypes.c_int(cmd), ctypes.byref(attr),
+                       ctypes.c_uint(ctypes.sizeof(attr)))
+    if fd < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+    return int(fd)
+
+
+def _create_link(prog_fd: int, path: str, offsets: list[int], ret: bool) -> int:
+    arr = (ctypes.c_uint64 * len(offsets))(*offsets)
+    cpath = ctypes.create_string_buffer(path.encode())
+    attr = _LinkCreateAttr(prog_fd=prog_fd, attach_type=BPF_TRACE_UPROBE_MULTI,
+                           path=ctypes.addressof(cpath), offsets=ctypes.addressof(arr),
+                           cnt=len(offsets),
+                           multi_flags=BPF_F_UPROBE_MULTI_RETURN if ret else 0, pid=0)
+    return _sys_bpf(BPF_LINK_CREATE, attr)
+
+
+def uprobe_multi_support() -> tuple[bool, str]:
+    """Whether this kernel has uprobe_multi links, and why not.
+
+    The check libbpf makes: a two-instruction program loaded for uprobe_multi, linked
+    to "/". A kernel that has them rejects the directory with EBADF; one that does not
+    rejects the attach type itself. Nothing is attached either way."""
+    insns = (ctypes.c_uint64 * 2)(0x00000000000000B7, 0x0000000000000095)  # r0 = 0; exit
+    lic = ctypes.create_string_buffer(b"GPL")
+    load = _ProgLoadAttr(prog_type=BPF_PROG_TYPE_KPROBE, insn_cnt=2,
+                         insns=ctypes.addressof(insns), license=ctypes.addressof(lic),
+                         expected_attach_type=BPF_TRACE_UPROBE_MULTI)
+    try:
+        prog = _sys_bpf(BPF_PROG_LOAD, load)
+    except OSError as e:
+        return False, f"loading a uprobe_multi program: {e.strerror}"
+    try:
+        fd = _create_link(prog, "/", [0], ret=False)
+        os.close(fd)
+        return False, "the kernel linked a uprobe to a directory"
+    except OSError as e:
+        if e.errno == errno.EBADF:
+            return True, ""
+        return False, f"BPF_LINK_CREATE uprobe_multi: {e.strerror}"
+    finally:
+        os.close(prog)
+
+
+@dataclass(frozen=True)
+class Site:
+    """One uprobe: ``handler`` runs at ELF address ``vaddr`` of the file at ``path``
+    (at its return where ``ret``); ``name`` is what errors call it."""
+    path: str
+    vaddr: int
+    handler: str
+    ret: bool = False
+    name: str = ""
+
+    def describe(self) -> str:
+        what = self.name or f"{self.vaddr:#x}"
+        return f"{self.path}:{what}" + (" (return)" if self.ret else "")
+
+
+@dataclass
+class Attached:
+    """What one ``attach`` put in place: its sites, and the links holding them."""
+    sites: list[Site] = field(default_factory=list)
+    links: list[int] = field(default_factory=list)  # uprobe_multi link fds
+
+    def __len__(self) -> int:
+        return len(self.sites)
+
+
+class Uprobes:
+    """Attaches groups of sites through uprobe_multi links where the kernel has them,
+    else through BCC's perf events; detaches them the same way.
+
+    ``lock`` guards BCC's bookkeeping, which is not meant for two threads at once."""
+
+    def __init__(self, bpf: Any, lock: threading.Lock, mode: str = "auto") -> None:
+        if mode not in MODES:
+            raise ValueError(f"uprobe mode must be one of {', '.join(MODES)}, not {mode!r}")
+        self.bpf = bpf
+        self.lock = lock
+        if mode == "perf":
+            self.multi, self.why_not = False, "--uprobe-links perf"
+        else:
+            self.multi, self.why_not = uprobe_multi_support()
+            if mode == "multi" and not self.multi:
+                raise ProbeSetupError(f"--uprobe-links multi: this kernel has no uprobe_multi "
+                                      f"links ({self.why_not}); use auto or perf")
+        self._live: list[Attached] = []
+        self._live_lock = threading.Lock()
+
+    def sites_attached(self) -> int:
+        """How many uprobes are attached now."""
+        with self._live_lock:
+            return sum(len(a) for a in self._live)
+
+    @property
+    def kind(self) -> str:
+        """"uprobe_multi links" or "perf events", for the user."""
+        return "uprobe_multi links" if self.multi else "perf events"
+
+    def attach(self, sites: Iterable[Site], errors: dict[str, str]) -> Attached:
+        """Attach ``sites``; a site that cannot be attached is left out and its error
+        put in ``errors`` (by ``Site.describe()``)."""
+        got = Attached()
+        sites = list(sites)
+        if self.multi:
+            self._attach_links(sites, errors, got)
+        else:
+            for s in sites:
+                try:
+                    with self.lock:
+                        how = self.bpf.attach_uretprobe if s.ret else self.bpf.attach_uprobe
+                        how(name=s.path.encode(), addr=s.vaddr, fn_name=s.handler.encode())
+                except Exception as e:  # BCC raises bare Exception on attach failure
+                    errors[s.describe()] = str(e)
+                    continue
+                got.sites.append(s)
+        with self._live_lock:
+            self._live.append(got)
+        return got
+
+    def _attach_links(self, sites: list[Site], errors: dict[str, str], got: Attached) -> None:
+        groups: dict[tuple[str, str, bool], list[tuple[Site, int]]] = defaultdict(list)
+        for s, off in _file_offsets(sites, errors):
+            groups[(s.path, s.handler, s.ret)].append((s, off))
+        for (path, handler, ret), members in groups.items():
+            try:
+                with self.lock:
+                    prog = self.bpf.load_func(handler.encode(), self.bpf.KPROBE,
+                                              attach_type=BPF_TRACE_UPROBE_MULTI)
+            except Exception as e:  # BCC raises bare Exception
+                for s, _ in members:
+                    errors[s.describe()] = str(e)
+                continue
+            try:
+                got.links.append(_create_link(prog.fd, path, [o for _, o in members], ret))
+                got.sites.extend(s for s, _ in members)
+                continue
+            except OSError:
+                pass  # one bad site fails the whole link: find which, one by one
+            for s, off in members:
+                try:
+                    got.links.append(_create_link(prog.fd, path, [off], ret))
+                except OSError as e:
+                    errors[s.describe()] = f"uprobe_multi link: {e.strerror}"
+                    continue
+                got.sites.append(s)
+
+    def detach(self, groups: Attached | list[Attached], errors: dict[str, str]) -> float:
+        """Detach what ``attach`` put in place (blocking); the seconds it took."""
+        t0 = time.perf_counter()
+        groups = [groups] if isinstance(groups, Attached) else groups
+        with self._live_lock:
+            self._live = [a for a in self._live if all(a is not g for g in groups)]
+        if self.multi:
+            _close_all([fd for g in groups for fd in g.links])
+        else:
+            for s in (s for g in groups for s in g.sites):
+                try:
+                    with self.lock:
+                        how = self.bpf.detach_uretprobe if s.ret else self.bpf.detach_uprobe
+                        how(name=s.path.encode(), addr=s.vaddr)
+                except Exception as e:  # BCC raises bare Exception
+                    errors[f"{s.describe()} (detach)"] = str(e)
+        for g in groups:
+            g.links, g.sites = [], []
+        return time.perf_counter() - t0
+
+    def detach_in_background(self, groups: Attached | list[Attached], errors: dict[str, str],
+                             label: str, done: Callable[[float], None] | None = None
+                             ) -> threading.Thread:
+        """``detach`` on a thread of its own, so the agent keeps draining the ring
+        buffer meanwhile; ``done`` gets the seconds it took."""
+
+        def run() -> None:
+            took = self.detach(groups, errors)
+            if done is not None:
+                done(took)
+
+        t = threading.Thread(target=run, name=f"tt-detach-{label}", daemon=True)
+        t.start()
+        return t
+
+    def close(self, errors: dict[str, str]) -> float:
+        """Detach everything still attached, all links at once (BCC's ``cleanup`` would
+        see to perf events, but not to links); the seconds it took."""
+        with self._live_lock:
+            live = list(self._live)
+        return self.detach(live, errors)
+
+
+def _close_all(fds: list[int]) -> None:
+    """Close link fds from one thread each: every close waits for a grace period of its
+    own, and these overlap (no lock is held across them)."""
+    if len(fds) == 1:
+        os.close(fds[0])
+        return
+    threads = [threading.Thread(target=os.close, args=(fd,), daemon=True) for fd in fds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def _file_offsets(sites: list[Site], errors: dict[str, str]) -> list[tuple[Site, int]]:
+    """Each site with the file offset of its address (what a link takes; BCC converts
+    the same way), each file read once; a site with none goes to ``errors``."""
+    by_path: dict[str, list[Site]] = defaultdict(list)
+    for s in sites:
+        by_path[s.path].append(s)
+    out = []
+    for path, group in by_path.items():
+        try:
+            with open(path, "rb") as f:
+                elf = ELFFile(f)
+                offsets = [file_offset(elf, s.vaddr) for s in group]
+        except (OSError, ELFError) as e:
+            for s in group:
+                errors[s.describe()] = str(e)
+            continue
+        for s, off in zip(group, offsets):
+            if off is None:
+                errors[s.describe()] = f"{s.vaddr:#x} is outside every PT_LOAD segment"
+            else:
+                out.append((s, off))
+    return out
