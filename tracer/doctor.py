@@ -65,7 +65,9 @@ def check_privileges() -> Check:
 
 def check_bpf_syscall() -> Check:
     """Create and close a one-element array map with the bpf(2) syscall."""
-    nr = {"x86_64": 321, "aarch64": 280}.get(platform.machine())
+    from tracer.probes.uprobes import SYS_BPF
+
+    nr = SYS_BPF.get(platform.machine())
     if nr is None:
         return Check("bpf syscall", False, f"unknown architecture {platform.machine()}",
                      "tokentrace supports x86_64 and aarch64")
@@ -84,6 +86,20 @@ def check_bpf_syscall() -> Check:
     elif err == 1 and unpriv.exists() and unpriv.read_text().strip() != "0":
         hint = "unprivileged BPF is disabled: run as root or with CAP_BPF"
     return Check("bpf syscall", False, f"bpf(BPF_MAP_CREATE) failed: {os.strerror(err)}", hint)
+
+
+def check_uprobe_multi() -> Check:
+    """uprobe_multi links (Linux 6.6+): without them GPU probes still work, as one perf
+    event each, but stopping takes ~0.1 s per probe (tracer/probes/uprobes.py)."""
+    from tracer.probes.uprobes import uprobe_multi_support
+
+    ok, why = uprobe_multi_support()
+    if ok:
+        return Check("uprobe links", True, "uprobe_multi: GPU probes attach as links",
+                     required=False)
+    return Check("uprobe links", False, f"no uprobe_multi ({why}): GPU probes attach as "
+                 "perf events; stopping and --gpu-sample switches take ~0.1 s per probe",
+                 "Linux 6.6 or later has them", required=False)
 
 
 def check_tracefs() -> Check:
@@ -216,7 +232,8 @@ def check_compile(previous: list[Check]) -> Check:
 
 CHECKS: list[Callable[[], Check]] = [
     check_privileges, check_bpf_syscall, check_tracefs, check_debugfs, check_lockdown,
-    check_memlock, check_uprobes, check_kernel_headers, check_btf, check_bcc,
+    check_memlock, check_uprobes, check_uprobe_multi, check_kernel_headers, check_btf,
+    check_bcc,
 ]
 
 
