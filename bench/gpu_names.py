@@ -169,6 +169,7 @@ def run(out: Path, quiet_s: float, max_s: float) -> tuple[dict[str, Any], list[s
         gpu = tr.session.gpu
         stubs = gpu.stubs
         res["attach_seconds"] = tr.attach_s
+        res["uprobes"] = {"via": gpu.uprobes.kind, "attached": gpu.uprobes.sites_attached()}
         res["attached"] = [{"kind": lib.kind, "path": lib.path, "probes": lib.probes,
                             "missing": lib.missing} for lib in gpu.attached.values()]
         res["stub_naming_at_attach"] = stubs.state()
@@ -190,6 +191,7 @@ def run(out: Path, quiet_s: float, max_s: float) -> tuple[dict[str, Any], list[s
             phases[name]["stub_naming_after"] = stubs.state()
         res["attach_errors"] = dict(gpu.errors)
         drops = tr.stop()
+        res["uprobes"]["detach_at_stop_s"] = round(tr.session.detach_s, 3)
         writer.close()
     finally:
         try:
