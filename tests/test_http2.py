@@ -7,7 +7,6 @@ import json
 import random
 import struct
 
-import pytest
 from hpack import Encoder
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
