@@ -49,8 +49,7 @@ class StubNames:
         self.max_s = max_s
         self.enabled = quiet_s > 0
         self.sites: dict[tuple[str, int], str] = {}  # (path, addr) -> BPF function
-        self.attached: set[tuple[str, int]] = set()
-        self._groups: list[Attached] = []  # what holds ``attached``
+        self._groups: list[Attached] = []  # the probes attached in this window
         self.opened_at: float | None = None  # monotonic time; None while closed
         self.quiet_active = 0.0  # seconds with runtime launches since the last new stub
         self.open_active = 0.0  # seconds with runtime launches since the window opened
@@ -65,6 +64,11 @@ class StubNames:
         self.symbolise_s = 0.0  # time spent reading symbols and maps
         self._pending: list[KernelStub] = []
         self._exited: set[int] = set()
+
+    @property
+    def attached(self) -> set[tuple[str, int]]:
+        """(path, address) of the runtime's launch probes attached now."""
+        return {(s.path, s.vaddr) for g in self._groups for s in g.sites}
 
     @property
     def open(self) -> bool:
@@ -97,13 +101,11 @@ class StubNames:
     def _attach_all(self) -> None:
         assert self.uprobes is not None
         self.join_detach()  # a window closed just before: its probes must be gone first
+        attached = self.attached
         todo = [Site(path, addr, fn, name=f"{addr:#x} (stub naming)")
-                for (path, addr), fn in self.sites.items() if (path, addr) not in self.attached]
-        if not todo:
-            return
-        got = self.uprobes.attach(todo, self.errors)
-        self._groups.append(got)
-        self.attached.update((s.path, s.vaddr) for s in got.sites)
+                for (path, addr), fn in self.sites.items() if (path, addr) not in attached]
+        if todo:
+            self._groups.append(self.uprobes.attach(todo, self.errors))
 
     def close_window(self, why: str) -> None:
         """Detach the runtime's launch probes; stubs already sent are still named."""
@@ -117,7 +119,6 @@ class StubNames:
         groups, self._groups = self._groups, []
         self._detacher = self.uprobes.detach_in_background(
             groups, self.errors, "stub-naming-off", done=lambda _s: pending.clear())
-        self.attached.clear()
         self.closed_why = why
         self.opened_at = None  # last: another thread reading state sees it all done
 
