@@ -55,7 +55,8 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("-P", "--port", type=int, action="append", default=[], metavar="PORT",
                    help="processes listening on TCP PORT, now and later")
     p.add_argument("-d", "--duration", type=float, metavar="SECONDS",
-                   help="stop SECONDS after the probes are attached (default: until Ctrl-C or SIGTERM)")
+                   help="stop SECONDS after the probes are attached (default: until "
+                        "Ctrl-C or SIGTERM)")
     g2 = p.add_argument_group("capture")
     g2.add_argument("--capture-limit", type=_positive_int, default=256 * 1024, metavar="BYTES",
                     help="payload bytes captured per syscall; more is counted as truncated "

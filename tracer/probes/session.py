@@ -200,7 +200,6 @@ class CaptureSession:
             self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=False,
                                   fraction=self.config.gpu_sample))
         if self.gpu is not None:
-            self.gpu.join_detach()
             self.detach_s = self.gpu.close()  # before the drain: no launch after it
             for raw in self.gpu.drain():  # bursts not yet flushed: counts stay exact
                 self.sink(raw)
