@@ -65,20 +65,18 @@ def check_privileges() -> Check:
 
 def check_bpf_syscall() -> Check:
     """Create and close a one-element array map with the bpf(2) syscall."""
-    from tracer.probes.uprobes import SYS_BPF
+    from tracer.probes.uprobes import SYS_BPF, sys_bpf
 
-    nr = SYS_BPF.get(platform.machine())
-    if nr is None:
+    if platform.machine() not in SYS_BPF:
         return Check("bpf syscall", False, f"unknown architecture {platform.machine()}",
                      "tokentrace supports x86_64 and aarch64")
     attr = (ctypes.c_uint32 * 32)()
     attr[0], attr[1], attr[2], attr[3] = 2, 4, 4, 1  # BPF_MAP_TYPE_ARRAY, key, value, entries
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = libc.syscall(nr, 0, ctypes.byref(attr), ctypes.sizeof(attr))  # BPF_MAP_CREATE
-    if fd >= 0:
-        os.close(fd)
+    try:
+        os.close(sys_bpf(0, attr))  # BPF_MAP_CREATE
         return Check("bpf syscall", True, "BPF_MAP_CREATE works")
-    err = ctypes.get_errno()
+    except OSError as e:
+        err = e.errno
     hint = "run as root or with CAP_BPF"
     unpriv = Path("/proc/sys/kernel/unprivileged_bpf_disabled")
     if err == 38:

@@ -67,8 +67,9 @@ class _LinkCreateAttr(ctypes.Structure):
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _sys_bpf(cmd: int, attr: ctypes.Structure) -> int:
-    """bpf(2); the new fd, or raises OSError."""
+def sys_bpf(cmd: int, attr: Any) -> int:
+    """bpf(2) with ``attr`` (a ctypes structure or array); the new fd, or raises
+    OSError."""
     nr = SYS_BPF.get(platform.machine())
     if nr is None:
         raise OSError(errno.ENOSYS, f"bpf(2) number unknown on {platform.machine()}")
@@ -87,7 +88,7 @@ def _create_link(prog_fd: int, path: str, offsets: list[int], ret: bool) -> int:
                            path=ctypes.addressof(cpath), offsets=ctypes.addressof(arr),
                            cnt=len(offsets),
                            multi_flags=BPF_F_UPROBE_MULTI_RETURN if ret else 0, pid=0)
-    return _sys_bpf(BPF_LINK_CREATE, attr)
+    return sys_bpf(BPF_LINK_CREATE, attr)
 
 
 def uprobe_multi_support() -> tuple[bool, str]:
@@ -102,7 +103,7 @@ def uprobe_multi_support() -> tuple[bool, str]:
                          insns=ctypes.addressof(insns), license=ctypes.addressof(lic),
                          expected_attach_type=BPF_TRACE_UPROBE_MULTI)
     try:
-        prog = _sys_bpf(BPF_PROG_LOAD, load)
+        prog = sys_bpf(BPF_PROG_LOAD, load)
     except OSError as e:
         return False, f"loading a uprobe_multi program: {e.strerror}"
     try:
