@@ -9,7 +9,8 @@ from protocols.openai import LLMResponse
 from tracer.correlate.attribution import GpuAttribution
 from tracer.correlate.ipc import IpcGraph
 from tracer.correlate.records import RequestRecord
-from tracer.correlate.steps import StepLog, request_range
+from tracer.correlate.membership import request_range
+from tracer.correlate.steps import StepLog
 from tests.test_attribution import burst
 
 ENGINE = 99
@@ -65,7 +66,7 @@ def test_steps_are_shared_among_the_requests_in_them_and_queued_ones_pay_nothing
     w = World(membership, {"b": [5, 5, 130, 5, 5, 5]})
     for name, rec in w.recs.items():
         assert rec.gpu["gpu.kernel_launches"] == round(w.truth(name), 3), name
-        assert rec.gpu["gpu.attribution"] == "step_share"
+        assert rec.gpu["gpu.attribution"] == "step_equal"
         assert rec.gpu["gpu.steps"] == len(rec.llm_response.token_ts)
     c = w.recs["c"].gpu
     assert c["gpu.prefill_launches"] == round(15 / 2, 3)  # its first step, shared with b
@@ -149,6 +150,10 @@ def test_a_long_prompt_is_charged_its_prefill_steps_when_a_slot_was_free():
     assert phases["prefill"].attributes["tokentrace.gpu.steps"] == 4
 
 
+def span(occ):
+    return (occ.first, occ.last, occ.how)
+
+
 def test_request_range_bounds():
     log = StepLog(1, ENGINE)
     for k in range(6):
@@ -157,15 +162,15 @@ def test_request_range_bounds():
     assert log.first_started_after(11) == 1
     # tokens after steps 2, 3, 4; the second written two steps late
     rec = streamed(1, 10, 0, [295, 595, 495])
-    assert request_range(rec, log) == (2, 4, "tokens")
+    assert span(request_range(rec, log)) == (2, 4, "tokens")
     # not streamed: 3 tokens, answered after step 4
     whole = RequestRecord(pid=1, fd=11, conn_id=11, exchange=0, role="server",
                           start_ns=0, end_ns=499, response_start_ns=495,
                           llm_response=LLMResponse(status=200, output_tokens=3))
-    assert request_range(whole, log) == (2, 4, "response")
+    assert span(request_range(whole, log)) == (2, 4, "response")
     # tokens faster than the steps after its arrival: never before arrival
     early = streamed(1, 12, 250, [295, 395])
-    assert request_range(early, log) == (3, 3, "tokens_clamped")
+    assert span(request_range(early, log)) == (3, 3, "tokens_clamped")
 
 
 def nccl(pid: int, op: str, ts: int, comm: int = 0xC0, comm_id: int = 0xABC, rank: int = 0,
@@ -204,4 +209,5 @@ def test_tensor_parallel_rank_steps_join_rank_zero_through_collectives():
     assert recs[1].gpu["gpu.kernel_launches"] == round(5 + 10 + 10 + 2 / 2 + 3 + 4, 3)
     assert recs[0].gpu["gpu.nccl_bytes"] == 4 * (256 + 512 / 2 + 256 + 512 / 2)
     assert recs[0].gpu["gpu.steps"] == 2  # rank 1's steps are the same steps
-    assert stats["gpu_steps_joined_nccl"] == 5 and stats["gpu_steps_unjoined"] == 0
+    assert stats["gpu_steps_joined_nccl"] == 4 and stats["gpu_steps_unjoined"] == 0
+    assert a.ledger.balanced()

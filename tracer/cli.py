@@ -245,7 +245,8 @@ def build_sinks(args: argparse.Namespace, ctx: ExportContext) -> tuple[list[Any]
 def _write_summary(path: str | None, pipeline: Pipeline) -> None:
     if not path:
         return
-    doc = {"gpu": pipeline.gpu.summary(), "report": pipeline.report()}
+    doc = {"gpu": pipeline.gpu.summary(), "report": pipeline.report(),
+           "reconciliation": pipeline.reconciliation()}
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")
@@ -262,9 +263,30 @@ def _report(pipeline: Pipeline, console: Any) -> None:
                 "capture.kcounts_full", "capture.bursts_full",
                 "http_protocol_errors", "undecodable_records",
                 "in_flight_at_exit", "identity.k8s_errors"))}
+    for line in reconciliation_lines(pipeline.reconciliation()):
+        _say(line)
     _say(f"{pipeline.records} requests exported; "
          + ("loss and truncation: " + ", ".join(f"{k}={v}" for k, v in lost.items())
             if lost else "no events lost"))
+
+
+def reconciliation_lines(recon: dict[str, Any]) -> list[str]:
+    """The exit report's GPU lines: per process, launches and GPU time observed =
+    charged to requests + unattributed (and idle time, and money, over its window)."""
+    out = []
+    for row in recon.get("cost", {}).get("processes", []):
+        line = (f"GPU pid {row['pid']}: launches {row['launches_observed']:.0f} observed = "
+                f"{row['launches_charged']:.1f} charged + {row['launches_unattributed']:.1f} "
+                f"unattributed; GPU time {row['busy_s']:.3f} s busy = {row['charged_s']:.3f} s "
+                f"charged + {row['unattributed_s']:.3f} s unattributed, "
+                f"{row['idle_s']:.3f} s idle of {row['window_s']:.3f} s")
+        if "busy_usd" in row:
+            line += (f"; ${row['window_usd']:.6f} = ${row['charged_usd']:.6f} requests + "
+                     f"${row['unattributed_usd']:.6f} unattributed + ${row['idle_usd']:.6f} idle")
+        out.append(line)
+    if recon.get("processes") and not recon.get("balanced", True):
+        out.append("GPU reconciliation does NOT balance (a tokentrace bug): see --summary")
+    return out
 
 
 class _Stopper:

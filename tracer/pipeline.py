@@ -41,6 +41,7 @@ class Pipeline:
         self._next_expire = 0
         self.records = 0
         self.gpu = GpuLedger()
+        self.pricing = pricing
         self.attribution = GpuAttribution(self._export, self._open_records, self.stats,
                                           ipc=self.ipc, pricing=pricing)
 
@@ -113,6 +114,18 @@ class Pipeline:
         self.attribution.close()
         for s in self.sinks:
             s.close()
+
+    def reconciliation(self) -> dict[str, Any]:
+        """Per GPU process and quantity: observed = charged to requests + unattributed,
+        with GPU time and its cost over each process's window (``cost.reconcile``)."""
+        from tracer.correlate.cost import reconcile
+        recon = self.attribution.reconciliation()
+        windows = {}
+        for pid, p in self.gpu.processes.items():
+            firsts = [t.first_ts for t in p.threads.values() if t.bursts]
+            if firsts:
+                windows[pid] = (min(firsts), max(t.last_ts for t in p.threads.values()))
+        return {**recon, "cost": reconcile(recon, windows, self.pricing)}
 
     def report(self) -> dict[str, int]:
         """Counters worth showing a user: loss first, then volume."""

@@ -1,26 +1,27 @@
-"""GPU work to requests: same thread, engine steps, and across processes.
+"""GPU work to requests: the correlator's driver, from bursts to charged records.
 
 ``GpuAttribution`` is fed in stream order with ``KernelBurst``s, ``NcclEvent``s and
-finished ``RequestRecord``s, and decides which GPU work each request caused.
+finished ``RequestRecord``s. Work flows one way:
 
-* Same thread: a burst on a thread that served exactly one request in flight (a
-  synchronous server reads, computes and answers on one thread) is that request's,
-  whole ("same_thread").
-* Engine steps: any other burst belongs to its thread's ``StepLog`` (see
-  ``tracer.correlate.steps``): an engine thread, in this process or in another one
-  linked to it (``IpcGraph.serving_group``: unix sockets, loopback TCP). When a request
-  is released, its steps are found by aligning its output tokens with the step ends
-  (``request_range``), and each step is shared equally among the requests observably
-  in it: those whose own ranges cover it, finished or still streaming ("step_share").
-  Queued requests are in no step yet, so they are not charged. A request's first step
-  is its prefill, the rest decode; both are reported, as child spans too.
-* GPU time: a step's or burst's span from first launch to the end of its wait
-  (``gpu.time_method``), shared like the launches; cost = GPU time x price.
+1. bursts -> engine steps (``steps.StepLog``): a burst on a thread that served exactly
+   one request in flight is that request's, whole ("same_thread": a synchronous server
+   reads, computes and answers on one thread); any other burst joins its thread's steps.
+2. finished requests -> step membership (``membership``): once a request's last token
+   is in (``hold_ns`` after its end), its tokens are aligned with the steps of every
+   engine thread of its process group (``IpcGraph.serving_group``), an ``Occupancy``.
+3. steps are *settled* in order, each once, when no request that could still be in it
+   is unfinished: then its members are final (``Membership.members``) and its work is
+   split among them by what each made it cost (``costmodel``: a fixed part shared
+   equally plus each member's marginal part, learned online from the engine's own
+   steps; equal shares while the model is not trusted). A step with no members is left
+   unattributed. Tensor-parallel ranks' steps are joined to rank 0's through their
+   collectives (``steps.collective_offset``) and split the same way.
+4. a record is released, with its charges as span attributes and queue/prefill/decode
+   child spans, when every step it was in is settled.
 
-A finished record is held until its GPU work can no longer arrive: for step sharing,
-until the stream's clock passes ``end_ns + hold_ns`` (the other members' token writes
-trail the steps by the engine-to-API hand-off); for same-thread work, until its process
-launches a burst that starts after the record ended.
+Every amount is booked once in the ``Ledger``: observed when a step closes (or a
+same-thread burst arrives), then charged or left unattributed, so charged plus
+unattributed equals observed for every process and quantity.
 """
 
 from __future__ import annotations
@@ -29,19 +30,26 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
 
+from tracer.correlate.costmodel import Learner, Member, allocate
 from tracer.correlate.ipc import IpcGraph
+from tracer.correlate.ledger import EVICTED, NO_REQUEST, UNJOINED_RANK, Ledger
+from tracer.correlate.membership import Membership, Occupancy, arrival_ns, request_range
 from tracer.correlate.records import ChildSpan, RequestRecord
-from tracer.correlate.steps import (MAX_STEPS, Step, StepLog, collective_offset,
-                                    request_range)
+from tracer.correlate.steps import MAX_STEPS, Step, StepLog, collective_offset
+from tracer.correlate.work import KERNEL_QUANTITIES, Work
 from tracer.events.gpu import COPY_KINDS, KernelBurst, NcclEvent
 
 Key = tuple[int, int, int, int]
+LogKey = tuple[int, int]
 COLLECTIVES = frozenset({"allreduce", "allgather", "reducescatter", "broadcast", "reduce"})
 DEFAULT_HOLD_NS = 200_000_000  # > the burst flush interval and the API's hand-off lag
-SCAN_EVERY_NS = 1_000_000  # held records are checked at most this often (stream time)
+SCAN_EVERY_NS = 1_000_000  # held records and steps are looked at most this often
 MAX_HOLD_NS = 5 * 10**9  # a trailing rank is not waited for longer than this
-KEEP_RELEASED_NS = 120 * 10**9  # released records still counted as members of steps
-KEEP_STEPS_NS = 600 * 10**9
+# A step is settled at the latest this long after it ended, even if a request that
+# may have been in it is still running (a stream can last minutes): that request is
+# then counted in by the tokens it has written so far.
+MAX_SETTLE_LAG_NS = 60 * 10**9
+KEEP_SETTLED_NS = 10 * 10**9  # settled steps kept for requests that arrived before them
 
 
 class Pricing(Protocol):
@@ -54,54 +62,34 @@ class Pricing(Protocol):
 class GpuShare:
     """What one request was charged: sums of its (shares of) bursts and steps."""
 
-    kernel_launches: float = 0.0
-    graph_launches: float = 0.0
-    memcpy_bytes: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COPY_KINDS, 0.0))
-    sync_wait_ns: float = 0.0
-    time_ns: float = 0.0
-    nccl_ops: float = 0.0
-    nccl_bytes: float = 0.0
+    work: Work = field(default_factory=Work)
     bursts: int = 0
     steps: int = 0
     prefill_launches: float = 0.0
     decode_launches: float = 0.0
     whole: bool = True  # every burst or step it was charged it had alone
     methods: set[str] = field(default_factory=set)
+    models: set[str] = field(default_factory=set)
 
-    def add(self, b: KernelBurst, fraction: float) -> None:
-        """Charge ``fraction`` of burst ``b`` (same-thread work)."""
+    def add_burst(self, work: Work) -> None:
+        """A burst of its own thread, whole (same-thread work)."""
         self.bursts += 1
-        self.kernel_launches += b.launches * fraction
-        self.graph_launches += b.graph_launches * fraction
-        for k in COPY_KINDS:
-            self.memcpy_bytes[k] += b.copy_bytes.get(k, 0) * fraction
-        self.sync_wait_ns += b.sync_wait_ns * fraction
-        self.time_ns += max(0, b.last_ts - b.first_ts) * fraction
-        self.whole = self.whole and fraction == 1.0
+        self.work.add(work)
         self.methods.add("same_thread")
 
-    def add_step(self, s: Step, fraction: float, prefill: bool, method: str,
+    def add_step(self, step: Step, charged: Work, whole: bool, prefill: bool, method: str,
                  rank: int = 0) -> None:
-        """Charge ``fraction`` of engine step ``s`` (``method``: how its steps were
-        found: "step_share" from its tokens, "time_share" from its lifetime)."""
+        """Its part ``charged`` of engine step ``step``."""
         if rank == 0:  # other tensor-parallel ranks' steps are the same steps
             self.steps += 1
-        self.bursts += s.bursts
-        launches = s.launches * fraction
-        self.kernel_launches += launches
+        self.bursts += step.bursts
+        self.work.add(charged)
+        launches = charged.get("kernel_launches", 0.0)
         if prefill:
             self.prefill_launches += launches
         else:
             self.decode_launches += launches
-        self.graph_launches += s.graph_launches * fraction
-        for k in COPY_KINDS:
-            self.memcpy_bytes[k] += s.copy_bytes.get(k, 0) * fraction
-        self.sync_wait_ns += s.sync_wait_ns * fraction
-        self.time_ns += s.span_ns * fraction
-        s.charged += fraction
-        self.nccl_ops += s.nccl_ops * fraction
-        self.nccl_bytes += s.nccl_bytes * fraction
-        self.whole = self.whole and fraction == 1.0
+        self.whole = self.whole and whole
         self.methods.add(method)
 
     def attributes(self, pricing: Pricing | None) -> dict[str, Any]:
@@ -110,36 +98,44 @@ class GpuShare:
         def count(x: float) -> float | int:
             return round(x) if self.whole else round(x, 3)
 
+        w = self.work
         step = bool(self.methods - {"same_thread"})
+        method = next((m for m in ("step_model", "step_equal", "time_share")
+                       if m in self.methods), "same_thread")
         out: dict[str, Any] = {
-            "gpu.kernel_launches": count(self.kernel_launches),
-            "gpu.graph_launches": count(self.graph_launches),
-            "gpu.sync_wait_ms": round(self.sync_wait_ns / 1e6, 3),
-            "gpu.time_ms": round(self.time_ns / 1e6, 4),
+            "gpu.kernel_launches": count(w.get("kernel_launches", 0.0)),
+            "gpu.graph_launches": count(w.get("graph_launches", 0.0)),
+            "gpu.sync_wait_ms": round(w.get("sync_wait_ns", 0.0) / 1e6, 3),
+            "gpu.time_ms": round(w.get("gpu_time_ns", 0.0) / 1e6, 4),
             "gpu.time_method": "step_span" if step else "burst_span",
             "gpu.bursts": self.bursts,
-            "gpu.attribution": ("step_share" if "step_share" in self.methods else
-                                "time_share" if step else "same_thread"),
+            "gpu.attribution": method,
         }
         if step:
             out["gpu.steps"] = self.steps
             out["gpu.prefill_launches"] = count(self.prefill_launches)
             out["gpu.decode_launches"] = count(self.decode_launches)
-        if self.nccl_ops:
-            out["gpu.nccl_ops"] = count(self.nccl_ops)
-            out["gpu.nccl_bytes"] = count(self.nccl_bytes)
+        if self.models:
+            out["gpu.cost_model"] = "; ".join(sorted(self.models))
+        if w.get("nccl_ops"):
+            out["gpu.nccl_ops"] = count(w["nccl_ops"])
+            out["gpu.nccl_bytes"] = count(w.get("nccl_bytes", 0.0))
         for k in COPY_KINDS:
-            if self.memcpy_bytes[k]:
-                out[f"gpu.memcpy_bytes.{k}"] = count(self.memcpy_bytes[k])
+            if w.get(f"memcpy_bytes.{k}"):
+                out[f"gpu.memcpy_bytes.{k}"] = count(w[f"memcpy_bytes.{k}"])
+        if w.get("memset_bytes"):
+            out["gpu.memset_bytes"] = count(w["memset_bytes"])
         if pricing is not None:
-            out.update(pricing.attributes(self.time_ns / 1e6))
+            out.update(pricing.attributes(w.get("gpu_time_ns", 0.0) / 1e6))
         return out
 
 
 @dataclass
-class _Released:
+class _Ready:
+    """A finished request whose occupancies are known, waiting for its steps to settle."""
+
     rec: RequestRecord
-    ranges: dict[tuple[int, int], tuple[int, int, str] | None] = field(default_factory=dict)
+    logs: list[LogKey] = field(default_factory=list)
 
 
 class GpuAttribution:
@@ -156,16 +152,19 @@ class GpuAttribution:
         self.max_hold_ns = max(hold_ns, MAX_HOLD_NS)
         self.ipc = ipc or IpcGraph(self.stats)
         self.pricing = pricing
-        self.held: dict[int, list[RequestRecord]] = {}
+        self.ledger = Ledger()
+        self.held: dict[int, list[RequestRecord]] = {}  # finished, tokens maybe not all in
+        self.ready: dict[Key, _Ready] = {}
         self.shares: dict[Key, GpuShare] = {}
-        self.released: dict[int, list[_Released]] = {}  # pid -> recently released
         self.released_end: dict[int, int] = {}  # pid -> latest end_ns released
         self.gpu_pids: set[int] = set()  # processes seen on the GPU
-        self.logs: dict[tuple[int, int], StepLog] = {}
+        self.request_pids: set[int] = set()  # processes that answered requests
+        self.logs: dict[LogKey, StepLog] = {}
+        self.members: dict[LogKey, Membership] = {}
+        self.learners: dict[LogKey, tuple[Learner, Learner]] = {}
+        self.settled: dict[LogKey, int] = {}  # log -> next step index to settle
         self.comms: dict[tuple[int, int], tuple[int, int]] = {}  # (pid, comm) -> (id, rank)
-        self.shifts: dict[tuple[tuple[int, int], tuple[int, int]],
-                          tuple[int, int | None]] = {}
-        self.capacity: dict[tuple[int, int], int] = {}  # log -> most requests seen in a step
+        self.shifts: dict[tuple[LogKey, LogKey], tuple[int, int | None]] = {}
         self.now = 0
         self._next_scan = 0
 
@@ -179,7 +178,10 @@ class GpuAttribution:
             self.stats["gpu_bursts_late"] += 1
         mine = [r for r in self._in_flight(b.pid, b.first_ts, b.last_ts) if b.tid in r.tids]
         if len(mine) == 1:
-            self._share(mine[0]).add(b, 1.0)
+            work = Work.of_burst(b)
+            self.ledger.observe(b.pid, work)
+            self.ledger.charge(b.pid, work)
+            self._share(mine[0]).add_burst(work)
             self.stats["gpu_bursts_same_thread"] += 1
         else:
             log = self._log(b.pid, b.tid)
@@ -187,12 +189,16 @@ class GpuAttribution:
             if step is not None:
                 self._closed(log, step)
         # work its own thread did is complete once its process launches after its end
-        self._release(b.pid, lambda r: r.end_ns < b.first_ts and self._served_alone(r))
+        done = [r for r in self.held.get(b.pid, ())
+                if r.end_ns < b.first_ts and self._served_alone(r)]
+        for r in done:
+            self._ready(r)
+        if done:
+            self._release_due()
 
     def _served_alone(self, rec: RequestRecord) -> bool:
         s = self.shares.get(rec.key)
         return s is not None and s.methods == {"same_thread"}
-
 
     def nccl(self, ev: NcclEvent) -> None:
         """An NCCL call: its bytes go with the step of its thread; a collective's
@@ -212,26 +218,361 @@ class GpuAttribution:
     def finished(self, rec: RequestRecord) -> None:
         """A finished record: held until its GPU work can no longer arrive (emitted at
         once if no process it is linked to has been seen on the GPU)."""
+        self.request_pids.add(rec.pid)
+        if not (self.ipc.serving_group(rec.pid) & self.gpu_pids):
+            share = self.shares.pop(rec.key, None)
+            if share is not None:
+                rec.gpu.update(share.attributes(self.pricing))
+            self.emit(rec)
+            return
         self.held.setdefault(rec.pid, []).append(rec)
         self._next_scan = min(self._next_scan, rec.end_ns + self.hold_ns)
-        if not (self.ipc.serving_group(rec.pid) & self.gpu_pids):
-            self._release(rec.pid, lambda r: True)
 
     def advance(self, now_ns: int) -> None:
-        """The stream's clock: release records that ended more than ``hold_ns`` ago,
-        once every tensor-parallel rank linked to them has reported the collectives of
-        their steps (a rank can trail the one that answers), or ``max_hold_ns`` after
-        their end in any case."""
+        """The stream's clock: records whose tokens are all in become members of their
+        steps, steps whose members are final are settled, records whose steps are all
+        settled are released."""
         self.now = max(self.now, now_ns)
         if now_ns < self._next_scan:
             return
         self._next_scan = now_ns + SCAN_EVERY_NS
         for pid in list(self.held):
-            self._release(pid, lambda r: r.end_ns + self.hold_ns <= now_ns and (
-                r.end_ns + self.max_hold_ns <= now_ns or self._ranks_caught_up(r)))
+            for r in list(self.held.get(pid, ())):
+                if r.end_ns + self.hold_ns <= now_ns and (
+                        r.end_ns + self.max_hold_ns <= now_ns or self._ranks_caught_up(r)):
+                    self._ready(r)
+                else:
+                    self._next_scan = min(self._next_scan,
+                                          max(r.end_ns + self.hold_ns, now_ns + SCAN_EVERY_NS))
+        self._settle_all(force_before=now_ns - MAX_SETTLE_LAG_NS)
+        self._release_due()
+
+    def close(self) -> None:
+        """End of the stream: settle and release everything, in order."""
+        for log in self.logs.values():
+            step = log.finish()
+            if step is not None:
+                self._closed(log, step)
+        for pid in list(self.held):
+            for r in sorted(self.held.get(pid, ()), key=lambda r: r.end_ns):
+                self._ready(r)
+        self._settle_all(force_before=None, final=True)
+        self._release_due(final=True)
+        for log in self.logs.values():
+            self._retire(log, log.prune(log.ends[-1] + 1 if log.ends else 0))
+            if log.open is not None and any(log.open.work.values()):
+                self.stats["gpu_steps_open_at_close"] += 1
+
+    def reconciliation(self) -> dict[str, Any]:
+        """Per GPU process: observed = charged + unattributed, per quantity."""
+        return self.ledger.reconciliation()
+
+    # ---- steps ----------------------------------------------------------------------
+
+    def _log(self, pid: int, tid: int) -> StepLog:
+        log = self.logs.get((pid, tid))
+        if log is None:
+            log = self.logs[(pid, tid)] = StepLog(pid, tid)
+            self.members[log.key] = Membership(log)
+            self.learners[log.key] = (Learner(), Learner())
+            self.settled[log.key] = 0
+            self.stats["gpu_step_threads"] += 1
+        return log
+
+    def _closed(self, log: StepLog, step: Step) -> None:
+        """A step of ``log`` ended: book it, and keep the log bounded."""
+        self.stats["gpu_steps"] += 1
+        self.stats["gpu_step_launches"] += step.launches
+        self.ledger.observe(step.pid, step.work)
+        if len(log.steps) > MAX_STEPS:
+            self._retire(log, log.prune(log.steps[-MAX_STEPS].end_ts))
+
+    def _retire(self, log: StepLog, steps: list[Step]) -> None:
+        """Steps forgotten: those never settled are left unattributed."""
+        follower = self._is_follower(log)
+        for st in steps:
+            if st.settled:
+                continue
+            st.settled = True
+            reason = UNJOINED_RANK if follower else EVICTED
+            self.ledger.leave(st.pid, reason, st.work)
+            self.stats["gpu_steps_unattributed"] += 1
+            self.stats["gpu_launches_unattributed"] += st.launches
+        self.settled[log.key] = max(self.settled[log.key], log.base)
+
+    def _is_follower(self, log: StepLog) -> bool:
+        return log in self._group_ranks(self.ipc.serving_group(log.pid))[1]
+
+    def _group_ranks(self, group: frozenset[int]) -> tuple[list[StepLog], list[StepLog]]:
+        """``_ranks`` of a process group, led from a process that answered requests."""
+        logs = [lg for lg in self.logs.values() if lg.pid in group and lg.steps]
+        for pid in sorted(group & self.request_pids):
+            leaders, followers = self._ranks(pid, logs)
+            if leaders:
+                return leaders, followers
+        return [], []
+
+    def _settle_all(self, force_before: int | None, final: bool = False) -> None:
+        """Settle every log's steps as far as their members are final."""
+        frontiers: dict[frozenset[int], int | None] = {}
+        for log in list(self.logs.values()):
+            if not log.steps:
+                continue
+            group = self.ipc.serving_group(log.pid)
+            leaders, followers = self._group_ranks(group)
+            if log in followers:
+                continue
+            if group not in frontiers:
+                frontiers[group] = None if final else self._frontier(group)
+            self._settle(log, frontiers[group], force_before,
+                         [(f, self._shift(leaders[0], f)) for f in followers] if leaders else [],
+                         final)
+
+    def _frontier(self, group: frozenset[int]) -> int | None:
+        """The earliest arrival of a request of ``group`` that is not yet a member of its
+        steps (still open, or its last tokens may still come): steps that started before
+        it can be settled. None: no such request."""
+        out: int | None = None
+        for pid in group:
+            for r in self.open_records(pid):
+                a = arrival_ns(r)
+                out = a if out is None else min(out, a)
             for r in self.held.get(pid, ()):
-                self._next_scan = min(self._next_scan,
-                                      max(r.end_ns + self.hold_ns, now_ns + SCAN_EVERY_NS))
+                a = arrival_ns(r)
+                out = a if out is None else min(out, a)
+        return out
+
+    def _settle(self, log: StepLog, frontier: int | None, force_before: int | None,
+                followers: list[tuple[StepLog, int | None]], final: bool) -> None:
+        i = max(self.settled[log.key], log.base)
+        while True:
+            step = log.get(i)
+            if step is None:
+                break
+            forced = force_before is not None and step.end_ts < force_before
+            if frontier is not None and step.first_ts >= frontier and not forced:
+                break
+            if not (final or forced) and not self._known_up_to(
+                    log, self.members[log.key].horizon(i), frontier):
+                break  # a request's prefill is decided with all steps to its first token
+            fsteps = self._follower_steps(step, followers)
+            if fsteps is None and not final and step.end_ts + self.max_hold_ns > self.now:
+                break  # a trailing rank has not reported this step's collective yet
+            if forced and frontier is not None and step.first_ts >= frontier:
+                self.stats["gpu_steps_settled_early"] += 1
+                self._count_in_open(log, step)
+            self._settle_step(log, step, fsteps or [])
+            i += 1
+        self.settled[log.key] = i
+        if not final:
+            self._prune_settled(log)
+
+    @staticmethod
+    def _known_up_to(log: StepLog, h: int, frontier: int | None) -> bool:
+        """Every member of steps up to ``h`` of ``log`` is known."""
+        step = log.get(h)
+        return step is not None and (frontier is None or step.first_ts < frontier)
+
+    def _follower_steps(self, step: Step, followers: list[tuple[StepLog, int | None]]
+                        ) -> list[tuple[StepLog, Step]] | None:
+        """The other ranks' steps joined to leader step ``step`` (None: one is not in yet)."""
+        out = []
+        if step.signature is None:
+            return out
+        for f, shift in followers:
+            fstep = f.step_of_collective(step.coll_seq + shift) if shift is not None else None
+            if fstep is None and shift is not None and step.coll_seq + shift >= (
+                    f.coll_base + len(f.coll_sigs)):
+                return None
+            if fstep is None or fstep.signature != step.signature or fstep.settled:
+                self.stats["gpu_steps_unjoined"] += 1
+                continue
+            out.append((f, fstep))
+        return out
+
+    def _settle_step(self, log: StepLog, step: Step, fsteps: list[tuple[StepLog, Step]]
+                     ) -> None:
+        """Split ``step`` (and its other ranks' steps) among its members, once."""
+        members = self.members[log.key].members(step.index)
+        steps = [(log, step, 0)] + [(f, s, f.rank or 1) for f, s in fsteps]
+        if fsteps:
+            self.stats["gpu_steps_joined_nccl"] += len(fsteps)
+        if not members:
+            for _, st, _ in steps:
+                st.settled = True
+                self.ledger.leave(st.pid, NO_REQUEST, st.work)
+                self.stats["gpu_steps_unattributed"] += 1
+                self.stats["gpu_launches_unattributed"] += st.launches
+            return
+        occs = [o for o, _ in members]
+        feats: list[Member] = [m for _, m in members]
+        kernel, time = self.learners[log.key]
+        kf, tf = allocate(feats, kernel.model, time.model)
+        method = ("time_share" if all(not o.by_tokens for o in occs) else
+                  "step_model" if kernel.model.usable or time.model.usable else "step_equal")
+        described = f"launches: {kernel.model.describe()}; time: {time.model.describe()}"
+        for _, st, rank in steps:
+            st.settled = True
+            for o, m, fk, ft in zip(occs, feats, kf, tf):
+                part = Work({q: v * (fk if q in KERNEL_QUANTITIES else ft)
+                             for q, v in st.work.items()})
+                self.ledger.charge(st.pid, part)
+                share = self._share(o.rec)
+                share.add_step(st, part, whole=len(occs) == 1, prefill=m.prefill,
+                               method=method if o.by_tokens else "time_share", rank=rank)
+                if method == "step_model":
+                    share.models.add(described)
+            self.stats["gpu_step_launches_charged"] += st.launches
+        kernel.learn(feats, step.work.get("kernel_launches", 0.0))
+        time.learn(feats, step.work.get("gpu_time_ns", 0.0))
+
+    def _count_in_open(self, log: StepLog, step: Step) -> None:
+        """A step settled while requests that may have been in it run on: each open
+        streamed request is made a member by the tokens it has written so far."""
+        group = self.ipc.serving_group(log.pid)
+        ms = self.members[log.key]
+        for pid in group:
+            for r in list(self.open_records(pid)) + list(self.held.get(pid, ())):
+                if r.key in ms.occupancies:
+                    continue
+                occ = request_range(r, log, ms.ratio.value, finished=False)
+                if occ is not None and occ.first <= step.index:
+                    ms.add(occ)
+                    self.ready.setdefault(r.key, _Ready(r)).logs.append(log.key)
+
+    def _prune_settled(self, log: StepLog) -> None:
+        """Forget settled steps no request can still need: older than the earliest
+        step a member still holds, and than ``KEEP_SETTLED_NS``."""
+        ms = self.members[log.key]
+        keep = min((o.start for o in ms.occupancies.values()), default=self.settled[log.key])
+        keep = min(keep, self.settled[log.key])
+        cut = log.get(keep)
+        before = min(cut.first_ts if cut is not None else self.now, self.now - KEEP_SETTLED_NS)
+        if log.steps and log.steps[0].end_ts < before:
+            self._retire(log, log.prune(before))
+
+    # ---- records --------------------------------------------------------------------
+
+    def _ready(self, rec: RequestRecord) -> None:
+        """``rec``'s tokens are all in: it becomes a member of the steps it was in."""
+        held = self.held.get(rec.pid)
+        if held is None or rec not in held:
+            return
+        held.remove(rec)
+        if not held:
+            del self.held[rec.pid]
+        ready = self.ready.setdefault(rec.key, _Ready(rec))
+        ready.rec = rec
+        share = self.shares.get(rec.key)
+        followers = self._ranks(rec.pid, self._group_logs(rec.pid))[1]
+        for log in self._group_logs(rec.pid):
+            if log in followers:
+                continue
+            if share is not None and share.methods == {"same_thread"} and log.tid in rec.tids:
+                continue  # its own thread's other work was not its
+            ms = self.members[log.key]
+            ms.ratio.learn(rec, log)
+            occ = request_range(rec, log, ms.ratio.value)
+            if occ is None:
+                continue
+            self.stats[f"gpu_step_ranges_{occ.how}"] += 1
+            if occ.first < self.settled[log.key]:
+                self.stats["gpu_ranges_partly_settled"] += 1
+            ms.add(occ)
+            if log.key not in ready.logs:
+                ready.logs.append(log.key)
+
+    def _release_due(self, final: bool = False) -> None:
+        """Release ready records whose steps are all settled, in end order."""
+        due = []
+        for key, rd in self.ready.items():
+            if rd.rec.pid in self.held and rd.rec in self.held[rd.rec.pid]:
+                continue  # counted in early while still held: not finished being held
+            if final or all(self._settled_past(lk, key) for lk in rd.logs):
+                due.append(rd)
+        for rd in sorted(due, key=lambda rd: rd.rec.end_ns):
+            self._release(rd)
+
+    def _settled_past(self, lk: LogKey, key: Key) -> bool:
+        occ = self.members[lk].occupancies.get(key)
+        return occ is None or occ.last < self.settled[lk]
+
+    def _release(self, rd: _Ready) -> None:
+        rec = rd.rec
+        del self.ready[rec.key]
+        primary: tuple[StepLog, Occupancy] | None = None
+        for lk in rd.logs:
+            occ = self.members[lk].remove(rec.key)
+            if occ is not None and occ.by_tokens and (
+                    primary is None or occ.last - occ.start > primary[1].last - primary[1].start):
+                primary = (self.logs[lk], occ)
+        share = self.shares.pop(rec.key, None)
+        if share is not None:
+            rec.gpu.update(share.attributes(self.pricing))
+            if primary is not None:
+                self._phases(rec, *primary, share)
+        self.released_end[rec.pid] = max(self.released_end.get(rec.pid, 0), rec.end_ns)
+        self.emit(rec)
+
+    def _phases(self, rec: RequestRecord, lg: StepLog, occ: Occupancy, share: GpuShare
+                ) -> None:
+        """Queue, prefill and decode child spans from the request's steps and tokens."""
+        s0, s1 = lg.get(occ.start), lg.get(occ.first)
+        if s0 is None or s1 is None:
+            return
+        arrival = arrival_ns(rec)
+        r = rec.llm_response
+        first_token = (r.first_token_ts if r is not None and r.first_token_ts else s1.end_ts)
+        last_token = (r.token_ts[-1] if r is not None and r.token_ts else rec.end_ns)
+        if s0.first_ts > arrival:
+            rec.children.append(ChildSpan("queue", arrival, s0.first_ts,
+                                          {"tokentrace.phase": "queue"}))
+        rec.children.append(ChildSpan("prefill", s0.first_ts, max(first_token, s1.end_ts), {
+            "tokentrace.phase": "prefill",
+            "tokentrace.gpu.steps": occ.first - occ.start + 1,
+            "tokentrace.gpu.kernel_launches": round(share.prefill_launches, 3),
+        }))
+        if occ.last > occ.first and last_token > first_token:
+            rec.children.append(ChildSpan("decode", first_token, last_token, {
+                "tokentrace.phase": "decode",
+                "tokentrace.gpu.steps": occ.last - occ.first,
+                "tokentrace.gpu.kernel_launches": round(share.decode_launches, 3),
+            }))
+
+    # ---- helpers --------------------------------------------------------------------
+
+    def _in_flight(self, pid: int, first_ts: int, last_ts: int) -> list[RequestRecord]:
+        out = [r for r in self.open_records(pid) if r.start_ns <= last_ts]
+        out += [r for r in self.held.get(pid, ())
+                if r.start_ns <= last_ts and r.end_ns >= first_ts]
+        return out
+
+    def _share(self, rec: RequestRecord) -> GpuShare:
+        s = self.shares.get(rec.key)
+        if s is None:
+            s = self.shares[rec.key] = GpuShare()
+        return s
+
+    def _group_logs(self, pid: int) -> list[StepLog]:
+        group = self.ipc.serving_group(pid)
+        return [log for k, log in self.logs.items() if k[0] in group and log.steps]
+
+    def _ranks(self, pid: int, logs: list[StepLog]) -> tuple[list[StepLog], list[StepLog]]:
+        """Tensor-parallel leaders (rank 0) and the other ranks among ``logs``.
+
+        Ranks are known from communicator init when the tracer saw it; otherwise the
+        rank whose process talks to the request's process (or is it) leads, and the
+        other logs that run collectives follow."""
+        coll = [lg for lg in logs if lg.has_collectives]
+        if len(coll) < 2:
+            return [], []
+        leaders = [lg for lg in coll if lg.rank == 0]
+        if not leaders:
+            near = {pid} | (set(self.ipc.graph.neighbors(pid)) if pid in self.ipc.graph else set())
+            leaders = [lg for lg in coll if lg.pid in near][:1]
+        if not leaders:
+            return [], []
+        return leaders, [lg for lg in coll if lg not in leaders]
 
     def _ranks_caught_up(self, rec: RequestRecord) -> bool:
         logs = self._group_logs(rec.pid)
@@ -258,262 +599,3 @@ class GpuAttribution:
         if cached is None or n - cached[0] >= 16 or cached[1] is None:
             cached = self.shifts[key] = (n, collective_offset(lead, f))
         return cached[1]
-
-    def close(self) -> None:
-        """End of the stream: release everything held, in end order."""
-        for log in self.logs.values():
-            step = log.finish()
-            if step is not None:
-                self._closed(log, step)
-        for pid in list(self.held):
-            self._release(pid, lambda r: True)
-        for log in self.logs.values():
-            self._retire(log.prune(log.ends[-1] + 1 if log.ends else 0))
-
-    # ---- internals ------------------------------------------------------------------
-
-    def _log(self, pid: int, tid: int) -> StepLog:
-        log = self.logs.get((pid, tid))
-        if log is None:
-            log = self.logs[(pid, tid)] = StepLog(pid, tid)
-            self.stats["gpu_step_threads"] += 1
-        return log
-
-    def _closed(self, log: StepLog, step: Step) -> None:
-        """A step of ``log`` ended: count it, and keep the log bounded."""
-        self.stats["gpu_steps"] += 1
-        self.stats["gpu_step_launches"] += step.launches
-        if len(log.steps) > MAX_STEPS:
-            self._retire(log.prune(log.steps[-MAX_STEPS].end_ts))
-
-    def _in_flight(self, pid: int, first_ts: int, last_ts: int) -> list[RequestRecord]:
-        out = [r for r in self.open_records(pid) if r.start_ns <= last_ts]
-        out += [r for r in self.held.get(pid, ())
-                if r.start_ns <= last_ts and r.end_ns >= first_ts]
-        return out
-
-    def _share(self, rec: RequestRecord) -> GpuShare:
-        s = self.shares.get(rec.key)
-        if s is None:
-            s = self.shares[rec.key] = GpuShare()
-        return s
-
-    def _group_logs(self, pid: int) -> list[StepLog]:
-        group = self.ipc.serving_group(pid)
-        return [log for k, log in self.logs.items() if k[0] in group and log.steps]
-
-    def _members(self, rec: RequestRecord, group: frozenset[int]
-                 ) -> Iterable[tuple[RequestRecord, bool, _Released | None]]:
-        """Every other request of the group that may share steps with ``rec``."""
-        for pid in group:
-            for r in self.held.get(pid, ()):
-                if r is not rec:
-                    yield r, True, None
-            for rel in self.released.get(pid, ()):
-                yield rel.rec, True, rel
-            for r in self.open_records(pid):
-                yield r, False, None
-
-    def _charge_steps(self, rec: RequestRecord) -> _Released:
-        """Share the steps ``rec`` was in; returns its ranges for later members.
-
-        A tensor-parallel rank other than the leader is not aligned by itself: each of
-        its steps is joined to the leader's step that issued the same collective (same
-        place in the two ranks' collective sequences, see ``collective_offset``) and is
-        shared the same way."""
-        mine = _Released(rec)
-        logs = self._group_logs(rec.pid)
-        if not logs:
-            return mine
-        leaders, follower_logs = self._ranks(rec.pid, logs)
-        followers = [(f, self._shift(leaders[0], f)) for f in follower_logs]
-        others = list(self._members(rec, self.ipc.serving_group(rec.pid)))
-        primary: tuple[StepLog, int, int, int] | None = None
-        for log in logs:
-            if log in follower_logs:
-                continue
-            rng = request_range(rec, log, finished=True)
-            if rng is None:
-                mine.ranges[log.key] = None
-                continue
-            first, last, how = rng
-            self.stats[f"gpu_step_ranges_{how}"] += 1
-            ranges = self._ranges(rec, first, last, how, log, others)
-            begin = ranges[0][0]
-            mine.ranges[log.key] = (begin, last, how)
-            fractions = self._fractions(begin, last, ranges[1:])
-            method = "time_share" if how == "time" else "step_share"
-            share = self._share(rec)
-            for i, frac in zip(range(begin, last + 1), fractions):
-                step = log.get(i)
-                if step is None:
-                    self.stats["gpu_steps_missing"] += 1
-                    continue
-                prefill = how != "time" and i <= first
-                share.add_step(step, frac, prefill=prefill, method=method)
-                self.stats["gpu_step_launches_charged"] += step.launches * frac
-                if log in leaders and step.signature is not None:
-                    for f, shift in followers:
-                        fstep = (f.step_of_collective(step.coll_seq + shift)
-                                 if shift is not None else None)
-                        if fstep is None or fstep.signature != step.signature:
-                            self.stats["gpu_steps_unjoined"] += 1
-                            continue
-                        share.add_step(fstep, frac, prefill=prefill, method=method,
-                                       rank=f.rank or 1)
-                        self.stats["gpu_steps_joined_nccl"] += 1
-                        self.stats["gpu_step_launches_charged"] += fstep.launches * frac
-            if primary is None or last - begin > primary[3] - primary[1]:
-                primary = (log, begin, first, last)
-        if primary is not None:
-            self._phases(rec, *primary)
-        return mine
-
-    def _ranges(self, rec: RequestRecord, first: int, last: int, how: str, log: StepLog,
-                others: list[tuple[RequestRecord, bool, _Released | None]]
-                ) -> list[tuple[int, int]]:
-        """Step ranges on ``log`` of ``rec`` (first) and of the others that overlap it,
-        each widened back over its prefill.
-
-        A request's tokens show the step of its first token; a long prompt's prefill
-        (chunked) began steps earlier, without a trace outside the process. A request
-        that had arrived is taken to be prefilling in every step before its first
-        token that had a free slot, i.e. fewer token-emitting requests than the most
-        this engine was ever seen to run at once (its batch capacity); in a full step
-        it was queued, and queued requests are not charged."""
-        spans: list[tuple[int, int, int, bool]] = []  # (arrival step, first, last, tokens)
-        own_lower = log.first_started_after(rec.request_end_ns or rec.start_ns)
-        spans.append((own_lower, first, last, how != "time", rec.request_end_ns or rec.start_ns))
-        for r, finished, rel in others:
-            if rel is not None and log.key in rel.ranges:
-                orng = rel.ranges[log.key]
-                if orng is not None:
-                    spans.append((orng[0], orng[0], orng[1], False, 0))  # already widened
-                continue
-            orng = request_range(r, log, finished=finished)
-            if orng is None or orng[1] < own_lower:
-                continue
-            lower = log.first_started_after(r.request_end_ns or r.start_ns)
-            spans.append((lower, orng[0], orng[1], orng[2] != "time",
-                          r.request_end_ns or r.start_ns))
-        lo = min(x[0] for x in spans)
-        hi = max(last, max(x[1] for x in spans))
-        emitting = [0] * (hi - lo + 2)
-        for _, f, la, _tok, _arr in spans:
-            if la >= lo:
-                emitting[max(f, lo) - lo] += 1
-                emitting[min(la, hi) - lo + 1] -= 1
-        counts, n = [], 0
-        for d in emitting[:-1]:
-            n += d
-            counts.append(n)
-        cap = self.capacity[log.key] = max(self.capacity.get(log.key, 1), max(counts))
-        # first come, first served: earlier arrivals take the free slots first, and a
-        # prefilling request holds its slot like an emitting one
-        out = [(f, la) for _, f, la, _tok, _arr in spans]
-        for i in sorted(range(len(spans)), key=lambda i: spans[i][4]):
-            lower, f, la, tokens, _ = spans[i]
-            if not tokens:
-                continue
-            a = f
-            while a - 1 >= max(lower, lo) and counts[a - 1 - lo] < cap:
-                a -= 1
-            for j in range(a, f):
-                counts[j - lo] += 1
-            out[i] = (a, la)
-        return out
-
-    def _ranks(self, pid: int, logs: list[StepLog]) -> tuple[list[StepLog], list[StepLog]]:
-        """Tensor-parallel leaders (rank 0) and the other ranks among ``logs``.
-
-        Ranks are known from communicator init when the tracer saw it; otherwise the
-        rank whose process talks to the request's process (or is it) leads, and the
-        other logs that run collectives follow."""
-        coll = [lg for lg in logs if lg.has_collectives]
-        if len(coll) < 2:
-            return [], []
-        leaders = [lg for lg in coll if lg.rank == 0]
-        if not leaders:
-            near = {pid} | (set(self.ipc.graph.neighbors(pid)) if pid in self.ipc.graph else set())
-            leaders = [lg for lg in coll if lg.pid in near][:1]
-        if not leaders:
-            return [], []
-        return leaders, [lg for lg in coll if lg not in leaders]
-
-    @staticmethod
-    def _fractions(first: int, last: int, others: list[tuple[int, int]]) -> list[float]:
-        """For each step first..last: 1 / (requests in it), counting this one."""
-        sharers = [0] * (last - first + 2)
-        for ofirst, olast in others:
-            if olast < first or ofirst > last:
-                continue
-            sharers[max(ofirst, first) - first] += 1
-            sharers[min(olast, last) - first + 1] -= 1
-        out, n = [], 0
-        for i in range(last - first + 1):
-            n += sharers[i]
-            out.append(1.0 / (n + 1))
-        return out
-
-    def _phases(self, rec: RequestRecord, log: StepLog, begin: int, first: int,
-                last: int) -> None:
-        """Queue, prefill and decode child spans from the request's steps and tokens."""
-        s0, s1 = log.get(begin), log.get(first)
-        if s0 is None or s1 is None:
-            return
-        arrival = rec.request_end_ns or rec.start_ns
-        r = rec.llm_response
-        first_token = (r.first_token_ts if r is not None and r.first_token_ts else s1.end_ts)
-        last_token = (r.token_ts[-1] if r is not None and r.token_ts else rec.end_ns)
-        share = self.shares.get(rec.key)
-        if s0.first_ts > arrival:
-            rec.children.append(ChildSpan("queue", arrival, s0.first_ts,
-                                          {"tokentrace.phase": "queue"}))
-        rec.children.append(ChildSpan("prefill", s0.first_ts, max(first_token, s1.end_ts), {
-            "tokentrace.phase": "prefill",
-            "tokentrace.gpu.steps": first - begin + 1,
-            "tokentrace.gpu.kernel_launches": round(share.prefill_launches, 3) if share else None,
-        }))
-        if last > first and last_token > first_token:
-            rec.children.append(ChildSpan("decode", first_token, last_token, {
-                "tokentrace.phase": "decode",
-                "tokentrace.gpu.steps": last - first,
-                "tokentrace.gpu.kernel_launches":
-                    round(share.decode_launches, 3) if share else None,
-            }))
-
-    def _release(self, pid: int, due: Callable[[RequestRecord], bool]) -> None:
-        held = self.held.get(pid)
-        if not held:
-            return
-        for rec in sorted(held, key=lambda r: r.end_ns):
-            if not due(rec):
-                continue
-            held.remove(rec)  # from here on it is a released member, not a held one
-            rel = self._charge_steps(rec)
-            share = self.shares.pop(rec.key, None)
-            if share is not None:
-                rec.gpu.update(share.attributes(self.pricing))
-            self.released_end[pid] = max(self.released_end.get(pid, 0), rec.end_ns)
-            self.released.setdefault(pid, []).append(rel)
-            self.emit(rec)
-        if not held:
-            del self.held[pid]
-        self._forget(pid)
-
-    def _retire(self, steps: list[Step]) -> None:
-        """Steps forgotten: count those no request was charged."""
-        for st in steps:
-            if st.charged == 0:
-                self.stats["gpu_steps_unattributed"] += 1
-                self.stats["gpu_launches_unattributed"] += st.launches
-
-    def _forget(self, pid: int) -> None:
-        """Drop released records and steps too old to matter."""
-        rel = self.released.get(pid)
-        if rel and rel[0].rec.end_ns + KEEP_RELEASED_NS < self.now:
-            self.released[pid] = [x for x in rel if x.rec.end_ns + KEEP_RELEASED_NS >= self.now]
-        if self.now > KEEP_STEPS_NS:
-            for log in self.logs.values():
-                if log.pid == pid and log.steps and log.ends[0] < self.now - KEEP_STEPS_NS:
-                    self._retire(log.prune(self.now - KEEP_STEPS_NS))

@@ -205,3 +205,37 @@ class GpuPricing:
         what = f"${self.usd_per_gpu_hour:.2f}/GPU-hour ({self.source}"
         what += f", {self.model})" if self.model else ")"
         return what + ("; " + "; ".join(self.notes) if self.notes else "")
+
+
+def reconcile(recon: dict[str, Any], windows: dict[int, tuple[int, int]],
+              pricing: "GpuPricing | None") -> dict[str, Any]:
+    """Money that reconciles, per GPU process (OpenCost's habit: every dollar of the
+    window lands in a request, in busy-but-unattributed, or in idle).
+
+    ``recon`` is ``Ledger.reconciliation()``; ``windows`` each process's first and last
+    GPU activity (ns). GPU time is the steps' and bursts' spans (first launch to the end
+    of the wait), so busy <= window on an engine thread; idle is the rest of the window.
+    Costs are at ``pricing``'s price per GPU-hour, one GPU per process."""
+    price = pricing.usd_per_gpu_hour if pricing is not None else None
+    rows = []
+    for pid, q in recon.get("processes", {}).items():
+        t = q.get("gpu_time_ns", {})
+        first, last = windows.get(int(pid), (0, 0))
+        window_s = max(0, last - first) / 1e9
+        busy_s = t.get("observed", 0.0) / 1e9
+        row: dict[str, Any] = {
+            "pid": int(pid), "window_s": round(window_s, 6), "busy_s": round(busy_s, 6),
+            "charged_s": round(t.get("charged", 0.0) / 1e9, 6),
+            "unattributed_s": round(t.get("unattributed", 0.0) / 1e9, 6),
+            "idle_s": round(max(0.0, window_s - busy_s), 6),
+            "launches_observed": q.get("kernel_launches", {}).get("observed", 0.0),
+            "launches_charged": q.get("kernel_launches", {}).get("charged", 0.0),
+            "launches_unattributed": q.get("kernel_launches", {}).get("unattributed", 0.0),
+        }
+        if price is not None:
+            for k in ("window", "busy", "charged", "unattributed", "idle"):
+                row[f"{k}_usd"] = round(row[f"{k}_s"] / 3600 * price, 9)
+            row["price_per_gpu_hour"] = price
+            row["gpu_model"] = pricing.model if pricing is not None else None
+        rows.append(row)
+    return {"balanced": recon.get("balanced", True), "processes": rows}

@@ -1,0 +1,191 @@
+"""What each member of a batched step made it cost: a step-cost model and the shares.
+
+A continuous-batching step's work (kernel launches, GPU time) is modelled as
+
+    cost = fixed + per_seq * sequences + per_prefill * prefilling sequences
+                 + per_token * prefill tokens
+
+learned from the engine's own steps (``fit``): non-negative least squares over the four
+coefficients, made robust to outliers with Huber weights. Each member is then charged
+its marginal part plus an equal share of the fixed part (``member_costs``), scaled so
+the members' shares add up to what the step really cost (``fractions``): nothing is
+charged twice and nothing is lost, whatever the model says.
+
+Everything here is a pure function of plain numbers, so the allocation can be checked
+by hand and by property tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import combinations
+from typing import Sequence
+
+import numpy as np
+
+MIN_STEPS = 32  # fewer steps than this: equal shares
+MIN_R2 = 0.5  # a model explaining less of the variance than this is not trusted
+HUBER_K = 1.345  # Huber's constant, in robust standard deviations
+IRLS_ROUNDS = 3
+COEFFICIENTS = ("fixed", "per_seq", "per_prefill", "per_token")
+
+
+@dataclass(frozen=True)
+class Member:
+    """One request in one step, as far as the cost model is concerned."""
+
+    prefill: bool = False
+    tokens: float = 0.0  # prompt tokens this step processed for it (0 when decoding)
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """A fitted step-cost model, or the reason there is none (``usable`` False)."""
+
+    fixed: float = 0.0
+    per_seq: float = 0.0
+    per_prefill: float = 0.0
+    per_token: float = 0.0
+    r2: float = 0.0
+    steps: int = 0
+    usable: bool = False
+    reason: str = "no steps"
+
+    def predict(self, members: Sequence[Member]) -> float:
+        return self.fixed + sum(self.marginal(m) for m in members)
+
+    def marginal(self, m: Member) -> float:
+        """What one member adds to a step."""
+        if m.prefill:
+            return self.per_seq + self.per_prefill + self.per_token * m.tokens
+        return self.per_seq
+
+    def describe(self) -> str:
+        if not self.usable:
+            return f"equal ({self.reason})"
+        return (f"{self.fixed:.4g} + {self.per_seq:.4g}/seq + {self.per_prefill:.4g}/prefill"
+                f" + {self.per_token:.4g}/prefill token (r2 {self.r2:.2f}, {self.steps} steps)")
+
+
+EQUAL = StepModel()
+
+
+def features(members: Sequence[Member]) -> tuple[float, float, float]:
+    """(sequences, prefilling sequences, prefill tokens) of one step."""
+    pre = [m for m in members if m.prefill]
+    return float(len(members)), float(len(pre)), float(sum(m.tokens for m in pre))
+
+
+def _wls(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    sw = np.sqrt(w)
+    coef, *_ = np.linalg.lstsq(x * sw[:, None], y * sw, rcond=None)
+    return coef
+
+
+def _nnls(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Weighted least squares with every coefficient >= 0, by trying each subset of
+    columns (four columns: sixteen small solves) and keeping the best feasible one."""
+    best, best_sse = np.zeros(x.shape[1]), float(np.sum(w * y * y))
+    cols = range(x.shape[1])
+    for k in range(1, x.shape[1] + 1):
+        for subset in combinations(cols, k):
+            idx = list(subset)
+            c = _wls(x[:, idx], y, w)
+            if np.any(c < 0):
+                continue
+            full = np.zeros(x.shape[1])
+            full[idx] = c
+            r = y - x @ full
+            sse = float(np.sum(w * r * r))
+            if sse < best_sse - 1e-12 * max(1.0, best_sse):
+                best, best_sse = full, sse
+    return best
+
+
+def fit(rows: Sequence[tuple[float, float, float, float]]) -> StepModel:
+    """Fit the step-cost model to ``rows`` of (sequences, prefilling, prefill tokens,
+    cost); equal shares (``usable`` False) when there are too few steps, too little
+    variety in them, or the model explains too little of the variation."""
+    if len(rows) < MIN_STEPS:
+        return StepModel(steps=len(rows), reason=f"{len(rows)} steps < {MIN_STEPS}")
+    a = np.asarray(rows, dtype=float)
+    x = np.column_stack([np.ones(len(a)), a[:, 0], a[:, 1], a[:, 2]])
+    y = a[:, 3]
+    if len({tuple(r) for r in a[:, :3].tolist()}) < 3:
+        return StepModel(steps=len(rows), reason="too little variety in the steps")
+    w = np.ones(len(a))
+    coef = _nnls(x, y, w)
+    for _ in range(IRLS_ROUNDS):  # Huber weights: outlying steps count less
+        r = y - x @ coef
+        scale = 1.4826 * float(np.median(np.abs(r - np.median(r))))
+        if scale <= 0:
+            break
+        u = np.abs(r) / (HUBER_K * scale)
+        w = np.where(u <= 1, 1.0, 1.0 / np.maximum(u, 1e-12))
+        coef = _nnls(x, y, w)
+    r = y - x @ coef
+    mean = float(np.average(y, weights=w))
+    ss_tot = float(np.sum(w * (y - mean) ** 2))
+    r2 = 1.0 - float(np.sum(w * r * r)) / ss_tot if ss_tot > 0 else 1.0
+    model = StepModel(*(float(c) for c in coef), r2=r2, steps=len(rows), usable=True,
+                      reason="fitted")
+    if coef[1:].sum() > 0 and r2 < MIN_R2:
+        return StepModel(*(float(c) for c in coef), r2=r2, steps=len(rows), usable=False,
+                         reason=f"poor fit (r2 {r2:.2f} < {MIN_R2})")
+    return model
+
+
+def member_costs(model: StepModel, members: Sequence[Member]) -> list[float]:
+    """Each member's cost under ``model``: its marginal part plus an equal share of the
+    fixed part. Equal costs if the model is unusable or predicts nothing."""
+    n = len(members)
+    if not n:
+        return []
+    if not model.usable:
+        return [1.0] * n
+    costs = [model.fixed / n + model.marginal(m) for m in members]
+    return costs if sum(costs) > 0 else [1.0] * n
+
+
+def fractions(costs: Sequence[float]) -> list[float]:
+    """Costs scaled to fractions of the step that add up to exactly 1 (the last member
+    takes the rounding), or nothing for a step without members."""
+    total = float(sum(costs))
+    if not costs:
+        return []
+    if total <= 0:
+        costs, total = [1.0] * len(costs), float(len(costs))
+    out = [c / total for c in costs[:-1]]
+    out.append(1.0 - sum(out))
+    return out
+
+
+WINDOW = 1024  # recent steps a model is fitted to
+REFIT_EVERY = 64  # steps between refits
+
+
+class Learner:
+    """A step-cost model kept fitted to a sliding window of an engine's recent steps."""
+
+    def __init__(self) -> None:
+        from collections import deque
+        self.rows: deque[tuple[float, float, float, float]] = deque(maxlen=WINDOW)
+        self.model = EQUAL
+        self._since = 0
+
+    def learn(self, members: Sequence[Member], cost: float) -> None:
+        if not members:
+            return
+        self.rows.append((*features(members), float(cost)))
+        self._since += 1
+        if self._since >= REFIT_EVERY or (self.model is EQUAL and len(self.rows) >= MIN_STEPS):
+            self._since = 0
+            self.model = fit(list(self.rows))
+
+
+def allocate(members: Sequence[Member], kernel_model: StepModel, time_model: StepModel
+             ) -> tuple[list[float], list[float]]:
+    """A step's fractions per member: by the launch-count model (for launches) and by
+    the GPU-time model (for time, bytes and collectives). Each list adds up to 1."""
+    return (fractions(member_costs(kernel_model, members)),
+            fractions(member_costs(time_model, members)))

@@ -1,0 +1,78 @@
+"""Conservation: per GPU process and quantity, what was observed, what was charged to
+requests and what was left unattributed (with the reason). Charged plus unattributed
+equals observed, exactly up to float rounding, for every quantity: a report whose
+per-request costs add up to more than the GPU did is wrong however good each number
+looks.
+
+The correlator books each amount once, at the moment it decides: ``observe`` when a
+step closes or a same-thread burst arrives, ``charge`` per request share, ``leave`` for
+work no request was in. ``reconciliation`` is what the exit report and ``--summary``
+print.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Mapping
+
+from tracer.correlate.work import QUANTITIES, Work
+
+# Why work was left unattributed.
+NO_REQUEST = "no_request"  # a step no traced request was in (warm-up, idle, untraced)
+UNJOINED_RANK = "unjoined_rank"  # a tensor-parallel rank's step not matched to rank 0's
+EVICTED = "evicted"  # dropped unsettled to bound memory
+TOLERANCE = 1e-6  # relative: float rounding of many fractional shares
+
+
+class Ledger:
+    """Observed, charged and unattributed work per GPU process."""
+
+    def __init__(self) -> None:
+        self.observed: dict[int, Work] = defaultdict(Work)
+        self.charged: dict[int, Work] = defaultdict(Work)
+        self.unattributed: dict[int, dict[str, Work]] = defaultdict(lambda: defaultdict(Work))
+
+    def observe(self, pid: int, work: Mapping[str, float]) -> None:
+        self.observed[pid].add(work)
+
+    def charge(self, pid: int, work: Mapping[str, float], fraction: float = 1.0) -> None:
+        self.charged[pid].add(work, fraction)
+
+    def leave(self, pid: int, reason: str, work: Mapping[str, float]) -> None:
+        self.unattributed[pid][reason].add(work)
+
+    def residual(self, pid: int) -> Work:
+        """observed - charged - unattributed, per quantity (zero when conserved)."""
+        out = Work(self.observed[pid])
+        out.add(self.charged[pid], -1.0)
+        for w in self.unattributed[pid].values():
+            out.add(w, -1.0)
+        return out
+
+    def balanced(self) -> bool:
+        """Every process's every quantity conserved to ``TOLERANCE``."""
+        for pid in self.observed:
+            res = self.residual(pid)
+            for q in QUANTITIES:
+                if abs(res.get(q, 0.0)) > TOLERANCE * max(1.0, abs(self.observed[pid].get(q, 0))):
+                    return False
+        return True
+
+    def reconciliation(self) -> dict[str, Any]:
+        """Per process: each quantity's observed, charged, unattributed (by reason) and
+        residual, and whether all balance."""
+        procs = {}
+        for pid in sorted(self.observed):
+            res = self.residual(pid)
+            rows = {}
+            for q in QUANTITIES:
+                obs = self.observed[pid].get(q, 0.0)
+                left = {r: w.get(q, 0.0) for r, w in sorted(self.unattributed[pid].items())
+                        if w.get(q, 0.0)}
+                if not obs and not left and not self.charged[pid].get(q):
+                    continue
+                rows[q] = {"observed": obs, "charged": self.charged[pid].get(q, 0.0),
+                           "unattributed": sum(left.values()), "unattributed_by": left,
+                           "residual": res.get(q, 0.0)}
+            procs[str(pid)] = rows
+        return {"balanced": self.balanced(), "processes": procs}

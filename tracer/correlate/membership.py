@@ -1,0 +1,255 @@
+"""Which requests were in which engine step: tokens aligned with steps, and prefill.
+
+A request's output shows when its tokens left the server, not which step made them;
+``request_range`` turns its token times into the steps it must have been in
+(``Occupancy``). ``Membership`` then walks one engine thread's steps in order and says,
+for each, who was in it: the requests whose tokens place them there, and those
+prefilling before their first token while the engine had a free slot, first come first
+served (a long prompt's prefill is chunked over steps that show nothing outside the
+process). Requests queued behind a full batch are in no step.
+
+Steps per token: a continuous-batching engine gives each running request one token per
+step, but a sequential ``generate`` loop may synchronise several times per token (HF
+``transformers serve`` without continuous batching: three result copies per token). The
+ratio is learned per thread from finished streamed requests (``StepsPerToken``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter, deque
+from dataclasses import dataclass
+
+from tracer.correlate.costmodel import Member
+from tracer.correlate.records import RequestRecord
+from tracer.correlate.steps import StepLog
+
+RATIO_SAMPLES = 64  # recent requests the steps-per-token ratio is the median of
+RATIO_MIN_SAMPLES = 1
+RATIO_MIN_TOKENS = 8
+CAPACITY_MIN_STEPS = 200  # until then the capacity is the most ever seen in a step
+CAPACITY_OUTLIERS = 0.01  # steps fuller than the capacity, at most
+
+
+def arrival_ns(rec: RequestRecord) -> int:
+    """When the request was all in: no step that started before can have served it."""
+    return rec.request_end_ns or rec.start_ns
+
+
+def prompt_tokens(rec: RequestRecord) -> float:
+    """Prompt tokens from the response's usage, else about four bytes per token of the
+    request body (only used to weigh prefill work against decode work)."""
+    r = rec.llm_response
+    if r is not None and r.input_tokens:
+        return float(r.input_tokens)
+    return rec.request_bytes / 4.0
+
+
+@dataclass
+class Occupancy:
+    """The steps of one log one request was in.
+
+    ``first``: the step that made its first token, the first its tokens place it in; ``last``: its last step; ``begin``: its first step once prefill
+    is decided (<= ``first``); ``arrival``: the first step that started after it
+    arrived."""
+
+    rec: RequestRecord
+    arrival: int
+    first: int
+    last: int
+    how: str
+    begin: int | None = None
+
+    @property
+    def by_tokens(self) -> bool:
+        return not self.how.startswith("time")
+
+    @property
+    def start(self) -> int:
+        """First step it is charged for (``begin`` once decided, else ``first``)."""
+        return self.begin if self.begin is not None else self.first
+
+
+def request_range(rec: RequestRecord, log: StepLog, per_token: int = 1,
+                  finished: bool = True) -> Occupancy | None:
+    """The steps of ``log`` that served ``rec``, from its tokens.
+
+    A streamed response's k-th text chunk carries a token no earlier than the k-th,
+    made by a step that had ended before the chunk was written; so
+    ``last_ended_by(chunk_k) - k`` bounds the step of its first token from above, for
+    every k (hand-off lag only loosens each bound), and its last step ended before its
+    last chunk. Where the engine gives a running request one token per step
+    (``per_token`` 1: continuous batching), the output token count pins the range
+    further: the first step is at most the last minus (tokens - 1), the last at most the
+    first plus (tokens - 1), and a response seen only whole spans its output tokens'
+    steps up to its response. Where a token takes several steps (a sequential
+    ``generate`` loop, whose steps per token vary with streaming), only the times are
+    used, and a whole response is placed by ``Membership`` after the request before it.
+    A request with neither tokens nor a response (not an LLM request, or no usage)
+    holds the steps between its arrival and its response ("time"). Steps that started
+    before the request arrived are never its own.
+    """
+    lower = log.first_started_after(arrival_ns(rec))
+    r = rec.llm_response
+    tokens = r.token_ts if r is not None else []
+    n_out = (r.output_tokens or 0) if r is not None else 0
+    batching = per_token <= 1
+    if tokens and r is not None and r.streamed:
+        n = max(len(tokens), n_out) if finished else len(tokens)
+        cap = log.last_ended_by(tokens[-1])
+        first = min(log.last_ended_by(ts) - k for k, ts in enumerate(tokens))
+        if batching:
+            first = min(first, cap - (n - 1))
+        how = "tokens"
+    elif n_out and finished:
+        cap = log.last_ended_by(rec.response_start_ns or rec.end_ns)
+        n = n_out
+        first = cap - (n - 1) if batching else cap
+        how = "response"
+    else:
+        if not finished:
+            return None
+        last = log.last_ended_by(rec.response_start_ns or rec.end_ns)
+        if last < lower:
+            return None
+        return Occupancy(rec, lower, lower, last, "time", begin=lower)
+    if first < lower:  # tokens came faster than steps could make them: trust arrival
+        first = lower
+        how += "_clamped"
+    last = min(first + n - 1, cap) if batching else cap
+    return Occupancy(rec, lower, first, last, how) if last >= first else None
+
+
+class StepsPerToken:
+    """Steps a request spends per output token on one engine thread: 1 for continuous
+    batching, more where each token takes several result copies. The median over recent
+    finished streamed requests of (steps between first and last token) / (tokens - 1),
+    rounded: a first chunk carrying several tokens and hand-off lag blur single
+    requests, not the median."""
+
+    def __init__(self) -> None:
+        self.samples: deque[float] = deque(maxlen=RATIO_SAMPLES)
+        self.value = 1
+
+    def learn(self, rec: RequestRecord, log: StepLog) -> None:
+        r = rec.llm_response
+        if r is None or not r.streamed or len(r.token_ts) < 2:
+            return
+        n = max(r.output_tokens or 0, len(r.token_ts))
+        if n < RATIO_MIN_TOKENS:
+            return
+        span = log.last_ended_by(r.token_ts[-1]) - log.last_ended_by(r.token_ts[0])
+        self.samples.append(span / (n - 1))
+        if len(self.samples) >= RATIO_MIN_SAMPLES:
+            self.value = max(1, round(statistics.median(self.samples)))
+
+
+class Membership:
+    """The members of one log's steps, decided in step order.
+
+    ``add`` takes a finished request's occupancy; ``members(i)`` says who was in step
+    ``i`` (called for i = 0, 1, 2, ... as steps are settled). Prefill is contiguous and
+    ends with the first token: a request that had arrived before the step of its first
+    token was prefilling in each step back from that one while the step had a free slot
+    (fewer requests in it than the engine's batch capacity), and queued before; earlier
+    arrivals take free slots first. This is decided for a request at the first step
+    settled after it arrived, and needs every step up to its first token to have its
+    members known: ``horizon(i)`` says how far that is. The capacity is learned: the
+    most requests tokens place in one step, except in the rarest steps."""
+
+    def __init__(self, log: StepLog) -> None:
+        self.log = log
+        self.occupancies: dict[tuple[int, int, int, int], Occupancy] = {}
+        self.capacity = 1
+        self.counts: Counter[int] = Counter()  # settled steps by requests their tokens place in them
+        self.committed: Counter[int] = Counter()  # step -> requests decided to prefill in it
+        self._ahead: Counter[int] | None = None  # step -> requests tokens place in it, unsettled
+        self._next = 0  # the step members() is asked for next
+        self.ratio = StepsPerToken()
+
+    def add(self, occ: Occupancy) -> None:
+        self.occupancies[occ.rec.key] = occ
+        self._ahead = None
+
+    def remove(self, key: tuple[int, int, int, int]) -> Occupancy | None:
+        self._ahead = None
+        return self.occupancies.pop(key, None)
+
+    def horizon(self, i: int) -> int:
+        """The last step whose members must be known before step ``i`` is settled: the
+        step before the first token of any request still to be placed by then."""
+        out = i
+        for o in self.occupancies.values():
+            if o.by_tokens and o.begin is None and o.arrival <= i < o.first:
+                out = max(out, o.first - 1)
+        return out
+
+    def members(self, i: int) -> list[tuple[Occupancy, Member]]:
+        """Who was in step ``i``, each with what the cost model needs to know."""
+        ahead = self._emitting_ahead(i)
+        emitting = ahead.pop(i, 0)
+        self.counts[emitting] += 1
+        self._learn_capacity(ahead)
+        undecided = sorted((o for o in self.occupancies.values() if o.by_tokens
+                            and o.begin is None and o.arrival <= i),
+                           key=lambda o: arrival_ns(o.rec))
+        for o in undecided:  # earlier arrivals first
+            self._place(o, i, ahead)
+        self.committed.pop(i - 1, None)
+        self._next = i + 1
+        out = []
+        for o in self.occupancies.values():
+            if (o.arrival if not o.by_tokens else o.start) <= i <= o.last:
+                out.append((o, self._member(o, i)))
+        return out
+
+    def _place(self, o: Occupancy, i: int, ahead: Counter[int]) -> None:
+        """Decide where ``o``'s prefill began: back from its first token while steps had
+        a free slot, not before step ``i`` (those are settled) or its arrival."""
+        a = o.first
+        while a - 1 >= max(o.arrival, i):
+            j = a - 1
+            used = (ahead.get(j, 0) if j != i else self._emitting_now(i)) + self.committed[j]
+            if used >= self.capacity:
+                break
+            a = j
+        o.begin = a
+        for j in range(a, o.first):
+            self.committed[j] += 1
+
+    def _emitting_now(self, i: int) -> int:
+        return sum(1 for o in self.occupancies.values() if o.by_tokens and o.first <= i <= o.last)
+
+    def _emitting_ahead(self, i: int) -> Counter[int]:
+        """Step -> requests its tokens place in it, for steps from ``i`` on."""
+        if self._ahead is None or self._next != i:
+            self._ahead = Counter()
+            for o in self.occupancies.values():
+                if o.by_tokens:
+                    for k in range(max(o.first, i), o.last + 1):
+                        self._ahead[k] += 1
+        counts = Counter(self._ahead)
+        self._ahead.pop(i, None)
+        return counts
+
+    def _learn_capacity(self, ahead: Counter[int]) -> None:
+        """The batch capacity over settled steps and those the known tokens cover
+        ahead, except in the rarest steps (on a one-at-a-time engine a request's last
+        token written late overlaps the next one's first step)."""
+        counts = self.counts + Counter(ahead.values())
+        total = sum(counts.values())
+        if total < CAPACITY_MIN_STEPS:
+            self.capacity = max([1, *counts])
+            return
+        allowed, above = total * CAPACITY_OUTLIERS, 0
+        for n in sorted(counts, reverse=True):
+            if above + counts[n] > allowed:
+                self.capacity = max(1, n)
+                return
+            above += counts[n]
+
+    @staticmethod
+    def _member(o: Occupancy, i: int) -> Member:
+        if not o.by_tokens or i > o.first:
+            return Member(prefill=False)
+        return Member(prefill=True, tokens=prompt_tokens(o.rec) / max(1, o.first - o.start + 1))
