@@ -189,6 +189,44 @@ def run_case(layout: str, concurrency: int, requests: int, device: str,
     return out
 
 
+def run_hf_case(continuous: bool, concurrency: int, requests: int, device: str, work: Path,
+                model: Path, keep: Path | None = None, pricing: Any = None) -> dict[str, Any]:
+    """HF ``transformers serve`` (a server nobody here wrote) under the tracer: its
+    truth comes from ``samples/hf/truth`` inside the server, never from the tracer.
+    With ``keep``, the capture, truth and client results are copied there."""
+    from samples.hf.serve import HfServer
+
+    name = f"hf-{'cb' if continuous else 'plain'}-c{concurrency}"
+    truth_path, cap = work / f"{name}.truth.jsonl", work / f"{name}.ttcap"
+    truth_path.unlink(missing_ok=True)
+    server = HfServer(model, truth_path, work / f"{name}.log", continuous, device)
+    try:
+        server.wait_ready()
+        server.warm_up()
+        client_out = work / f"{name}.client.json"
+        with traced(pids=[server.pid], settle=1.0, pricing=pricing, record=str(cap)) as got:
+            subprocess.run([sys.executable, "-m", "samples.batching.load", "--url", server.url,
+                            "--requests", str(requests), "--concurrency", str(concurrency),
+                            "--out", str(client_out), "--seed", str(concurrency),
+                            "--model", str(model), "--max-tokens", "24:150",
+                            "--words", "5:300", "--stream-share", "0.75",
+                            "--usage-share", "1.0"], cwd=ROOT, check=True, timeout=900)
+            time.sleep(0.5)
+        server.flush_truth()
+    finally:
+        server.stop()
+    if keep is not None:  # one file per case: the device tool brings back few files
+        import tarfile
+        keep.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(keep / f"{name}.tgz", "w:gz") as tar:
+            for f in (cap, truth_path, client_out, work / f"{name}.log"):
+                tar.add(f, arcname=f.name)
+    from samples.scoring import score
+    out = {"server": name, "concurrency": concurrency, "device": device,
+           **score(truth_path.read_text().splitlines(), got.spans, got.report)}
+    return out
+
+
 def table(results: list[dict[str, Any]]) -> str:
     rows = ["| layout | conc. | requests | kernel share MAE/mean | p95 rel. | GPU time MAE/mean "
             "| step count off (all / emitting) | chunked prefill "
@@ -207,19 +245,38 @@ def table(results: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--server", default="batching", choices=("batching", "hf-cb", "hf-plain"),
+                    help="our batching samples (--layouts) or HF transformers serve")
+    ap.add_argument("--keep", type=Path, help="copy HF captures, truths and client results here")
     ap.add_argument("--layouts", default="thread,process,tp2")
     ap.add_argument("--concurrency", default="1,8,32")
-    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--requests", default="64",
+                    help="requests per case, or one count per concurrency (hf: 48,128,384)")
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--out", default=str(ROOT / "bench/results/accuracy.json"))
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="tt-accuracy-"))
-    libs = build(work / "gpu") if args.device == "cpu" else None
     results = []
+    if args.server.startswith("hf-"):
+        from samples.hf.model import build as build_model
+        model = build_model(work / "tiny-llama")
+        conc = [int(x) for x in args.concurrency.split(",")]
+        counts = [int(x) for x in args.requests.split(",")]
+        for c, n in zip(conc, counts * len(conc) if len(counts) == 1 else counts):
+            r = run_hf_case(args.server == "hf-cb", c, n, args.device, work, model, args.keep)
+            print(json.dumps(r), flush=True)
+            results.append(r)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"server": args.server, "device": args.device,
+                                              "requests": args.requests,
+                                              "results": results}, indent=1) + "\n")
+        return 0
+    libs = build(work / "gpu") if args.device == "cpu" else None
     for layout in args.layouts.split(","):
         for c in (int(x) for x in args.concurrency.split(",")):
-            r = run_case(layout, c, args.requests, args.device, libs, work, args.max_batch)
+            r = run_case(layout, c, int(args.requests.split(",")[0]), args.device, libs, work,
+                         args.max_batch)
             print(json.dumps(r), flush=True)
             results.append(r)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
