@@ -345,3 +345,47 @@ def test_every_column_is_documented():
     doc = (Path(__file__).resolve().parents[1] / "docs" / "report.md").read_text()
     for col in [*COLUMNS, *SUMMARY_COLUMNS]:
         assert f"`{col}`" in doc, col
+
+
+def test_reconciliation_balances_on_a_real_run(tmp_path):
+    """Replay of HF serve on an H100 with --summary, then `report --summary`: the
+    requests' costs plus the unattributed and idle rest are the GPU's window cost."""
+    from tests.conftest import CAPTURES
+    spans, summary = tmp_path / "s.jsonl", tmp_path / "sum.json"
+    r = subprocess.run([sys.executable, "-m", "tracer", "replay",
+                        str(CAPTURES / "hf-cb-c32-h100.ttcap"), "--quiet", "--gpu-price", "3.6",
+                        "--jsonl", str(spans), "--summary", str(summary)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "launches 199705 observed = 199705.0 charged + 0.0 unattributed" in r.stderr
+    out = tmp_path / "rep"
+    r = subprocess.run([sys.executable, "-m", "tracer", "report", str(spans), "-o", str(out),
+                        "--summary", str(summary)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads((out / "reconciliation.json").read_text())
+    assert row["price_per_gpu_hour"] == 3.6
+    assert row["window_usd"] == pytest.approx(row["window_s"] / 3600 * 3.6, rel=1e-6)
+    assert row["requests_usd"] > 0 and row["idle_usd"] >= 0
+    assert row["balance_usd"] == pytest.approx(0, abs=1e-6)
+    assert row["launches_charged"] + row["launches_unattributed"] == \
+        pytest.approx(row["launches_observed"])
+    page = (out / "report.html").read_text()
+    assert "Reconciliation with the GPU" in page and 'class="scroll"' in page
+    # a span file that is only part of the run does not balance, and the page says why
+    part = tmp_path / "part.jsonl"
+    part.write_text("".join(spans.read_text().splitlines(keepends=True)[:100]))
+    r = subprocess.run([sys.executable, "-m", "tracer", "report", str(part), "-o",
+                        str(tmp_path / "rep2"), "--summary", str(summary)],
+                       capture_output=True, text=True)
+    (row2,) = json.loads((tmp_path / "rep2" / "reconciliation.json").read_text())
+    assert row2["balance_usd"] > 1e-6
+
+
+def test_streamed_and_whole_latencies_are_not_mixed():
+    from tracer.report.summary import summarise
+    rows = [{"stream": True, "ttft_ms": 10.0, "e2e_ms": 500.0},
+            {"stream": True, "ttft_ms": 30.0, "e2e_ms": 600.0},
+            {"stream": False, "ttft_ms": 900.0, "e2e_ms": 900.0}]
+    s = summarise(rows)
+    assert s["ttft_p50_ms"] == 20.0 and s["ttft_p95_ms"] == pytest.approx(29.0)
+    assert s["whole_p50_ms"] == 900.0

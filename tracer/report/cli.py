@@ -17,12 +17,17 @@ DESCRIPTION = (
     "Per-request cost report from a span JSONL file (`tokentrace run/replay --jsonl`): "
     "one row per request (tokens, TTFT, GPU work, GPU-ms, cost) to requests.csv and "
     "requests.json, summaries by model and by tenant (by_model.csv, by_tenant.csv, "
-    "summary.json), and report.html, a self-contained page with plots. Child spans "
-    "(queue, prefill, decode) are skipped; malformed lines are counted and skipped.")
+    "summary.json), and report.html, a self-contained page with plots. With --summary "
+    "(the file `run/replay --summary` wrote for the same run), a reconciliation per GPU "
+    "process: its GPU time over the window, priced, against the requests' costs plus "
+    "the unattributed and idle rest (reconciliation.csv/json and a table on the page). "
+    "Child spans (queue, prefill, decode) are skipped; malformed lines are counted and "
+    "skipped.")
 EPILOG = """\
 examples:
   tokentrace report spans.jsonl
   tokentrace report spans.jsonl -o out/report --format html
+  tokentrace report spans.jsonl --summary summary.json   # does it add up to the GPU?
   tokentrace report spans.jsonl --gpu-price 2.10     # reprice at what you pay
   tokentrace report spans.jsonl --gpu-model a100-80gb
 """
@@ -54,6 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="directory for the report files, created if needed (default: report)")
     p.add_argument("--format", type=_formats, default=set(FORMATS), metavar="LIST",
                    help="comma-separated subset of csv,json,html (default: all)")
+    p.add_argument("--summary", metavar="SUMMARY.json",
+                   help="the run's --summary file: add the GPU reconciliation")
     g = p.add_argument_group("pricing (default: the cost on each span, as the tracer set it)")
     g.add_argument("--gpu-price", type=_price, metavar="USD",
                    help="recompute every cost at USD per GPU-hour")
@@ -109,10 +116,22 @@ def main(args: argparse.Namespace) -> int:
     rows = loaded.rows
     by_model, by_tenant = summarise_by(rows, "model"), summarise_by(rows, "tenant")
     totals = summarise(rows)
+    recon: list[dict[str, Any]] | None = None
+    if getattr(args, "summary", None):
+        from tracer.report.reconcile import SummaryError, load_summary, reconcile_rows
+        try:
+            recon = reconcile_rows(load_summary(args.summary), rows, args.gpu_price,
+                                   args.gpu_model if args.gpu_price is not None else None)
+        except SummaryError as e:
+            _say(f"error: {e}")
+            return 1
+        meta["reconciliation"] = recon
     try:
         os.makedirs(args.output, exist_ok=True)
         written = write_tables(args.output, rows, by_model, by_tenant, totals, meta,
                                args.format)
+        if recon is not None:
+            written += _write_reconciliation(args.output, recon, args.format)
         if "html" in args.format:
             from tracer.report.page import render
 
@@ -128,6 +147,22 @@ def main(args: argparse.Namespace) -> int:
          + (f", total cost ${cost:.6f}" if cost is not None else ", no costs on the spans")
          + f"; wrote {', '.join(written)}")
     return 0
+
+
+def _write_reconciliation(out_dir: str, recon: list[dict[str, Any]], formats: set[str]
+                          ) -> list[str]:
+    from tracer.report.reconcile import RECON_COLUMNS
+    from tracer.report.tables import write_csv, write_json
+    written = []
+    if "csv" in formats:
+        path = os.path.join(out_dir, "reconciliation.csv")
+        write_csv(path, recon, list(RECON_COLUMNS))
+        written.append(path)
+    if "json" in formats:
+        path = os.path.join(out_dir, "reconciliation.json")
+        write_json(path, recon)
+        written.append(path)
+    return written
 
 
 def standalone(argv: list[str] | None = None) -> int:

@@ -148,13 +148,21 @@ def _table(rows: list[dict[str, Any]], columns: dict[str, str]) -> str:
         "<tr>" + "".join(f"<td>{html.escape(_label(r.get(c)) if i == 0 else _fmt(r.get(c)))}"
                          "</td>" for i, c in enumerate(columns)) + "</tr>\n"
         for r in rows)
-    return f"<table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n{body}</tbody>\n</table>"
+    return (f'<div class="scroll"><table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n'
+            f"{body}</tbody>\n</table></div>")
 
 
-_STYLE = """body{font-family:sans-serif;margin:2em;max-width:1100px}
-table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;
-text-align:right}td:first-child,th:first-child{text-align:left;font-family:monospace}
-figure{margin:1em 0}svg{max-width:100%;height:auto}.note{color:#555}"""
+# Wide tables scroll inside their own box (never the page), headers wrap, and the first
+# column (the row's name) stays in view while scrolling sideways.
+_STYLE = """body{font-family:sans-serif;margin:2em auto;max-width:1100px;padding:0 1em}
+.scroll{overflow-x:auto;max-width:100%;margin:1em 0;border:1px solid #eee}
+table{border-collapse:collapse;font-size:90%}td,th{border:1px solid #ccc;padding:3px 6px;
+text-align:right;white-space:nowrap}th{white-space:normal;min-width:5em;max-width:9em;
+vertical-align:bottom;background:#f6f6f6}td:first-child,th:first-child{text-align:left;
+font-family:monospace;position:sticky;left:0;background:#fff;max-width:22em;
+overflow:hidden;text-overflow:ellipsis}th:first-child{background:#f6f6f6}
+tr.bad td{background:#fde8e8}figure{margin:1em 0}svg{max-width:100%;height:auto}
+.note{color:#555}"""
 
 
 def render(rows: list[dict[str, Any]], by_model: list[dict[str, Any]],
@@ -184,6 +192,19 @@ def render(rows: list[dict[str, Any]], by_model: list[dict[str, Any]],
     if meta.get("pricing"):
         notes.append("costs recomputed at " + html.escape(meta["pricing"]))
     total_cols = {"": "all requests", **SUMMARY_COLUMNS}
+    recon = meta.get("reconciliation")
+    if recon is None:
+        recon_html = ('<p class="note">Run <code>tokentrace run/replay --summary FILE</code> '
+                      "and pass <code>--summary FILE</code> to reconcile the requests' costs "
+                      "with the GPU time observed.</p>")
+    else:
+        from tracer.report.reconcile import RECON_COLUMNS
+        recon_html = ('<p class="note">Per GPU process over its window: window = requests '
+                      "+ unattributed + idle, in GPU time and in money; a balance other "
+                      "than 0 means the span file is not the whole run.</p>"
+                      + _table(recon, {"pid": RECON_COLUMNS["pid"],
+                                       **{k: v for k, v in RECON_COLUMNS.items()
+                                          if k != "pid"}}))
     top = sorted((r for r in rows if r.get("cost_usd") is not None),
                  key=lambda r: -r["cost_usd"])[:TOP_REQUESTS]
     return f"""<!DOCTYPE html>
@@ -198,6 +219,8 @@ def render(rows: list[dict[str, Any]], by_model: list[dict[str, Any]],
 {"".join(f'<p class="note">{n}</p>' for n in notes)}
 <h2>All requests</h2>
 {_table([{"": "all", **totals}], total_cols)}
+<h2>Reconciliation with the GPU</h2>
+{recon_html}
 <h2>Plots</h2>
 {figures}
 <h2>By model</h2>

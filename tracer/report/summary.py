@@ -18,8 +18,11 @@ SUMMARY_COLUMNS: dict[str, str] = {
     "errors": "of them failed",
     "prompt_tokens": "sum of prompt tokens (requests that report them)",
     "output_tokens": "sum of output tokens",
-    "ttft_p50_ms": "median time to first token, ms",
-    "ttft_p95_ms": "95th percentile time to first token, ms",
+    "ttft_p50_ms": "median time to first token of streamed requests, ms",
+    "ttft_p95_ms": "95th percentile time to first token of streamed requests, ms",
+    "whole_p50_ms": "median latency of non-streamed requests (their first token is the "
+                    "whole reply), ms",
+    "whole_p95_ms": "95th percentile latency of non-streamed requests, ms",
     "gpu_ms": "sum of GPU-ms charged",
     "gpu_ms_per_output_token": "GPU-ms / output tokens, over requests with both",
     "cost_usd_total": "sum of cost_usd",
@@ -36,10 +39,16 @@ def _sum(vals: list[float]) -> float | None:
     return sum(vals) if vals else None  # ints stay ints (token counts)
 
 
+def _percentiles(vals: list[float]) -> tuple[float | None, float | None]:
+    return tuple(np.percentile(vals, [50, 95]).tolist()) if vals else (None, None)
+
+
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The ``SUMMARY_COLUMNS`` statistics of ``rows``."""
-    ttft = _values(rows, "ttft_ms")
-    p50, p95 = (np.percentile(ttft, [50, 95]).tolist() if ttft else (None, None))
+    # a non-streamed request's "first token" is its whole reply: never mixed in with
+    # streamed TTFTs (a request whose streaming is unknown counts as streamed)
+    p50, p95 = _percentiles(_values((r for r in rows if r.get("stream") is not False), "ttft_ms"))
+    w50, w95 = _percentiles(_values((r for r in rows if r.get("stream") is False), "e2e_ms"))
     both = [r for r in rows if r.get("gpu_ms") is not None and r.get("output_tokens")]
     out_tok = sum(r["output_tokens"] for r in both)
     cost = _values(rows, "cost_usd")
@@ -50,6 +59,8 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "output_tokens": _sum(_values(rows, "output_tokens")),
         "ttft_p50_ms": None if p50 is None else round(p50, 3),
         "ttft_p95_ms": None if p95 is None else round(p95, 3),
+        "whole_p50_ms": None if w50 is None else round(w50, 3),
+        "whole_p95_ms": None if w95 is None else round(w95, 3),
         "gpu_ms": _sum(_values(rows, "gpu_ms")),
         "gpu_ms_per_output_token":
             round(sum(r["gpu_ms"] for r in both) / out_tok, 6) if out_tok else None,
