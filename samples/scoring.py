@@ -48,29 +48,32 @@ def _members(s: dict[str, Any]) -> list[Member]:
             for m in s["members"]]
 
 
-def step_time(s: dict[str, Any]) -> float:
-    """A truth step's GPU time in ns: CUDA events around it on the engine's stream (or
-    the stand-in's modelled kernel time), else its wall time."""
-    if s.get("gpu_ns"):
+TIME = "gpu_ns"  # the truth's GPU time: "gpu_ns" (CUDA events) or "wall" (its stamps)
+
+
+def step_time(s: dict[str, Any], time: str = TIME) -> float:
+    """A truth step's GPU time in ns: CUDA events around it on the engine's stream,
+    else (or with ``time="wall"``) the engine's own stamps around it."""
+    if time == "gpu_ns" and s.get("gpu_ns"):
         return float(s["gpu_ns"])
     return float(s["t_end_ns"] - s["t_start_ns"])
 
 
-def truth_model(steps: list[dict[str, Any]], quantity: str) -> StepModel:
+def truth_model(steps: list[dict[str, Any]], quantity: str, time: str = TIME) -> StepModel:
     """The step-cost model of the truth's own steps (exact members and tokens)."""
     from tracer.correlate.costmodel import features
     rows = []
     for s in steps:
-        y = step_time(s) if quantity == "time" else s.get("launches")
+        y = step_time(s, time) if quantity == "time" else s.get("launches")
         if y is None or not s["members"]:
             continue
         rows.append((*features(_members(s)), float(y)))
     return fit(rows)
 
 
-def truth_shares(steps: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+def truth_shares(steps: list[dict[str, Any]], time: str = TIME) -> dict[str, dict[str, float]]:
     """Per request id: true launches, GPU time (ns), steps (rank 0) and emitting steps."""
-    models = {q: truth_model(steps, q) for q in ("launches", "time")}
+    models = {q: truth_model(steps, q, time) for q in ("launches", "time")}
     out: dict[str, dict[str, float]] = defaultdict(
         lambda: {"launches": 0.0, "time_ns": 0.0, "steps": 0, "emitting_steps": 0})
     for s in steps:
@@ -79,14 +82,12 @@ def truth_shares(steps: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
             continue
         members = _members(s)
         for q, key in (("launches", "launches"), ("time", "time_ns")):
-            total = step_time(s) if q == "time" else s.get("launches")
+            total = step_time(s, time) if q == "time" else s.get("launches")
             if total is None:
                 continue
             if all("cost" in m for m in ms) and q == "launches":
+                # the engine knows what each member added: fixed part shared equally
                 fixed = total - sum(m["cost"] for m in ms)
-                costs = [fixed / len(ms) + m["cost"] for m in ms]
-            elif all("cost" in m for m in ms):  # the stand-in's time is per launch
-                fixed = (s.get("launches") or 0) - sum(m["cost"] for m in ms)
                 costs = [fixed / len(ms) + m["cost"] for m in ms]
             else:
                 costs = member_costs(models[q], members)
@@ -125,10 +126,10 @@ def request_spans(spans: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def score(truth_lines: Lines, spans: list[dict[str, Any]],
-          report: dict[str, Any] | None = None) -> dict[str, Any]:
+          report: dict[str, Any] | None = None, time: str = TIME) -> dict[str, Any]:
     """Kernel-share and GPU-time-share errors of ``spans`` against the truth."""
     steps, requests = parse(truth_lines)
-    truth = truth_shares(steps)
+    truth = truth_shares(steps, time)
     got = request_spans(spans)
     matched = [r for r in truth if r in got]
     kern = [(truth[r]["launches"], float(got[r].get("tokentrace.gpu.kernel_launches", 0)))
@@ -138,12 +139,14 @@ def score(truth_lines: Lines, spans: list[dict[str, Any]],
     time_share = [(truth[r]["time_ns"] / t_true,
                    float(got[r].get("tokentrace.gpu.time_ms", 0)) / t_est) for r in matched]
     steps_off = sum(1 for r in matched if got[r].get("tokentrace.gpu.steps") != truth[r]["steps"])
-    models = {q: truth_model(steps, q).describe() for q in ("launches", "time")}
+    models = {q: truth_model(steps, q, time).describe() for q in ("launches", "time")}
     out: dict[str, Any] = {
         "requests_truth": len(truth), "requests_traced": len(matched),
         "steps_truth": len(steps),
         "kernel_share": errors(kern), "gpu_time_share": errors(time_share),
         "requests_with_wrong_step_count": steps_off,
+        "chunked_prefill_requests": sum(1 for r in matched
+                                        if truth[r]["steps"] > truth[r]["emitting_steps"]),
         "truth_models": models,
         "launches_truth_matched": round(sum(t for t, _ in kern), 1),
         "launches_charged_matched": round(sum(e for _, e in kern), 1),
@@ -151,6 +154,9 @@ def score(truth_lines: Lines, spans: list[dict[str, Any]],
     if report is not None:
         out["tracer"] = {k: v for k, v in report.items()
                          if k.startswith(("gpu_", "capture.", "ipc_"))}
+        obs = report.get("gpu_step_launches")
+        if obs:
+            out["charged_over_observed"] = round(report.get("gpu_step_launches_charged", 0) / obs, 6)
     return out
 
 

@@ -148,10 +148,20 @@ def padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return idx, torch.tensor([len(r) - 1 for r in rows])
 
 
+def step_cost() -> tuple[int, int, int]:
+    """Launches a stand-in step makes: (fixed, per member, per prefilling member), from
+    ``TT_STEP_COST`` ("6,1,2" unless set: 6 + 3 per prefilling + 1 per decoding member)."""
+    parts = [int(x) for x in os.environ.get("TT_STEP_COST", "6,1,2").split(",")]
+    if len(parts) != 3 or min(parts) < 0:
+        raise ValueError("TT_STEP_COST is FIXED,PER_MEMBER,PER_PREFILL (non-negative)")
+    return parts[0], parts[1], parts[2]
+
+
 class CpuExecutor:
     """The forward on the CPU; with the stand-in libcuda (and libnccl), the driver calls
-    a GPU step would make: H2D of the input ids, 6 + 3 per prefilling member + 1 per
-    decoding member launches, [all-reduce,] D2H of the sampled ids, one stream sync."""
+    a GPU step would make: H2D of the input ids, launches by ``step_cost()`` (a fixed
+    part, a part per member, more per prefilling member), [all-reduce,] D2H of the
+    sampled ids, one stream sync. Each member's own launches go into the truth."""
 
     def __init__(self, model: tinygpt.TinyGPT, gpu: StandinGpu | None,
                  nccl: StandinNccl | None, max_batch: int, seed: int = 0) -> None:
@@ -160,12 +170,15 @@ class CpuExecutor:
         self.nccl = nccl
         self.gen = torch.Generator().manual_seed(seed)
         self.kernel_ns = kernel_ns()
+        self.cost = step_cost()
         self.d_logits = gpu.alloc(4 * max_batch * model.cfg.vocab) if gpu and nccl else 0
 
     def run(self, plan: Plan) -> tuple[list[int], StepTiming]:
         members = plan["members"]
-        n_pre = sum(m["phase"] == "prefill" for m in members)
-        launches = 6 + 3 * n_pre + (len(members) - n_pre) if self.gpu else 0
+        fixed, per_member, per_prefill = self.cost
+        for m in members:  # what each member adds: the truth's shares
+            m["cost"] = per_member + per_prefill * (m["phase"] == "prefill")
+        launches = fixed + sum(m["cost"] for m in members) if self.gpu else 0
         idx, last = padded(plan["rows"])
         temps = torch.tensor(plan["temps"], dtype=torch.float32)
         t_start = time.monotonic_ns()

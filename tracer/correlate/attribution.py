@@ -30,7 +30,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
 
-from tracer.correlate.costmodel import Learner, Member, allocate
+from tracer.correlate.costmodel import Learner, Member, StepModel, allocate
 from tracer.correlate.ipc import IpcGraph
 from tracer.correlate.ledger import EVICTED, NO_REQUEST, UNJOINED_RANK, Ledger
 from tracer.correlate.membership import Membership, Occupancy, arrival_ns, request_range
@@ -50,6 +50,7 @@ MAX_HOLD_NS = 5 * 10**9  # a trailing rank is not waited for longer than this
 # then counted in by the tokens it has written so far.
 MAX_SETTLE_LAG_NS = 60 * 10**9
 KEEP_SETTLED_NS = 10 * 10**9  # settled steps kept for requests that arrived before them
+MAX_PENDING_NS = 2 * 10**9  # decided steps wait at most this long for a fitted model
 
 
 class Pricing(Protocol):
@@ -162,7 +163,9 @@ class GpuAttribution:
         self.logs: dict[LogKey, StepLog] = {}
         self.members: dict[LogKey, Membership] = {}
         self.learners: dict[LogKey, tuple[Learner, Learner]] = {}
-        self.settled: dict[LogKey, int] = {}  # log -> next step index to settle
+        self.decided: dict[LogKey, int] = {}  # log -> next step whose members to decide
+        self.pending: dict[LogKey, list[Any]] = {}  # decided, not yet split
+        self.settled: dict[LogKey, int] = {}  # log -> steps before this are split
         self.comms: dict[tuple[int, int], tuple[int, int]] = {}  # (pid, comm) -> (id, rank)
         self.shifts: dict[tuple[LogKey, LogKey], tuple[int, int | None]] = {}
         self.now = 0
@@ -275,7 +278,8 @@ class GpuAttribution:
             log = self.logs[(pid, tid)] = StepLog(pid, tid)
             self.members[log.key] = Membership(log)
             self.learners[log.key] = (Learner(), Learner())
-            self.settled[log.key] = 0
+            self.settled[log.key] = self.decided[log.key] = 0
+            self.pending[log.key] = []
             self.stats["gpu_step_threads"] += 1
         return log
 
@@ -299,6 +303,7 @@ class GpuAttribution:
             self.stats["gpu_steps_unattributed"] += 1
             self.stats["gpu_launches_unattributed"] += st.launches
         self.settled[log.key] = max(self.settled[log.key], log.base)
+        self.decided[log.key] = max(self.decided[log.key], log.base)
 
     def _is_follower(self, log: StepLog) -> bool:
         return log in self._group_ranks(self.ipc.serving_group(log.pid))[1]
@@ -344,7 +349,10 @@ class GpuAttribution:
 
     def _settle(self, log: StepLog, frontier: int | None, force_before: int | None,
                 followers: list[tuple[StepLog, int | None]], final: bool) -> None:
-        i = max(self.settled[log.key], log.base)
+        """Decide the members of ``log``'s steps in order, as far as they are final,
+        then split the decided steps among them."""
+        i = max(self.decided[log.key], log.base)
+        forced_any = False
         while True:
             step = log.get(i)
             if step is None:
@@ -361,11 +369,73 @@ class GpuAttribution:
             if forced and frontier is not None and step.first_ts >= frontier:
                 self.stats["gpu_steps_settled_early"] += 1
                 self._count_in_open(log, step)
-            self._settle_step(log, step, fsteps or [])
+            forced_any = forced_any or forced
+            self._decide(log, step, fsteps or [])
             i += 1
-        self.settled[log.key] = i
+        self.decided[log.key] = i
+        self._allocate(log, final or forced_any)
         if not final:
             self._prune_settled(log)
+
+    def _decide(self, log: StepLog, step: Step, fsteps: list[tuple[StepLog, Step]]) -> None:
+        """Fix ``step``'s members (and teach the step-cost models what it cost); it is
+        split among them by ``_allocate``."""
+        members = self.members[log.key].members(step.index)
+        if fsteps:
+            self.stats["gpu_steps_joined_nccl"] += len(fsteps)
+        if members:
+            kernel, time = self.learners[log.key]
+            feats = [m for _, m in members]
+            kernel.learn(feats, step.work.get("kernel_launches", 0.0))
+            time.learn(feats, step.work.get("gpu_time_ns", 0.0))
+        self.pending[log.key].append((step, fsteps, members))
+
+    def _allocate(self, log: StepLog, now: bool) -> None:
+        """Split the decided steps among their members, once the step-cost models have
+        seen enough steps to be fitted (or ``now``: the stream ends, a step is forced,
+        or the oldest waits too long)."""
+        pending = self.pending[log.key]
+        if not pending:
+            return
+        kernel, time = self.learners[log.key]
+        if not (now or kernel.fitted or
+                pending[0][0].end_ts + MAX_PENDING_NS <= self.now):
+            return
+        for step, fsteps, members in pending:
+            self._split(step, fsteps, members, kernel.model, time.model)
+        self.settled[log.key] = pending[-1][0].index + 1
+        pending.clear()
+
+    def _split(self, step: Step, fsteps: list[tuple[StepLog, Step]],
+               members: list[tuple[Occupancy, Member]], kmodel: StepModel, tmodel: StepModel
+               ) -> None:
+        """Split ``step`` (and its other ranks' steps) among its members, once."""
+        steps = [(step, 0)] + [(s, f.rank or 1) for f, s in fsteps]
+        if not members:
+            for st, _ in steps:
+                st.settled = True
+                self.ledger.leave(st.pid, NO_REQUEST, st.work)
+                self.stats["gpu_steps_unattributed"] += 1
+                self.stats["gpu_launches_unattributed"] += st.launches
+            return
+        occs = [o for o, _ in members]
+        feats = [m for _, m in members]
+        kf, tf = allocate(feats, kmodel, tmodel)
+        method = ("time_share" if all(not o.by_tokens for o in occs) else
+                  "step_model" if kmodel.usable or tmodel.usable else "step_equal")
+        described = f"launches: {kmodel.describe()}; time: {tmodel.describe()}"
+        for st, rank in steps:
+            st.settled = True
+            for o, m, fk, ft in zip(occs, feats, kf, tf):
+                part = Work({q: v * (fk if q in KERNEL_QUANTITIES else ft)
+                             for q, v in st.work.items()})
+                self.ledger.charge(st.pid, part)
+                share = self._share(o.rec)
+                share.add_step(st, part, whole=len(occs) == 1, prefill=m.prefill,
+                               method=method if o.by_tokens else "time_share", rank=rank)
+                if method == "step_model":
+                    share.models.add(described)
+            self.stats["gpu_step_launches_charged"] += st.launches
 
     @staticmethod
     def _known_up_to(log: StepLog, h: int, frontier: int | None) -> bool:
@@ -389,42 +459,6 @@ class GpuAttribution:
                 continue
             out.append((f, fstep))
         return out
-
-    def _settle_step(self, log: StepLog, step: Step, fsteps: list[tuple[StepLog, Step]]
-                     ) -> None:
-        """Split ``step`` (and its other ranks' steps) among its members, once."""
-        members = self.members[log.key].members(step.index)
-        steps = [(log, step, 0)] + [(f, s, f.rank or 1) for f, s in fsteps]
-        if fsteps:
-            self.stats["gpu_steps_joined_nccl"] += len(fsteps)
-        if not members:
-            for _, st, _ in steps:
-                st.settled = True
-                self.ledger.leave(st.pid, NO_REQUEST, st.work)
-                self.stats["gpu_steps_unattributed"] += 1
-                self.stats["gpu_launches_unattributed"] += st.launches
-            return
-        occs = [o for o, _ in members]
-        feats: list[Member] = [m for _, m in members]
-        kernel, time = self.learners[log.key]
-        kf, tf = allocate(feats, kernel.model, time.model)
-        method = ("time_share" if all(not o.by_tokens for o in occs) else
-                  "step_model" if kernel.model.usable or time.model.usable else "step_equal")
-        described = f"launches: {kernel.model.describe()}; time: {time.model.describe()}"
-        for _, st, rank in steps:
-            st.settled = True
-            for o, m, fk, ft in zip(occs, feats, kf, tf):
-                part = Work({q: v * (fk if q in KERNEL_QUANTITIES else ft)
-                             for q, v in st.work.items()})
-                self.ledger.charge(st.pid, part)
-                share = self._share(o.rec)
-                share.add_step(st, part, whole=len(occs) == 1, prefill=m.prefill,
-                               method=method if o.by_tokens else "time_share", rank=rank)
-                if method == "step_model":
-                    share.models.add(described)
-            self.stats["gpu_step_launches_charged"] += st.launches
-        kernel.learn(feats, step.work.get("kernel_launches", 0.0))
-        time.learn(feats, step.work.get("gpu_time_ns", 0.0))
 
     def _count_in_open(self, log: StepLog, step: Step) -> None:
         """A step settled while requests that may have been in it run on: each open
@@ -472,11 +506,13 @@ class GpuAttribution:
                 continue  # its own thread's other work was not its
             ms = self.members[log.key]
             ms.ratio.learn(rec, log)
-            occ = request_range(rec, log, ms.ratio.value)
+            occ = request_range(rec, log, ms.ratio.value, lag_ns=ms.lag.value)
             if occ is None:
                 continue
+            if ms.ratio.value == 1:
+                ms.lag.learn(occ, log)
             self.stats[f"gpu_step_ranges_{occ.how}"] += 1
-            if occ.first < self.settled[log.key]:
+            if occ.first < self.decided[log.key]:
                 self.stats["gpu_ranges_partly_settled"] += 1
             ms.add(occ)
             if log.key not in ready.logs:

@@ -171,6 +171,7 @@ class Learner:
         from collections import deque
         self.rows: deque[tuple[float, float, float, float]] = deque(maxlen=WINDOW)
         self.model = EQUAL
+        self.fitted = False  # a fit has been tried on at least MIN_STEPS steps
         self._since = 0
 
     def learn(self, members: Sequence[Member], cost: float) -> None:
@@ -178,8 +179,10 @@ class Learner:
             return
         self.rows.append((*features(members), float(cost)))
         self._since += 1
-        if self._since >= REFIT_EVERY or (self.model is EQUAL and len(self.rows) >= MIN_STEPS):
+        if len(self.rows) >= MIN_STEPS and (self._since >= REFIT_EVERY or not self.fitted
+                                            or len(self.rows) < 4 * MIN_STEPS):
             self._since = 0
+            self.fitted = True
             self.model = fit(list(self.rows))
 
 

@@ -27,8 +27,7 @@ from tracer.correlate.steps import StepLog
 RATIO_SAMPLES = 64  # recent requests the steps-per-token ratio is the median of
 RATIO_MIN_SAMPLES = 1
 RATIO_MIN_TOKENS = 8
-CAPACITY_MIN_STEPS = 200  # until then the capacity is the most ever seen in a step
-CAPACITY_OUTLIERS = 0.01  # steps fuller than the capacity, at most
+CAPACITY_MIN_SHARE = 0.01  # a batch size seen in fewer steps than this is not capacity
 
 
 def arrival_ns(rec: RequestRecord) -> int:
@@ -71,7 +70,7 @@ class Occupancy:
 
 
 def request_range(rec: RequestRecord, log: StepLog, per_token: int = 1,
-                  finished: bool = True) -> Occupancy | None:
+                  finished: bool = True, lag_ns: int = 0) -> Occupancy | None:
     """The steps of ``log`` that served ``rec``, from its tokens.
 
     A streamed response's k-th text chunk carries a token no earlier than the k-th,
@@ -85,6 +84,9 @@ def request_range(rec: RequestRecord, log: StepLog, per_token: int = 1,
     steps up to its response. Where a token takes several steps (a sequential
     ``generate`` loop, whose steps per token vary with streaming), only the times are
     used, and a whole response is placed by ``Membership`` after the request before it.
+    ``lag_ns``: the least hand-off lag from an engine step's end to the API's write of
+    what it made (``HandOffLag``), by which a whole response's last step ended before
+    it was written.
     A request with neither tokens nor a response (not an LLM request, or no usage)
     holds the steps between its arrival and its response ("time"). Steps that started
     before the request arrived are never its own.
@@ -102,7 +104,9 @@ def request_range(rec: RequestRecord, log: StepLog, per_token: int = 1,
             first = min(first, cap - (n - 1))
         how = "tokens"
     elif n_out and finished:
-        cap = log.last_ended_by(rec.response_start_ns or rec.end_ns)
+        # a whole response left ``lag_ns`` (the engine-to-API hand-off, learned from
+        # streamed requests) after its last step at least
+        cap = log.last_ended_by((rec.response_start_ns or rec.end_ns) - lag_ns)
         n = n_out
         first = cap - (n - 1) if batching else cap
         how = "response"
@@ -144,6 +148,28 @@ class StepsPerToken:
             self.value = max(1, round(statistics.median(self.samples)))
 
 
+class HandOffLag:
+    """How long after the step that made it a token is written, at the least: a low
+    quantile over recent streamed requests of (last chunk written - end of the step
+    their tokens place last). Whole responses show one time only; this keeps a busy
+    API process's slow write from placing them in later steps."""
+
+    QUANTILE = 0.2
+
+    def __init__(self) -> None:
+        self.samples: deque[int] = deque(maxlen=RATIO_SAMPLES)
+        self.value = 0
+
+    def learn(self, occ: Occupancy, log: StepLog) -> None:
+        r = occ.rec.llm_response
+        step = log.get(occ.last)
+        if r is None or not r.token_ts or step is None or not occ.how == "tokens":
+            return
+        self.samples.append(max(0, r.token_ts[-1] - step.end_ts))
+        ordered = sorted(self.samples)
+        self.value = ordered[int(self.QUANTILE * (len(ordered) - 1))]
+
+
 class Membership:
     """The members of one log's steps, decided in step order.
 
@@ -166,6 +192,7 @@ class Membership:
         self._ahead: Counter[int] | None = None  # step -> requests tokens place in it, unsettled
         self._next = 0  # the step members() is asked for next
         self.ratio = StepsPerToken()
+        self.lag = HandOffLag()
 
     def add(self, occ: Occupancy) -> None:
         self.occupancies[occ.rec.key] = occ
@@ -233,20 +260,20 @@ class Membership:
         return counts
 
     def _learn_capacity(self, ahead: Counter[int]) -> None:
-        """The batch capacity over settled steps and those the known tokens cover
-        ahead, except in the rarest steps (on a one-at-a-time engine a request's last
-        token written late overlaps the next one's first step)."""
+        """The batch capacity: the most requests tokens place in one step, counting
+        only numbers reached in at least ``CAPACITY_MIN_SHARE`` of the steps (settled,
+        and those the known tokens cover ahead) and at least twice. Rarer peaks are a
+        request's tokens written late overlapping the next one's steps, not room in
+        the batch."""
         counts = self.counts + Counter(ahead.values())
-        total = sum(counts.values())
-        if total < CAPACITY_MIN_STEPS:
-            self.capacity = max([1, *counts])
-            return
-        allowed, above = total * CAPACITY_OUTLIERS, 0
+        need = max(2.0, CAPACITY_MIN_SHARE * sum(counts.values()))
+        reached = 0
         for n in sorted(counts, reverse=True):
-            if above + counts[n] > allowed:
+            reached += counts[n]
+            if reached >= need:
                 self.capacity = max(1, n)
                 return
-            above += counts[n]
+        self.capacity = max([1, *counts])
 
     @staticmethod
     def _member(o: Occupancy, i: int) -> Member:
