@@ -42,6 +42,18 @@ STATUS_NAMES = ("OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCE
 SERVER_ERROR_CODES = frozenset({2, 4, 12, 13, 14, 15})
 
 
+def ascii_int(text: str | None, max_digits: int = 10) -> int | None:
+    """``text`` (surrounding spaces allowed) as a non-negative decimal integer of at
+    most ``max_digits`` ASCII digits, else None. ``str.isdigit`` alone accepts ``"²"``
+    and other digits ``int()`` refuses, and any number of them."""
+    if text is None:
+        return None
+    t = text.strip()
+    if not t or len(t) > max_digits or not t.isascii() or not t.isdigit():
+        return None
+    return int(t)
+
+
 @dataclass(frozen=True, slots=True)
 class Message:
     """One length-prefixed gRPC message; ``length`` is its length on the wire.
@@ -107,11 +119,12 @@ class Call:
 
     @property
     def service_method(self) -> tuple[str | None, str | None]:
-        """(``package.Service``, ``Method``) from ``:path``, or (None, None)."""
+        """(``package.Service``, ``Method``) from ``:path``, or (None, None). Split
+        before percent-decoding: a ``%2F`` stays inside its part."""
         p = self.path
         if not p or not p.startswith("/") or p.count("/") != 2:
             return None, None
-        svc, meth = unquote(p[1:]).split("/")
+        svc, meth = (unquote(part) for part in p[1:].split("/"))
         return (svc or None), (meth or None)
 
 
@@ -284,8 +297,7 @@ class GrpcConnection:
             st.response_head_seen = True
             call.response_start_ns = e.ts
             call.response_headers = hdrs
-            status = hdrs.get(":status")
-            call.http_status = int(status) if status and status.isdigit() else None
+            call.http_status = ascii_int(hdrs.get(":status"), 3)
             if e.end_stream:
                 call.trailers_only = True
                 call.trailers = hdrs
@@ -357,9 +369,7 @@ class GrpcConnection:
         if st.readers[False].partial:
             call.response_incomplete = True
         t = call.trailers
-        gs = t.get("grpc-status")
-        if gs is not None and gs.strip().isdigit():
-            call.grpc_status = int(gs)
+        call.grpc_status = ascii_int(t.get("grpc-status"))
         if "grpc-message" in t:
             call.grpc_message = unquote(t["grpc-message"])
         if error is not None:
