@@ -9,7 +9,10 @@ tag byte, a little-endian u32 length and the body:
 
 The header carries the wire and schema versions, the capture id (which seeds span
 ids, so a replay reproduces the live run's ids) and the host. Readers refuse
-versions they do not know, and report a truncated tail instead of failing.
+versions they do not know, and report a truncated tail instead of failing. A damaged
+file never raises past the header: a ``J`` frame that is not a valid event is counted
+(``bad_items``) and skipped, and a broken frame or gzip stream ends the reading with
+the reason in ``corrupt``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import json
 import socket
 import struct
 import uuid
+import zlib
 from pathlib import Path
 from typing import IO, Any, Iterator
 
@@ -28,6 +32,10 @@ from tracer.events import schema, wire
 MAGIC = "tokentrace-capture"
 FORMAT_VERSION = 1
 _FRAME = struct.Struct("<cI")
+MAX_HEADER_LINE = 1 << 20
+# A frame is a ring-buffer record (16 KiB of payload and a header) or a user event
+# (process info with its maps: hundreds of KiB at most); a longer one is damage.
+MAX_FRAME_BODY = 64 << 20
 
 
 class CaptureError(ValueError):
@@ -55,7 +63,29 @@ def event_to_json(ev: Any) -> dict[str, Any]:
     return d
 
 
-def event_from_json(d: dict[str, Any]) -> Any:
+def _fits(v: Any, annotation: str) -> bool:
+    """Whether a JSON value fits a user event field's annotation (as written in the
+    schema: ``int``, ``str``, ``bool``, ``float``, ``tuple[str, ...]``,
+    ``dict[str, int]``); other annotations are not checked."""
+    if annotation == "int":
+        return isinstance(v, int) and not isinstance(v, bool)
+    if annotation == "float":
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if annotation in ("str", "bool"):
+        return isinstance(v, str if annotation == "str" else bool)
+    if annotation == "tuple[str, ...]":
+        return isinstance(v, list) and all(isinstance(x, str) for x in v)
+    if annotation == "dict[str, int]":
+        return isinstance(v, dict) and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in v.values())
+    return True
+
+
+def event_from_json(d: Any) -> Any:
+    """The user event a ``J`` frame's JSON describes. Raises ``CaptureError`` if it
+    names no known event, lacks a field, or a field has the wrong type."""
+    if not isinstance(d, dict):
+        raise CaptureError(f"user event is a JSON {type(d).__name__}, not an object")
     cls = schema.USER_EVENTS.get(d.get("type", ""))
     if cls is None:
         raise CaptureError(f"unknown user event type {d.get('type')!r}")
@@ -63,8 +93,13 @@ def event_from_json(d: dict[str, Any]) -> Any:
     for f in dataclasses.fields(cls):
         if f.name in d:
             v = d[f.name]
+            if not _fits(v, str(f.type)):
+                raise CaptureError(f"{cls.__name__}.{f.name} is not a {f.type}: {v!r:.40}")
             kwargs[f.name] = tuple(v) if isinstance(v, list) else v
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a required field is missing
+        raise CaptureError(f"{cls.__name__}: {e}") from None
 
 
 class CaptureWriter:
@@ -98,11 +133,13 @@ class CaptureReader:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.truncated = False
+        self.corrupt: str | None = None  # why reading stopped early, if it did
+        self.bad_items = 0  # J frames that were not valid events (skipped)
         try:
             self._f: IO[bytes] = gzip.open(self.path, "rb")
-            line = self._f.readline()
+            line = self._f.readline(MAX_HEADER_LINE)
             self.header = json.loads(line)
-        except (OSError, EOFError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (OSError, EOFError, zlib.error, ValueError, RecursionError) as e:
             raise CaptureError(f"{self.path}: not a tokentrace capture ({e})") from e
         if not isinstance(self.header, dict) or self.header.get("format") != MAGIC:
             raise CaptureError(f"{self.path}: not a tokentrace capture (bad header)")
@@ -125,17 +162,27 @@ class CaptureReader:
                     self.truncated = True
                     return
                 tag, n = _FRAME.unpack(head)
+                if tag not in (b"W", b"J") or n > MAX_FRAME_BODY:
+                    # the framing is lost: nothing after this can be trusted
+                    self.corrupt = (f"unknown frame tag {tag!r}" if tag not in (b"W", b"J")
+                                    else f"frame of {n} bytes")
+                    return
                 body = self._f.read(n)
                 if len(body) < n:
                     self.truncated = True
                     return
                 if tag == b"W":
                     yield body
-                elif tag == b"J":
-                    yield event_from_json(json.loads(body))
-                else:
-                    raise CaptureError(f"{self.path}: unknown frame tag {tag!r}")
+                    continue
+                try:
+                    ev = event_from_json(json.loads(body))
+                except (ValueError, RecursionError):  # CaptureError is a ValueError
+                    self.bad_items += 1
+                    continue
+                yield ev
         except (EOFError, OSError, gzip.BadGzipFile):
             self.truncated = True  # a capture cut off mid-write: keep what was read
+        except zlib.error as e:
+            self.corrupt = f"damaged gzip data: {e}"
         finally:
             self._f.close()
