@@ -261,7 +261,9 @@ def _report(pipeline: Pipeline, console: Any) -> None:
                 "capture.conns_full", "capture.verbs_cut", "capture.verbs_full",
                 "capture.kcounts_full", "capture.bursts_full",
                 "http_protocol_errors", "undecodable_records",
-                "in_flight_at_exit", "identity.k8s_errors"))}
+                "in_flight_at_exit", "identity.k8s_errors")
+                or k.startswith("parser_errors") or k.endswith("_evicted")
+                or k.endswith("_over_budget"))}
     _say(f"{pipeline.records} requests exported; "
          + ("loss and truncation: " + ", ".join(f"{k}={v}" for k, v in lost.items())
             if lost else "no events lost"))
@@ -441,7 +443,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         price=args.gpu_price, model=args.gpu_model or recorded,
         detect=lambda: GpuDetection(reason="replay: the capture names no GPU model"))
     _say(f"GPU price: {pricing.describe()}")
-    ctx = ExportContext(capture_id=reader.header["capture_id"], host=reader.header.get("host", ""))
+    ctx = ExportContext(capture_id=str(reader.header.get("capture_id", "")),
+                        host=str(reader.header.get("host", "")))
     sinks, console = build_sinks(args, ctx)
     pipeline = Pipeline(sinks, ctx, TrackerOptions(keep_content=args.capture_content), pricing)
     try:
@@ -454,6 +457,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if reader.truncated:
         _say("warning: the capture ends mid-record (cut off while writing); "
              "analysed what was there")
+    if reader.corrupt:
+        _say(f"warning: the capture is damaged ({reader.corrupt}); analysed what came "
+             "before it")
+    if reader.bad_items:
+        _say(f"warning: skipped {reader.bad_items} damaged event(s) in the capture")
     _write_summary(args.summary, pipeline)
     _report(pipeline, console)
     return 0

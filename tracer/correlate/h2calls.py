@@ -49,6 +49,26 @@ class H2Calls:
     def open_calls(self) -> int:
         return len(self.records)
 
+    def abort(self, ts: int, reason: str) -> list[RequestRecord]:
+        """Give up on every open call (a parser failed on this connection): their
+        records, ended in error with what was known so far."""
+        out = []
+        for sid, rec in list(self.records.items()):
+            rec.end_ns = max(ts, rec.start_ns)
+            rec.error = reason
+            rec.response_incomplete = True
+            f = self.followers.get(sid)
+            if f is not None:
+                try:
+                    rec.llm_request, rec.llm_response = f.end(ts)
+                    rec.llm_start_ns = f.request_ts
+                except Exception:  # the follower may be what failed: keep the record
+                    self.grpc.stats["llm_fields_dropped_after_error"] += 1
+            out.append(rec)
+        self.records.clear()
+        self.followers.clear()
+        return out
+
     def _calls(self, events: list[grpc.CallEvent], tid: int) -> list[RequestRecord]:
         done: list[RequestRecord] = []
         for e in events:
