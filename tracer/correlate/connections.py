@@ -63,6 +63,8 @@ def count_parser_error(stats: Counter[str], e: BaseException) -> str:
 @dataclass
 class TrackerOptions:
     keep_content: bool = False  # prompts and completions: off unless the user opts in
+    tenant_salt: bytes | None = None  # the deployment's (None: older captures' fixed one)
+    secrets_masked: bool = False  # credential headers hold masks (a masked capture)
     max_request_body: int = 8 * 1024 * 1024
     idle_timeout_ns: int = 15 * 60 * 10**9
 
@@ -80,7 +82,8 @@ class Exchange:
             role=conn.role or "server", method=req.method, target=req.target,
             http_version=req.version, start_ns=req.ts,
             request_headers={k: v for k, v in headers.items() if k in SAFE_HEADERS},
-            tenant=tenant_of(headers), family=conn.family, local_addr=conn.local_addr,
+            tenant=tenant_of(headers, options.tenant_salt, options.secrets_masked),
+            family=conn.family, local_addr=conn.local_addr,
             local_port=conn.local_port, peer_addr=conn.peer_addr, peer_port=conn.peer_port,
         )
         self.operation = operation_for(req.method, req.target)

@@ -109,7 +109,8 @@ class H2Calls:
             method=h.get(":method", ""), target=h.get(":path", ""), http_version="2",
             start_ns=call.start_ns,
             request_headers={k: v for k, v in h.items() if k in SAFE_GRPC_HEADERS},
-            tenant=tenant_of(h), family=c.family, local_addr=c.local_addr,
+            tenant=tenant_of(h, self.options.tenant_salt, self.options.secrets_masked),
+            family=c.family, local_addr=c.local_addr,
             local_port=c.local_port, peer_addr=c.peer_addr, peer_port=c.peer_port, rpc=call,
         )
 
@@ -127,6 +128,8 @@ class H2Calls:
         rec.response_headers = {k: v for k, v in call.response_headers.items()
                                 if k in ("content-type", "grpc-encoding")}
         rec.error = call.error
+        if not self.options.keep_content:
+            call.grpc_message = None  # the server's error text can echo the prompt
         if f is not None:
             rec.llm_request, rec.llm_response = f.end(call.end_ns)
             rec.llm_start_ns = f.request_ts
