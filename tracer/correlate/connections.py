@@ -67,6 +67,11 @@ class TrackerOptions:
     secrets_masked: bool = False  # credential headers hold masks (a masked capture)
     max_request_body: int = 8 * 1024 * 1024
     idle_timeout_ns: int = 15 * 60 * 10**9
+    # an HTTP/2 stream with no frame this long ends (one that lost bytes, sooner)
+    stream_idle_timeout_ns: int = 15 * 60 * 10**9
+    damaged_stream_idle_timeout_ns: int = 60 * 10**9
+    # connections followed at once; past it the least recently active are dropped
+    max_connections: int = 100_000
 
 
 class Exchange:
@@ -199,7 +204,7 @@ class ConnectionTracker:
             c = Connection(ev.pid, ev.fd, ev.conn_id, role, synced=True)
             c.family, c.peer_addr, c.peer_port = ev.family, ev.peer_addr, ev.peer_port
             c.last_ts = ev.ts
-            self.conns[ev.key] = c
+            self._admit(c)
             self.stats["connections"] += 1
         elif ev.op == C["CONN_PEER"]:
             c = self.conns.get(ev.key)
@@ -217,7 +222,7 @@ class ConnectionTracker:
             role = {C["ROLE_SERVER"]: "server", C["ROLE_CLIENT"]: "client"}.get(ev.role)
             c = Connection(ev.pid, ev.fd, ev.conn_id, role, synced=not ev.existing)
             c.last_ts = ev.ts
-            self.conns[ev.key] = c
+            self._admit(c)
             if ev.existing:
                 self.stats["connections_existing"] += 1
         c.family = ev.family
@@ -239,13 +244,34 @@ class ConnectionTracker:
         return open_exchanges
 
     def expire(self, now_ts: int) -> None:
-        """Forget connections idle longer than the timeout (a lost close record)."""
-        limit = now_ts - self.options.idle_timeout_ns
+        """Forget connections idle longer than the timeout (a lost close record), and
+        HTTP/2 streams idle longer than theirs (a lost end of stream)."""
+        o = self.options
+        limit = now_ts - o.idle_timeout_ns
         for key in [k for k, c in self.conns.items() if c.last_ts < limit]:
             c = self.conns.pop(key)
             c.close_reason = "connection idle past the tracer's timeout"
             self.stats["connections_expired"] += 1
             self._close_guarded(c, now_ts)
+        for c in list(self.conns.values()):
+            if c.h2 is not None and c.h2.open_calls:
+                try:
+                    self._emit_h2(c.h2.expire(now_ts, o.stream_idle_timeout_ns,
+                                              o.damaged_stream_idle_timeout_ns))
+                except Exception as e:
+                    self._contain(c, e, now_ts)
+
+    def _admit(self, c: Connection) -> None:
+        """Start following ``c``; past ``max_connections`` the least recently active
+        tenth is dropped first (their open requests end in error; counted)."""
+        if len(self.conns) >= self.options.max_connections:
+            n = max(1, len(self.conns) // 10)
+            for old in sorted(self.conns.values(), key=lambda x: x.last_ts)[:n]:
+                del self.conns[old.key]
+                old.close_reason = "dropped: the tracer follows too many connections"
+                self.stats["connections_evicted"] += 1
+                self._close_guarded(old, old.last_ts)
+        self.conns[c.key] = c
 
     # ---- data -------------------------------------------------------------------
 
@@ -254,7 +280,8 @@ class ConnectionTracker:
         if c is None:
             # its open record was lost, or it predates the capture: follow it unsynced
             c = Connection(ev.pid, ev.fd, ev.conn_id, None, synced=False)
-            self.conns[ev.key] = c
+            c.last_ts = ev.ts_exit
+            self._admit(c)
             self.stats["connections_unannounced"] += 1
         try:
             self._data_event(c, ev)

@@ -49,6 +49,10 @@ class H2Calls:
     def open_calls(self) -> int:
         return len(self.records)
 
+    def expire(self, ts: int, idle_ns: int, damaged_idle_ns: int) -> list[RequestRecord]:
+        """Records of the calls ended for being idle (see ``GrpcConnection.expire``)."""
+        return self._calls(self.grpc.expire(ts, idle_ns, damaged_idle_ns), 0)
+
     def abort(self, ts: int, reason: str) -> list[RequestRecord]:
         """Give up on every open call (a parser failed on this connection): their
         records, ended in error with what was known so far."""
