@@ -79,6 +79,7 @@ SECRET_HEADERS = (b"authorization", b"proxy-authorization", b"api-key", b"x-api-
                   b"cookie", b"set-cookie")
 _SECRET_LINE = re.compile(rb"(?:^|\n)(?:" + b"|".join(SECRET_HEADERS) + rb")[ \t]*:[ \t]*",
                           re.IGNORECASE)
+_NAME_CORES = (b"authorization", b"api-key", b"cookie")  # in every name above
 _TAIL = 64  # bytes of a read kept to find a header name split across two reads
 _C = wire.CONSTANTS
 
@@ -111,6 +112,12 @@ class SecretMasker:
         start = wire.DATA.header_size
         if len(buf) < start:
             return buf
+        if not self._state:  # the common case: no header split over reads pending
+            low = buf[start:].lower()
+            if not any(n in low for n in _NAME_CORES):
+                last = low[low.rfind(b"\n") + 1:]
+                if not (last and _name_prefix(last)):
+                    return buf
         f = wire.DATA.unpack(buf)
         n = min(f["len"], len(buf) - start)
         key = (f["pid"], f["fd"], f["conn_id"], f["direction"])
