@@ -64,7 +64,8 @@ def main() -> int:
     ap.add_argument("layers", nargs="*", help=f"some of {', '.join(TARGETS)} (default: all)")
     ap.add_argument("--cases", type=int, default=100_000, help="cases per layer")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--out", help="write the results as JSON here (layers not run are kept "
+                                  "from the file's earlier results)")
     args = ap.parse_args()
     layers = args.layers or list(TARGETS)
     results = {}
@@ -75,10 +76,17 @@ def main() -> int:
               f"{r['cases_per_s']:>7}/s failures {r['failures']}", flush=True)
         for k, n in r["failure_kinds"].items():
             print(f"         {n} x {k}")
+    command = " ".join(["python", "bench/fuzz.py", *sys.argv[1:]])
+    for r in results.values():
+        r["command"] = command
     doc = {"host": platform.node(), "python": platform.python_version(), "seed": args.seed,
-           "command": " ".join(["python", "bench/fuzz.py", *sys.argv[1:]]), "layers": results}
+           "layers": results}
     if args.out:
-        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+        out = Path(args.out)
+        if out.exists():
+            old = json.loads(out.read_text()).get("layers", {})
+            doc["layers"] = {**old, **results}
+        out.write_text(json.dumps(doc, indent=1) + "\n")
     return 1 if any(r["failures"] for r in results.values()) else 0
 
 

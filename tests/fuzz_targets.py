@@ -329,10 +329,37 @@ def fuzz_http2(seed: int, ops: list[Op], splits: list[int]) -> None:
             obs.lost(splits[0], i, fc)
 
 
+HOSTILE_HEADER_VALUES = ("/pkg.S%2Fx/M", "/a/b/c", "/%2F/%2F", "//", "/pkg.S/M%00", "²",
+                         "1²", "٣", "9" * 5000, " 0 ", "-1", "", "%", "%zz", "é", "\x7f")
+
+
+def _hostile_conversation(rng: random.Random) -> list[tuple[bool, bytes]]:
+    """A well-formed gRPC exchange whose :path, :status, grpc-status and grpc-message
+    are hostile (HPACK-coded by a real encoder, so the values reach the call layer)."""
+    from tests.h2wire import Wire, grpc_message
+
+    pick = lambda: rng.choice(HOSTILE_HEADER_VALUES)  # noqa: E731
+    w = Wire()
+    for end in (w.client, w.server):  # let the endpoints say what a hostile peer would
+        end.config.validate_outbound_headers = end.config.validate_inbound_headers = False
+        end.config.normalize_outbound_headers = False
+    path = pick() if rng.random() < 0.7 else "/pkg.S/M"
+    sid = w.request(path, body=grpc_message(b"q"), extra=[("grpc-encoding", pick())])
+    w.server.send_headers(sid, [(b":status", pick().encode() if rng.random() < 0.5 else b"200"),
+                                (b"content-type", b"application/grpc")])
+    w.server.send_headers(sid, [(b"grpc-status", pick().encode()),
+                                (b"grpc-message", pick().encode())], end_stream=True)
+    w.pump()
+    return w.chunks
+
+
 def fuzz_grpc(seed: int, ops: list[Op], splits: list[int]) -> None:
     from protocols import grpc
 
-    conv = h2_corpus()[seed % len(h2_corpus())]
+    if seed & 4:
+        conv = _hostile_conversation(random.Random(seed))
+    else:
+        conv = h2_corpus()[seed % len(h2_corpus())]
     conn = grpc.GrpcConnection(synced=not seed & 1)
     for i, (fc, d) in enumerate(conv):
         if i == seed % len(conv):
@@ -348,11 +375,43 @@ def fuzz_grpc(seed: int, ops: list[Op], splits: list[int]) -> None:
         assert e.call.end_ns == 10**6
 
 
+HOSTILE_NUMBERS = (float("inf"), float("-inf"), float("nan"), 1e308, -1.0, 2.5, 0.0, 2**62)
+
+
+def _hostile_kserve(rng: random.Random) -> tuple[bool, bytes]:
+    """A valid KServe request or response whose numbers (parameters, count outputs,
+    shapes) are hostile."""
+    from protocols.proto import messages
+
+    m = messages()
+    num = lambda: rng.choice(HOSTILE_NUMBERS)  # noqa: E731
+    if rng.random() < 0.5:
+        req = m.ModelInferRequest(model_name="tiny")
+        for name in ("max_tokens", "temperature", "top_p"):
+            v = num()
+            if isinstance(v, float):
+                req.parameters[name].double_param = v
+            else:
+                req.parameters[name].int64_param = v
+        t = req.inputs.add(name="max_tokens", datatype="FP64", shape=[1])
+        t.contents.fp64_contents.append(float(num()))
+        return True, req.SerializeToString()
+    resp = m.ModelInferResponse(model_name="tiny")
+    for name in ("num_output_tokens", "num_input_tokens", "text_output"):
+        t = resp.outputs.add(name=name, datatype="FP32",
+                             shape=[rng.choice((1, 0, -1, 1 << 62))] * rng.randint(1, 50))
+        t.contents.fp32_contents.append(float(num()))
+    return False, resp.SerializeToString()
+
+
 def fuzz_kserve(seed: int, ops: list[Op], splits: list[int]) -> None:
     from protocols import kserve
 
-    is_req, msg = kserve_corpus()[seed % len(kserve_corpus())]
-    msg = apply_ops(msg, ops)
+    if seed & 4:
+        is_req, msg = _hostile_kserve(random.Random(seed))
+    else:
+        is_req, msg = kserve_corpus()[seed % len(kserve_corpus())]
+        msg = apply_ops(msg, ops)
     f = kserve.KServeFollower("ModelStreamInfer" if seed & 1 else "ModelInfer",
                               keep_content=bool(seed & 2))
     if is_req:
