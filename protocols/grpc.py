@@ -29,6 +29,9 @@ from protocols import http2
 
 GRPC_PATH = re.compile(r"/[A-Za-z_][\w]*(?:\.[A-Za-z_][\w]*)+/[A-Za-z_][\w]*")
 MAX_MESSAGE = 8 * 1024 * 1024  # bytes kept per message (longer ones: length only)
+# open streams followed per connection; past it the least recently active one ends
+# (servers advertise SETTINGS_MAX_CONCURRENT_STREAMS of about 100)
+MAX_STREAMS = 1024
 # zlib window bits per grpc-encoding: gRPC's "deflate" is the zlib format (RFC 1950,
 # as grpc-core writes it); 32 + 15 also accepts a gzip header, 31 gzip only
 ENCODINGS = {"gzip": 31, "deflate": 47}
@@ -40,6 +43,18 @@ STATUS_NAMES = ("OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCE
                 "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED")
 # codes that mean the server failed (OpenTelemetry RPC conventions, server spans)
 SERVER_ERROR_CODES = frozenset({2, 4, 12, 13, 14, 15})
+
+
+def ascii_int(text: str | None, max_digits: int = 10) -> int | None:
+    """``text`` (surrounding spaces allowed) as a non-negative decimal integer of at
+    most ``max_digits`` ASCII digits, else None. ``str.isdigit`` alone accepts ``"²"``
+    and other digits ``int()`` refuses, and any number of them."""
+    if text is None:
+        return None
+    t = text.strip()
+    if not t or len(t) > max_digits or not t.isascii() or not t.isdigit():
+        return None
+    return int(t)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,11 +122,12 @@ class Call:
 
     @property
     def service_method(self) -> tuple[str | None, str | None]:
-        """(``package.Service``, ``Method``) from ``:path``, or (None, None)."""
+        """(``package.Service``, ``Method``) from ``:path``, or (None, None). Split
+        before percent-decoding: a ``%2F`` stays inside its part."""
         p = self.path
         if not p or not p.startswith("/") or p.count("/") != 2:
             return None, None
-        svc, meth = unquote(p[1:]).split("/")
+        svc, meth = (unquote(part) for part in p[1:].split("/"))
         return (svc or None), (meth or None)
 
 
@@ -203,6 +219,12 @@ class _Stream:
         self.call = call
         self.readers = {True: MessageReader(True), False: MessageReader(False)}
         self.response_head_seen = False
+        self.last_ts = call.start_ns  # its last frame
+
+    @property
+    def damaged(self) -> bool:
+        """Bytes of it were lost: its end may be among them."""
+        return self.call.request_incomplete or self.call.response_incomplete
 
 
 class GrpcConnection:
@@ -227,11 +249,25 @@ class GrpcConnection:
             out.append(self._end(sid, ts, reason))
         return out
 
+    def expire(self, ts: int, idle_ns: int, damaged_idle_ns: int) -> list[CallEvent]:
+        """End the calls with no frame for ``idle_ns`` (``damaged_idle_ns`` for calls
+        that lost bytes: their end was probably in the hole), incomplete."""
+        out: list[CallEvent] = []
+        for sid, st in list(self.streams.items()):
+            if st.last_ts < ts - (damaged_idle_ns if st.damaged else idle_ns):
+                self.stats["grpc_streams_expired"] += 1
+                out.append(self._end(sid, ts, "stream idle past the tracer's timeout "
+                                              "(its end was not seen)"))
+        return out
+
     # ---- frame events -> call events ------------------------------------------------
 
     def _events(self, events: list[http2.Event]) -> list[CallEvent]:
         out: list[CallEvent] = []
         for e in events:
+            st = self.streams.get(getattr(e, "stream_id", 0))
+            if st is not None:
+                st.last_ts = e.ts
             if isinstance(e, http2.Headers):
                 self._headers(e, out)
             elif isinstance(e, http2.Data):
@@ -263,6 +299,11 @@ class GrpcConnection:
                 if e.stream_id % 2 == 0:
                     self.stats["http2_client_even_streams"] += 1
                     return
+                if len(self.streams) >= MAX_STREAMS:
+                    oldest = min(self.streams, key=lambda s: self.streams[s].last_ts)
+                    self.stats["grpc_streams_evicted"] += 1
+                    out.append(self._end(oldest, e.ts, "too many open streams on this "
+                                                       "connection to follow them all"))
                 call = Call(e.stream_id, e.ts, hdrs, e.unknown_fields)
                 self.streams[e.stream_id] = _Stream(call)
                 self.stats["http2_streams"] += 1
@@ -284,8 +325,7 @@ class GrpcConnection:
             st.response_head_seen = True
             call.response_start_ns = e.ts
             call.response_headers = hdrs
-            status = hdrs.get(":status")
-            call.http_status = int(status) if status and status.isdigit() else None
+            call.http_status = ascii_int(hdrs.get(":status"), 3)
             if e.end_stream:
                 call.trailers_only = True
                 call.trailers = hdrs
@@ -357,9 +397,7 @@ class GrpcConnection:
         if st.readers[False].partial:
             call.response_incomplete = True
         t = call.trailers
-        gs = t.get("grpc-status")
-        if gs is not None and gs.strip().isdigit():
-            call.grpc_status = int(gs)
+        call.grpc_status = ascii_int(t.get("grpc-status"))
         if "grpc-message" in t:
             call.grpc_message = unquote(t["grpc-message"])
         if error is not None:

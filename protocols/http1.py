@@ -16,7 +16,7 @@ from a peer give a ``ProtocolError`` event and a hunt; they never raise.
 from __future__ import annotations
 
 import re
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import httptools
@@ -107,8 +107,10 @@ METHODS = (b"GET", b"POST", b"PUT", b"DELETE", b"PATCH", b"HEAD", b"OPTIONS", b"
            b"CONNECT")
 REQUEST_LINE = re.compile(rb"(?:" + b"|".join(METHODS) + rb") [!-~]+ HTTP/1\.[01]\r?\n")
 STATUS_LINE = re.compile(rb"HTTP/1\.[01] [1-5][0-9][0-9][^\r\n]*\r?\n")
-HUNT_KEEP = 8192
-BARRIER = -2  # a hole in the request stream, in the pairing queue  # bytes kept while hunting, so a start line split over reads is found
+HUNT_KEEP = 8192  # bytes kept while hunting, so a start line split over reads is found
+BARRIER = -2  # a hole in the request stream, in the pairing queue
+MAX_HEAD = 64 * 1024  # start line and headers of one message (about: checked per read)
+MAX_UNANSWERED = 1024  # pipelined requests awaiting a response, per connection
 
 
 def looks_like_request(data: bytes) -> bool:
@@ -148,6 +150,8 @@ class _Direction:
         self.hunting = not synced
         self.hunt_buf = bytearray()
         self.head_buf = bytearray()  # response to HEAD: headers collected by hand
+        self.head_bytes = 0  # bytes fed while the current message's head is unfinished
+        self.body_left: int | None = None  # body bytes framed by hand after a gap
         self.upgraded = False
         self.msg: _Message | None = None
         self.ts = 0
@@ -162,6 +166,7 @@ class _Direction:
 
     def on_message_begin(self) -> None:
         self.msg = _Message()
+        self.head_bytes = 0
 
     def on_url(self, url: bytes) -> None:
         if self.msg is not None:
@@ -177,8 +182,11 @@ class _Direction:
         n = name.decode("latin-1").lower()
         v = value.decode("latin-1")
         self.msg.headers.append((n, v))
-        if n == "content-length" and v.strip().isdigit():
-            self.msg.content_length = int(v)
+        if n == "content-length":
+            t = v.strip()
+            # isdigit() alone takes "²"; and a length of thousands of digits is no length
+            if t.isascii() and t.isdigit() and len(t) <= 18:
+                self.msg.content_length = int(t)
         elif n == "transfer-encoding" and "chunked" in v.lower():
             self.msg.chunked = True
 
@@ -230,6 +238,10 @@ class _Direction:
             data = self._hunt(data)
             if not data:
                 return
+        if self.body_left is not None:
+            data = self._body_by_hand(data)
+            if not data:
+                return
         if not self.from_client and self.msg is None and self.conn._next_is_head():
             data = self._feed_head_response(data)
             if not data:
@@ -238,8 +250,43 @@ class _Direction:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as up:
             self._upgrade(up)
+            return
         except httptools.HttpParserError as e:
             self._broken(f"malformed HTTP/1 {'request' if self.from_client else 'response'}: {e}")
+            return
+        m = self.msg
+        if m is not None and not m.in_body:
+            # llhttp keeps a header line until it ends, and we keep every header: a
+            # peer that never ends its head must not grow either without bound
+            self.head_bytes += len(data)
+            if self.head_bytes > MAX_HEAD:
+                self.conn.stats["http1_head_over_budget"] += 1
+                self._broken(f"{'request' if self.from_client else 'response'} head over "
+                             f"{MAX_HEAD} bytes")
+
+    def _body_by_hand(self, data: bytes) -> bytes:
+        """After a capture gap inside a body of known length: pass on the body's bytes,
+        end the message (incomplete) where the length says, return the bytes after it."""
+        m = self.msg
+        assert m is not None and self.body_left is not None
+        n = min(self.body_left, len(data))
+        if n and m.exchange >= 0:
+            self.out.append(Data(m.exchange, self.ts, bytes(data[:n]), self.from_client))
+        m.body_seen += n
+        self.body_left -= n
+        if self.body_left == 0:
+            self._end_by_hand()
+        return data[n:]
+
+    def _end_by_hand(self) -> None:
+        m = self.msg
+        self.msg = None
+        self.body_left = None
+        self.parser = self._new_parser()  # the old one is still inside the body
+        if m is not None and m.exchange >= 0:
+            self.out.append(EndOfMessage(m.exchange, self.ts, self.from_client, True))
+            if not self.from_client:
+                self.conn._finish_exchange(m.exchange)
 
     def _feed_head_response(self, data: bytes) -> bytes:
         """A response to HEAD has headers only; llhttp cannot be told, so cut it here."""
@@ -298,6 +345,7 @@ class _Direction:
         self.hunting = True
         self.hunt_buf.clear()
         self.head_buf.clear()
+        self.body_left = None
         self.parser = self._new_parser()
 
     def _hunt(self, data: bytes) -> bytes:
@@ -322,10 +370,14 @@ class _Direction:
         m = self.msg
         if (m is not None and m.in_body and not m.chunked and m.content_length is not None
                 and m.body_seen + nbytes <= m.content_length):
-            # The hole is inside a body of known length: keep framing with filler bytes,
-            # report the message as incomplete, and do not pass the filler on as data.
+            # The hole is inside a body of known length: frame the rest of it by hand
+            # (never allocating the hole: its size comes from the capture, and what
+            # the length allows from the peer) and report the message incomplete.
             m.incomplete = True
-            self._feed_filler(nbytes)
+            m.body_seen += nbytes
+            self.body_left = m.content_length - m.body_seen
+            if self.body_left == 0:
+                self._end_by_hand()
             return
         self._abandon_current(f"capture missed {nbytes} bytes")
         if self.from_client:
@@ -333,18 +385,6 @@ class _Direction:
         else:
             self.conn._abandon_unanswered(ts, f"capture missed {nbytes} response bytes")
         self._start_hunt()
-
-    def _feed_filler(self, nbytes: int) -> None:
-        out_len = len(self.out)
-        try:
-            self.parser.feed_data(b"\0" * nbytes)
-        except httptools.HttpParserError as e:
-            self._broken(f"after a capture gap: {e}")
-            return
-        # drop the Data events that carried filler, keep any EndOfMessage
-        kept = [e for e in self.out[out_len:] if not isinstance(e, Data)]
-        del self.out[out_len:]
-        self.out.extend(kept)
 
     def close(self, ts: int) -> None:
         """The connection ended: a body delimited by close is now complete."""
@@ -371,7 +411,8 @@ class HTTP1Connection:
     not, each direction hunts for a start line before parsing.
     """
 
-    def __init__(self, synced: bool = True) -> None:
+    def __init__(self, synced: bool = True, stats: Counter[str] | None = None) -> None:
+        self.stats: Counter[str] = stats if stats is not None else Counter()
         self.next_request = 0
         self.unanswered: deque[tuple[int, str, int]] = deque()
         self._client = _Direction(self, True, synced)
@@ -421,6 +462,14 @@ class HTTP1Connection:
     def _open_exchange(self, method: str, ts: int) -> int:
         ex = self.next_request
         self.next_request += 1
+        if len(self.unanswered) >= MAX_UNANSWERED:
+            # a client pipelining without end, or responses we cannot see: give up on
+            # the oldest (its response, if it comes, pairs with nothing we hold)
+            old, _, _ = self.unanswered.popleft()
+            self.stats["http1_unanswered_evicted"] += 1
+            if old != BARRIER:
+                self._client.out.append(Abandoned(old, ts, "too many requests awaiting a "
+                                                           "response on this connection"))
         self.unanswered.append((ex, method, ts))
         return ex
 

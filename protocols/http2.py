@@ -41,6 +41,9 @@ SETTINGS_MAX_FRAME_SIZE = 0x5
 
 DEFAULT_MAX_FRAME = 16384
 MAX_FRAME = (1 << 24) - 1
+# A side whose SETTINGS were never seen (late attach) may have been allowed frames up to
+# MAX_FRAME; the observer believes frames up to this, the rest is a resync.
+UNKNOWN_MAX_FRAME = 1 << 20
 UNSYNCED_KEEP = 4 * DEFAULT_MAX_FRAME  # bytes held while hunting for a frame boundary
 MAX_HEADER_BLOCK = 1 << 20  # a header block larger than this is dropped, not buffered
 
@@ -347,7 +350,9 @@ class _Side:
         self.block_end_stream = False
         self.block_promised: int | None = None
         self.block_too_big = False
-        self.max_frame = DEFAULT_MAX_FRAME  # as the peer allowed (for plausibility)
+        # the largest frame this side may send: SETTINGS_MAX_FRAME_SIZE of its peer,
+        # enforced (a longer frame is a protocol error, never buffered)
+        self.max_frame = DEFAULT_MAX_FRAME if synced else UNKNOWN_MAX_FRAME
         self.pending_table_sizes: deque[int | None] = deque()  # our SETTINGS, unacked
 
 
@@ -437,7 +442,7 @@ class H2Observer:
         pos = 0
         while True:
             if not side.synced:
-                i = find_frame_boundary(buf, pos)
+                i = find_frame_boundary(buf, pos, side.max_frame)
                 if i < 0:
                     keep = max(pos, len(buf) - UNSYNCED_KEEP)
                     self.stats["http2_bytes_skipped"] += keep - pos
@@ -450,8 +455,15 @@ class H2Observer:
             if len(buf) - pos < 9:
                 break
             length, ftype, flags, sid = parse_frame_header(buf, pos)
-            if length > MAX_FRAME or (ftype in _FRAME_RULES
-                                      and not plausible_frame_header(buf, pos)):
+            if length > side.max_frame:
+                self.stats["http2_frames_over_max_size"] += 1
+                out.append(ProtocolError(ts, fc, f"frame of {length} bytes over the peer's "
+                                                 f"maximum of {side.max_frame} (type {ftype}, "
+                                                 f"stream {sid})"))
+                self._unsync(side)
+                pos += 1
+                continue
+            if ftype in _FRAME_RULES and not plausible_frame_header(buf, pos):
                 out.append(ProtocolError(ts, fc, f"implausible frame header (type {ftype}, "
                                                  f"length {length}, stream {sid})"))
                 self._unsync(side)

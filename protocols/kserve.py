@@ -26,7 +26,8 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from protocols.openai import LLMRequest, LLMResponse
+from protocols.openai import (MAX_COUNT, MAX_ERROR_TEXT, MAX_NAME, LLMRequest, LLMResponse, as_count,
+                              as_float)
 from protocols.proto import messages
 
 SERVICE = "inference.GRPCInferenceService"
@@ -56,9 +57,14 @@ class KServeRequest(LLMRequest):
 
 
 def _element_count(shape: Any) -> int:
+    """Elements of a tensor of ``shape`` (0 if any dimension is 0 or negative), capped
+    at 2**62: a peer's shape of many huge dimensions must not make a huge product."""
+    dims = list(shape)
+    if any(d <= 0 for d in dims):
+        return 0
     n = 1
-    for d in shape:
-        n *= max(int(d), 0)
+    for d in dims:
+        n = min(n * d, 1 << 62)
     return n
 
 
@@ -109,10 +115,6 @@ def _param(params: Any, name: str) -> Any:
     return getattr(p, kind) if kind else None
 
 
-def _number(v: Any) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-
-
 class KServeFollower:
     """Follows one ModelInfer / ModelStreamInfer call, message by message."""
 
@@ -148,9 +150,9 @@ class KServeFollower:
             return
         q = self.req
         q.parsed = True
-        q.model = m.model_name or None
-        q.model_version = m.model_version or None
-        q.request_id = m.id or None
+        q.model = m.model_name[:MAX_NAME] or None
+        q.model_version = m.model_version[:MAX_NAME] or None
+        q.request_id = m.id[:MAX_NAME] or None
         tensors = _tensors(m.inputs, m.raw_input_contents)
         q.inputs = [f"{name}:{dt}{shape}" for name, (dt, shape, _) in tensors.items()]
         if any(dt == "BYTES" for dt, _, _ in tensors.values()):
@@ -158,14 +160,14 @@ class KServeFollower:
         for name in MAX_TOKEN_INPUTS:
             v = tensors[name][2][0] if name in tensors and tensors[name][2] else None
             v = v if v is not None else _param(m.parameters, name)
-            if _number(v) is not None:
-                q.max_tokens = int(v)
+            if as_count(v) is not None:
+                q.max_tokens = as_count(v)
                 break
         for attr, name in (("temperature", "temperature"), ("top_p", "top_p")):
             v = tensors[name][2][0] if name in tensors and tensors[name][2] else None
             v = v if v is not None else _param(m.parameters, name)
-            if _number(v) is not None:
-                setattr(q, attr, float(v))
+            if as_float(v) is not None:
+                setattr(q, attr, as_float(v))
         if "stream" in tensors and tensors["stream"][2]:
             q.stream = bool(tensors["stream"][2][0]) or self.streamed
         if self.keep:
@@ -191,7 +193,8 @@ class KServeFollower:
                 sm = messages().ModelStreamInferResponse.FromString(data)
                 if sm.error_message:
                     r.error_type = "stream_error"
-                    r.error_message = sm.error_message[:512]
+                    if self.keep:  # server error text can echo the prompt
+                        r.error_message = sm.error_message[:MAX_ERROR_TEXT]
                 if not sm.HasField("infer_response"):
                     return
                 m = sm.infer_response
@@ -201,20 +204,23 @@ class KServeFollower:
             r.parse_errors += 1
             return
         if r.model is None and m.model_name:
-            r.model = m.model_name
+            r.model = m.model_name[:MAX_NAME]
         if r.response_id is None and m.id:
-            r.response_id = m.id
+            r.response_id = m.id[:MAX_NAME]
         tensors = _tensors(m.outputs, m.raw_output_contents)
         counted = None
         if "num_output_tokens" in tensors and tensors["num_output_tokens"][2]:
-            counted = int(tensors["num_output_tokens"][2][0])
-            self._counted += 1
-            r.output_tokens = (r.output_tokens or 0) + counted
-            r.usage_source = "num_output_tokens"
+            counted = as_count(tensors["num_output_tokens"][2][0])
+            if counted is not None:
+                self._counted += 1
+                r.output_tokens = min((r.output_tokens or 0) + counted, MAX_COUNT)
+                r.usage_source = "num_output_tokens"
         if "num_input_tokens" in tensors and tensors["num_input_tokens"][2] \
                 and not self._in_counted:
-            r.input_tokens = int(tensors["num_input_tokens"][2][0])
-            self._in_counted = True
+            n_in = as_count(tensors["num_input_tokens"][2][0])
+            if n_in is not None:
+                r.input_tokens = n_in
+                self._in_counted = True
         carries = False
         for name, (dt, shape, vals) in tensors.items():
             if name in ("num_output_tokens", "num_input_tokens"):
@@ -233,9 +239,7 @@ class KServeFollower:
             carries = False
         if carries:
             r.text_chunks += 1
-            r.token_ts.append(ts)
-            if r.first_token_ts is None:
-                r.first_token_ts = ts
+            r.token_at(ts)
         if _param(m.parameters, "triton_final_response") is True:
             r.done_marker = True
 

@@ -16,6 +16,7 @@ token timing and counts:
 from __future__ import annotations
 
 import json
+import math
 import re
 import zlib
 from dataclasses import dataclass, field
@@ -24,6 +25,13 @@ from typing import Any
 from protocols.sse import SSEParser
 
 MAX_BODY = 8 * 1024 * 1024  # request/response JSON kept for parsing, per message
+MAX_INFLATED = 64 * 1024 * 1024  # bytes a compressed response may inflate to, in all
+INFLATE_STEP = 256 * 1024  # inflated at a time, so a small bomb never lands at once
+MAX_TOKEN_TS = 8192  # text-carrying chunk times kept per response (the rest: counted)
+MAX_COUNT = (1 << 63) - 1  # counts beyond int64 are not counts (and OTLP cannot carry them)
+MAX_ERROR_TEXT = 512
+MAX_NAME = 256  # model names and ids longer than this are cut
+MAX_FINISH_REASONS = 64
 
 _ENDPOINTS = (
     ("/chat/completions", "chat"),
@@ -64,8 +72,46 @@ _MODEL_RE = re.compile(rb'"model"\s*:\s*"((?:[^"\\]|\\.){0,256})"')
 _STREAM_RE = re.compile(rb'"stream"\s*:\s*(true|false)')
 
 
-def _number(v: Any) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+def loads(data: bytes | str) -> Any:
+    """``json.loads`` that fails only with ``ValueError``: also for nesting deeper than
+    the interpreter's recursion limit (``RecursionError`` otherwise)."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
+def as_float(v: Any) -> float | None:
+    """A finite JSON number as a float, else None (Infinity, NaN, 1e999, booleans,
+    strings and ints too large for a float are not numbers here)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
+def as_count(v: Any) -> int | None:
+    """A non-negative whole number (``12`` or ``12.0``) that fits in int64, else None."""
+    f = as_float(v)
+    if f is None or f < 0 or f != int(f):
+        return None
+    n = v if isinstance(v, int) else int(f)
+    return n if n <= MAX_COUNT else None
+
+
+def text_of(v: Any, limit: int | None = None) -> str | None:
+    """``v`` if it is a string (cut to ``limit``), a number as text, else None: never
+    ``str()`` of a container, which recurses into whatever a peer nested."""
+    if isinstance(v, str):
+        return v if limit is None else v[:limit]
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        if isinstance(v, int) and v.bit_length() > 64:
+            return None  # str() of a huge int is quadratic (and refused past 4300 digits)
+        return str(v)
+    return None
 
 
 def _prompt_text(operation: str, body: dict[str, Any]) -> str | None:
@@ -76,14 +122,21 @@ def _prompt_text(operation: str, body: dict[str, Any]) -> str | None:
             for m in msgs:
                 if isinstance(m, dict):
                     c = m.get("content")
-                    if isinstance(c, list):
-                        c = " ".join(p.get("text", "") for p in c if isinstance(p, dict))
-                    parts.append(f"{m.get('role', '')}: {c}")
+                    if isinstance(c, list):  # content parts: only their text parts
+                        c = " ".join(t for t in (text_of(p.get("text")) for p in c
+                                                 if isinstance(p, dict)) if t)
+                    parts.append(f"{text_of(m.get('role')) or ''}: {text_of(c) or ''}")
             return "\n".join(parts)
     p = body.get("prompt") if operation == "text_completion" else body.get("input")
-    if isinstance(p, list):
-        return "\n".join(str(x) for x in p)
+    if isinstance(p, list):  # prompts, or token ids (a list of ints, or of lists of ints)
+        return "\n".join(_items_text(x) for x in p)
     return p if isinstance(p, str) else None
+
+
+def _items_text(x: Any) -> str:
+    if isinstance(x, list):
+        return " ".join(t for t in (text_of(y) for y in x) if t is not None)
+    return text_of(x) or ""
 
 
 def parse_request(operation: str, body: bytes, complete: bool, keep_prompt: bool = False
@@ -92,23 +145,21 @@ def parse_request(operation: str, body: bytes, complete: bool, keep_prompt: bool
     when they can be found in the bytes that were seen."""
     req = LLMRequest(operation=operation)
     try:
-        doc = json.loads(body) if complete else None
-    except (ValueError, UnicodeDecodeError) as e:
+        doc = loads(body) if complete else None
+    except ValueError as e:  # UnicodeDecodeError is one
         doc = None
         req.error = f"request body is not JSON: {e}"
     if isinstance(doc, dict):
         req.parsed = True
         model = doc.get("model")
-        req.model = model if isinstance(model, str) else None
+        req.model = model[:MAX_NAME] if isinstance(model, str) else None
         req.stream = doc.get("stream") is True
         so = doc.get("stream_options")
         req.include_usage = isinstance(so, dict) and so.get("include_usage") is True
-        mt = doc.get("max_completion_tokens", doc.get("max_tokens"))
-        req.max_tokens = int(mt) if _number(mt) is not None else None
-        req.temperature = _number(doc.get("temperature"))
-        req.top_p = _number(doc.get("top_p"))
-        n = doc.get("n")
-        req.n = int(n) if _number(n) is not None else None
+        req.max_tokens = as_count(doc.get("max_completion_tokens", doc.get("max_tokens")))
+        req.temperature = as_float(doc.get("temperature"))
+        req.top_p = as_float(doc.get("top_p"))
+        req.n = as_count(doc.get("n"))
         if keep_prompt:
             req.prompt = _prompt_text(operation, doc)
         return req
@@ -141,6 +192,7 @@ class LLMResponse:
     first_chunk_ts: int | None = None
     first_token_ts: int | None = None
     token_ts: list[int] = field(default_factory=list)  # chunks that carried text
+    token_ts_dropped: int = 0  # text chunks past MAX_TOKEN_TS, not timed
     chunks: int = 0
     text_chunks: int = 0
     done_marker: bool = False  # a stream ended with data: [DONE]
@@ -149,6 +201,15 @@ class LLMResponse:
     error_message: str | None = None
     parse_errors: int = 0
     body_truncated: bool = False
+
+    def token_at(self, ts: int) -> None:
+        """A chunk carrying generated text was seen at ``ts``."""
+        if self.first_token_ts is None:
+            self.first_token_ts = ts
+        if len(self.token_ts) < MAX_TOKEN_TS:
+            self.token_ts.append(ts)
+        else:
+            self.token_ts_dropped += 1
 
 
 def _has_text_delta(delta: Any) -> bool:
@@ -176,6 +237,8 @@ class ResponseFollower:
     """Follows one response body of an OpenAI-style endpoint."""
 
     def __init__(self, operation: str, keep_text: bool = False) -> None:
+        """``keep_text``: keep the completion and any error text the server wrote (it
+        can echo the prompt); off, neither is kept."""
         self.operation = operation
         self.keep_text = keep_text
         self.r = LLMResponse()
@@ -184,6 +247,7 @@ class ResponseFollower:
         self._first_body_ts: int | None = None
         self._texts: list[str] = []
         self._decomp: Any = None
+        self._inflated = 0
 
     def head(self, ts: int, status: int, headers: dict[str, str]) -> None:
         self.r.status = status
@@ -196,13 +260,29 @@ class ResponseFollower:
             self._decomp = zlib.decompressobj(zlib.MAX_WBITS | 32)  # gzip or zlib header
 
     def data(self, ts: int, chunk: bytes) -> None:
-        if self._decomp is not None:
+        """Body bytes as the server wrote them (still compressed, if it compressed)."""
+        if self._decomp is None:
+            self._plain(ts, chunk)
+            return
+        while chunk:
+            # bounded steps: what a few KiB inflate to is never held at once
             try:
-                chunk = self._decomp.decompress(chunk)
+                out = self._decomp.decompress(chunk, INFLATE_STEP)
             except zlib.error:
                 self.r.parse_errors += 1
                 self._decomp = None
                 return
+            self._inflated += len(out)
+            if self._inflated > MAX_INFLATED:
+                self.r.body_truncated = True
+                self._decomp = None
+                return
+            self._plain(ts, out)
+            chunk = self._decomp.unconsumed_tail
+            if self._decomp.eof:
+                return
+
+    def _plain(self, ts: int, chunk: bytes) -> None:
         if not chunk:
             return
         if self._first_body_ts is None:
@@ -223,7 +303,7 @@ class ResponseFollower:
         if self.r.first_chunk_ts is None:
             self.r.first_chunk_ts = ts
         try:
-            doc = json.loads(data)
+            doc = loads(data)
         except ValueError:
             self.r.parse_errors += 1
             return
@@ -243,34 +323,36 @@ class ResponseFollower:
                     if self.keep_text:
                         self._texts.append(_choice_text(self.operation, ch, True))
                 fr = ch.get("finish_reason")
-                if isinstance(fr, str):
-                    self.r.finish_reasons.append(fr)
+                if isinstance(fr, str) and len(self.r.finish_reasons) < MAX_FINISH_REASONS:
+                    self.r.finish_reasons.append(fr[:MAX_NAME])
         if carried:
             self.r.text_chunks += carried
-            self.r.token_ts.append(ts)
-            if self.r.first_token_ts is None:
-                self.r.first_token_ts = ts
+            self.r.token_at(ts)
 
     def _common(self, doc: dict[str, Any]) -> None:
         if self.r.model is None and isinstance(doc.get("model"), str):
-            self.r.model = doc["model"]
+            self.r.model = doc["model"][:MAX_NAME]
         if self.r.response_id is None and isinstance(doc.get("id"), str):
-            self.r.response_id = doc["id"]
+            self.r.response_id = doc["id"][:MAX_NAME]
         usage = doc.get("usage")
         if isinstance(usage, dict):
-            it = usage.get("prompt_tokens", usage.get("input_tokens"))
-            ot = usage.get("completion_tokens", usage.get("output_tokens"))
-            if _number(it) is not None:
-                self.r.input_tokens = int(it)
-            if _number(ot) is not None:
-                self.r.output_tokens = int(ot)
+            it = as_count(usage.get("prompt_tokens", usage.get("input_tokens")))
+            ot = as_count(usage.get("completion_tokens", usage.get("output_tokens")))
+            if it is not None:
+                self.r.input_tokens = it
+            if ot is not None:
+                self.r.output_tokens = ot
                 self.r.usage_source = "usage"
         err = doc.get("error")
         if isinstance(err, dict):
-            self.r.error_type = str(err.get("type") or err.get("code") or "error")
-            self.r.error_message = str(err.get("message", ""))[:512]
+            self.r.error_type = (text_of(err.get("type"), 64) or text_of(err.get("code"), 64)
+                                 or "error")
+            if self.keep_text:
+                self.r.error_message = text_of(err.get("message"), MAX_ERROR_TEXT) or ""
         elif isinstance(err, str):
-            self.r.error_type, self.r.error_message = "error", err[:512]
+            self.r.error_type = "error"
+            if self.keep_text:
+                self.r.error_message = err[:MAX_ERROR_TEXT]
 
     def end(self, ts: int) -> LLMResponse:
         """The response is complete: parse a JSON body and settle the counts."""
@@ -278,8 +360,8 @@ class ResponseFollower:
         if self._sse is None and self._body:
             r.first_chunk_ts = self._first_body_ts
             try:
-                doc = json.loads(self._body)
-            except (ValueError, UnicodeDecodeError):
+                doc = loads(self._body)
+            except ValueError:
                 doc = None
                 r.parse_errors += 1
             if isinstance(doc, dict):
@@ -288,13 +370,14 @@ class ResponseFollower:
                 if isinstance(choices, list):
                     texts = [_choice_text(self.operation, c, False)
                              for c in choices if isinstance(c, dict)]
-                    for c in choices:
+                    for c in choices[:MAX_FINISH_REASONS]:
                         if isinstance(c, dict) and isinstance(c.get("finish_reason"), str):
-                            r.finish_reasons.append(c["finish_reason"])
+                            r.finish_reasons.append(c["finish_reason"][:MAX_NAME])
                     if any(texts) or any(isinstance(c, dict) and _has_text_delta(c.get("message"))
                                          for c in choices):
                         r.first_token_ts = self._first_body_ts
-                        r.token_ts = [self._first_body_ts] if self._first_body_ts else []
+                        r.token_ts = ([self._first_body_ts] if self._first_body_ts is not None
+                                      else [])
                     if self.keep_text:
                         self._texts = texts
         if r.output_tokens is None and r.streamed and r.text_chunks:

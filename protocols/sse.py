@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MAX_PENDING = 4 * 1024 * 1024  # an event larger than this is dropped, not buffered
+# An event (its unfinished line plus the data lines held until the blank line that ends
+# it) larger than this is dropped, not buffered; LLM stream events are a few hundred bytes.
+MAX_PENDING = 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,12 +23,16 @@ class ServerSentEvent:
 
 
 class SSEParser:
+    """One event stream; ``oversized`` counts events dropped for ``MAX_PENDING``."""
+
     def __init__(self) -> None:
         self._buf = bytearray()
         self._data: list[str] = []
+        self._held = 0  # bytes in _data
         self._event = ""
         self._id = ""
         self._pending_cr = False
+        self._dropping = False  # inside an event dropped for its size
         self.oversized = 0
 
     def feed(self, chunk: bytes, ts: int) -> list[ServerSentEvent]:
@@ -54,18 +60,28 @@ class SSEParser:
             self._line(bytes(buf[start:end]), ts, out)
             start = nxt
         del buf[:start]
-        if len(buf) > MAX_PENDING:
+        if len(buf) + self._held > MAX_PENDING:
+            # drop the event so far; its remaining lines are dropped up to its end
             buf.clear()
-            self._data.clear()
-            self.oversized += 1
+            self._drop()
         return out
+
+    def _drop(self) -> None:
+        self._data.clear()
+        self._held = 0
+        self._dropping = True
+        self.oversized += 1
 
     def _line(self, line: bytes, ts: int, out: list[ServerSentEvent]) -> None:
         if not line:
-            if self._data:
+            if self._data and not self._dropping:
                 out.append(ServerSentEvent(ts, "\n".join(self._data), self._event, self._id))
             self._data = []
+            self._held = 0
+            self._dropping = False
             self._event = ""
+            return
+        if self._dropping:
             return
         if line.startswith(b":"):
             return  # comment / keep-alive
@@ -75,6 +91,9 @@ class SSEParser:
         text = value.decode("utf-8", "replace")
         if name == b"data":
             self._data.append(text)
+            self._held += len(line)
+            if self._held > MAX_PENDING:
+                self._drop()
         elif name == b"event":
             self._event = text
         elif name == b"id":

@@ -35,6 +35,15 @@ def capture_streams(path: Path) -> dict[tuple[int, int, int], list[tuple[bool, i
     return out
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test of a ``test_live_*`` module runs real probes: mark it ``bpf`` (so
+    ``-m bpf`` / ``-m "not bpf"`` select exactly the live tests), whether or not the
+    module says so itself."""
+    for item in items:
+        if item.path.name.startswith("test_live_"):
+            item.add_marker(pytest.mark.bpf)
+
+
 @pytest.fixture
 def openai_capture() -> Path:
     return CAPTURES / "openai-http1.ttcap"

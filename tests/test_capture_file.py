@@ -14,7 +14,7 @@ def test_round_trip_of_wire_and_user_items(tmp_path, openai_capture):
     assert any(isinstance(i, bytes) for i in items)
     assert any(isinstance(i, schema.ProcessInfo) for i in items)
     out = tmp_path / "copy.ttcap"
-    w = capture.CaptureWriter(out)
+    w = capture.CaptureWriter(out, keep_secrets=True)  # byte for byte
     for i in items:
         w.write(i)
     w.close()

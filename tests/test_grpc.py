@@ -185,14 +185,18 @@ def test_kserve_stream_counts_responses_that_carry_output():
 
 
 def test_kserve_stream_error_message_and_garbage():
-    f = kserve.KServeFollower("ModelStreamInfer")
-    f.request_message(1, b"\xff\xff\xff")
-    f.response_message(2, M.ModelStreamInferResponse(error_message="boom").SerializeToString())
-    f.response_message(3, b"\x0a\xff")
-    q, r = f.end(4)
-    assert not q.parsed and q.error
-    assert (r.error_type, r.error_message, r.parse_errors) == ("stream_error", "boom", 1)
-    assert r.first_token_ts is None and r.output_tokens is None
+    for keep in (False, True):
+        f = kserve.KServeFollower("ModelStreamInfer", keep_content=keep)
+        f.request_message(1, b"\xff\xff\xff")
+        f.response_message(2, M.ModelStreamInferResponse(error_message="boom")
+                           .SerializeToString())
+        f.response_message(3, b"\x0a\xff")
+        q, r = f.end(4)
+        assert not q.parsed and q.error
+        # the server's error text can echo the prompt: kept only with content
+        assert (r.error_type, r.error_message, r.parse_errors) == (
+            "stream_error", "boom" if keep else None, 1)
+        assert r.first_token_ts is None and r.output_tokens is None
 
 
 # ---- through the tracker, into spans ------------------------------------------------------

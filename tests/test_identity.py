@@ -188,13 +188,16 @@ def test_resource_of_a_real_process() -> None:
         ctx = ExportContext(host="node-a", processes={proc.pid: info},
                             identity=IdentityResolver(live=True))
         attrs = dict(resource_for(ctx, proc.pid).attributes)
+        ctx.capture_cmdline = True  # opted in
+        asked = dict(resource_for(ctx, proc.pid).attributes)
     finally:
         proc.kill()
         proc.wait()
     assert attrs["process.pid"] == proc.pid
     assert attrs["process.parent_pid"] == os.getpid()
     assert attrs["process.executable.path"] == os.path.realpath(shutil.which("sleep") or "")
-    assert attrs["process.command_line"] == "sleep 30"
+    assert "process.command_line" not in attrs  # command lines carry keys: not by default
+    assert asked["process.command_line"] == "sleep 30"
     assert attrs["service.name"] == "sleep"
     assert attrs["host.name"] == "node-a"
     assert not any(k.startswith(("k8s.", "container.")) for k in attrs)

@@ -92,6 +92,15 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                          "detaching them all takes well under a second) or as one perf "
                          "event each (~0.1 s apiece to detach); auto picks links where the "
                          "kernel has them (default: auto)")
+    g2.add_argument("--capture-secrets", action="store_true",
+                    help="write Authorization, Proxy-Authorization, api-key, x-api-key, "
+                         "Cookie and Set-Cookie values and command-line keys into the "
+                         "capture as they were (default: masked, same length, before "
+                         "writing; HTTP/2 header blocks are never masked)")
+    g2.add_argument("--tenant-salt", metavar="TEXT",
+                    help="salt of the tenant hash (tokentrace.tenant, from the API key): "
+                         "the same salt gives the same tenant ids across runs; keep it "
+                         "secret (default: a random one per run, kept in the capture)")
     g2.add_argument("--sched-idle", action="store_true",
                     help="run the tracer under SCHED_IDLE once attached: it only takes CPU "
                          "the traced service leaves idle (events wait in the ring buffer; "
@@ -113,8 +122,11 @@ def _add_export_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--service-name", metavar="NAME",
                    help="service.name of the spans (default: the traced process's name)")
     g.add_argument("--capture-content", action="store_true",
-                   help="include prompt and completion text in spans (off by default: "
-                        "prompts are private)")
+                   help="include prompt and completion text, and the error text servers "
+                        "return, in spans (off by default: prompts are private)")
+    g.add_argument("--capture-cmdline", action="store_true",
+                   help="export process.command_line, with anything that looks like a "
+                        "key or token redacted (off by default)")
     g.add_argument("--summary", metavar="FILE",
                    help="on exit, write per-process and per-thread GPU totals (kernel "
                         "launches, graph launches, memcpy/memset bytes, device memory, "
@@ -218,6 +230,7 @@ def build_sinks(args: argparse.Namespace, ctx: ExportContext) -> tuple[list[Any]
     from tracer.export.spans import SpanBuilder
 
     ctx.service_name = getattr(args, "service_name", None)
+    ctx.capture_cmdline = bool(getattr(args, "capture_cmdline", False))
     sinks: list[Any] = []
     console = None
     if not args.quiet:
@@ -245,9 +258,11 @@ def build_sinks(args: argparse.Namespace, ctx: ExportContext) -> tuple[list[Any]
 def _write_summary(path: str | None, pipeline: Pipeline) -> None:
     if not path:
         return
+    from tracer.privacy import open_private
+
     doc = {"gpu": pipeline.gpu.summary(), "report": pipeline.report(),
            "reconciliation": pipeline.reconciliation()}
-    with open(path, "w") as f:
+    with open_private(path, "w") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")
 
@@ -262,7 +277,9 @@ def _report(pipeline: Pipeline, console: Any) -> None:
                 "capture.conns_full", "capture.verbs_cut", "capture.verbs_full",
                 "capture.kcounts_full", "capture.bursts_full",
                 "http_protocol_errors", "undecodable_records",
-                "in_flight_at_exit", "identity.k8s_errors"))}
+                "in_flight_at_exit", "identity.k8s_errors")
+                or k.startswith("parser_errors") or k.endswith("_evicted")
+                or k.endswith("_over_budget"))}
     for line in reconciliation_lines(pipeline.reconciliation()):
         _say(line)
     _say(f"{pipeline.records} requests exported; "
@@ -394,6 +411,12 @@ def _drive(args: argparse.Namespace, open_: Callable[[], Any], poll: Callable[[]
     return 0
 
 
+def _new_header(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """The capture header of a run: the tenant salt is --tenant-salt, else random."""
+    extra = {"tenant_salt": args.tenant_salt} if args.tenant_salt else {}
+    return capture.new_header(command=command, **extra)
+
+
 # ---- commands -----------------------------------------------------------------------
 
 
@@ -402,12 +425,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     from tracer.runner import TraceRun
 
     pricing = GpuPricing.resolve(price=args.gpu_price, model=args.gpu_model)
-    header = capture.new_header(command="run")
+    header = _new_header(args, command="run")
     header["gpu_model"] = pricing.model
     ctx = ExportContext(capture_id=header["capture_id"], host=header["host"])
     sinks, console = build_sinks(args, ctx)
-    run = TraceRun(_targets(args), sinks, TrackerOptions(keep_content=args.capture_content),
-                   record=args.record, ctx=ctx, header=header, pricing=pricing)
+    options = TrackerOptions(keep_content=args.capture_content,
+                             tenant_salt=capture.tenant_salt(header))
+    run = TraceRun(_targets(args), sinks, options, record=args.record, ctx=ctx, header=header,
+                   pricing=pricing, keep_secrets=args.capture_secrets)
     poll = run.poll
     if console is not None and getattr(args, "gpu_every", 0) > 0:
         console.gpu, console.gpu_every_s = run.pipeline.gpu, args.gpu_every
@@ -434,9 +459,9 @@ def cmd_record(args: argparse.Namespace) -> int:
 
     from tracer.correlate.cost import detect_gpu_model
 
-    header = capture.new_header(command="record")
+    header = _new_header(args, command="record")
     header["gpu_model"] = detect_gpu_model().name
-    writer = capture.CaptureWriter(args.output, header)
+    writer = capture.CaptureWriter(args.output, header, keep_secrets=args.capture_secrets)
     session = CaptureSession(_targets(args), writer.write)
     try:
         rc = _drive(args, session.start, session.poll, lambda: session.pids,
@@ -463,9 +488,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
         price=args.gpu_price, model=args.gpu_model or recorded,
         detect=lambda: GpuDetection(reason="replay: the capture names no GPU model"))
     _say(f"GPU price: {pricing.describe()}")
-    ctx = ExportContext(capture_id=reader.header["capture_id"], host=reader.header.get("host", ""))
+    ctx = ExportContext(capture_id=str(reader.header.get("capture_id", "")),
+                        host=str(reader.header.get("host", "")))
     sinks, console = build_sinks(args, ctx)
-    pipeline = Pipeline(sinks, ctx, TrackerOptions(keep_content=args.capture_content), pricing)
+    options = TrackerOptions(keep_content=args.capture_content,
+                             tenant_salt=capture.tenant_salt(reader.header),
+                             secrets_masked=reader.header.get("secrets_masked") is True)
+    pipeline = Pipeline(sinks, ctx, options, pricing)
     try:
         for item in reader:
             pipeline.feed(item)
@@ -476,6 +505,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if reader.truncated:
         _say("warning: the capture ends mid-record (cut off while writing); "
              "analysed what was there")
+    if reader.corrupt:
+        _say(f"warning: the capture is damaged ({reader.corrupt}); analysed what came "
+             "before it")
+    if reader.bad_items:
+        _say(f"warning: skipped {reader.bad_items} damaged event(s) in the capture")
     _write_summary(args.summary, pipeline)
     _report(pipeline, console)
     return 0
@@ -502,6 +536,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Captures, span files, summaries and reports hold what a service's clients sent:
+    # every file this process creates is for its user alone.
+    os.umask(0o077)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -11,7 +11,8 @@ from collections import Counter
 from typing import Any, Iterator, Protocol
 
 from tracer.correlate.attribution import GpuAttribution, Pricing
-from tracer.correlate.connections import ConnectionTracker, TrackerOptions
+from tracer.correlate.connections import (ConnectionTracker, TrackerOptions,
+                                          count_parser_error)
 from tracer.correlate.gpu import GpuLedger
 from tracer.correlate.ipc import IpcGraph
 from tracer.correlate.records import RequestRecord
@@ -66,15 +67,24 @@ class Pipeline:
             s.on_record(rec)
 
     def feed(self, item: bytes | Any) -> None:
+        """One capture item. Never raises on what the item holds: a failure is counted
+        in ``parser_errors`` (the tracker contains its own per connection)."""
         if isinstance(item, (bytes, bytearray)):
             try:
                 ev = schema.decode(bytes(item))
             except schema.WireError:
                 self.stats["undecodable_records"] += 1
                 return
+            except Exception as e:  # a decoder bug on a malformed record
+                self.stats["undecodable_records"] += 1
+                count_parser_error(self.stats, e)
+                return
         else:
             ev = item
-        self.handle(ev)
+        try:
+            self.handle(ev)
+        except Exception as e:
+            count_parser_error(self.stats, e)
 
     def handle(self, ev: Any) -> None:
         t = self.tracker

@@ -18,13 +18,17 @@ class TraceRun:
     def __init__(self, config: CaptureConfig, sinks: list[Any],
                  options: TrackerOptions | None = None, record: str | None = None,
                  ctx: ExportContext | None = None, header: dict[str, Any] | None = None,
-                 pricing: Any = None) -> None:
+                 pricing: Any = None, keep_secrets: bool = False) -> None:
         self.header = header or capture.new_header(command="run")
+        options = options or TrackerOptions()
+        if options.tenant_salt is None:  # tenants hashed as the capture's replay will
+            options.tenant_salt = capture.tenant_salt(self.header)
         self.ctx = ctx or ExportContext()
         self.ctx.capture_id = self.ctx.capture_id or self.header["capture_id"]
         self.ctx.host = self.ctx.host or self.header["host"]
         self.pipeline = Pipeline(sinks, self.ctx, options, pricing)
-        self.writer = capture.CaptureWriter(record, self.header) if record else None
+        self.writer = (capture.CaptureWriter(record, self.header, keep_secrets=keep_secrets)
+                       if record else None)
         self.session = CaptureSession(config, self._sink)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -5,12 +5,21 @@ the client (accept means the traced process serves, connect means it calls; for
 sockets found open at attach, the first start line decides), sniffs the protocol from
 the client's first bytes, checks every chunk's stream offset so a capture gap becomes
 an explicit ``lost()`` on the parser, and turns parser events into ``RequestRecord``s.
+
+Whatever a parser raises on one connection's bytes stays with that connection: it is
+counted in ``parser_errors`` (and ``parser_errors.<module>.<exception>``, naming the
+innermost module of ours that raised), the connection's open requests end in error,
+and its parsers start over unsynced, hunting for the next message. Other connections
+never notice.
 """
 
 from __future__ import annotations
 
+import logging
+import traceback
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from protocols import detect, http1, http2
@@ -26,12 +35,43 @@ Emit = Callable[[RequestRecord], None]
 SNIFF_MAX = 64  # client bytes looked at to recognise a protocol
 HUNT_GIVE_UP = 64 * 1024  # bytes of an attached-to connection searched for a start line
 
+log = logging.getLogger("tokentrace.connections")
+_ROOT = Path(__file__).resolve().parents[2]
+_SOURCES = (str(_ROOT / "protocols") + "/", str(_ROOT / "tracer") + "/")
+
+
+def error_source(e: BaseException) -> str:
+    """The innermost module of ``protocols`` or ``tracer`` in ``e``'s traceback
+    (``openai``, ``grpc``, ``http1``, ``pipeline``...): which layer failed."""
+    name = "unknown"
+    for frame in traceback.extract_tb(e.__traceback__):
+        if frame.filename.startswith(_SOURCES):
+            name = Path(frame.filename).stem
+    return name
+
+
+def count_parser_error(stats: Counter[str], e: BaseException) -> str:
+    """Count ``e`` in ``stats`` as a parser error; returns its key."""
+    key = f"parser_errors.{error_source(e)}.{type(e).__name__}"
+    stats["parser_errors"] += 1
+    if not stats[key]:
+        log.debug("first %s", key, exc_info=e)
+    stats[key] += 1
+    return key
+
 
 @dataclass
 class TrackerOptions:
     keep_content: bool = False  # prompts and completions: off unless the user opts in
+    tenant_salt: bytes | None = None  # the deployment's (None: older captures' fixed one)
+    secrets_masked: bool = False  # credential headers hold masks (a masked capture)
     max_request_body: int = 8 * 1024 * 1024
     idle_timeout_ns: int = 15 * 60 * 10**9
+    # an HTTP/2 stream with no frame this long ends (one that lost bytes, sooner)
+    stream_idle_timeout_ns: int = 15 * 60 * 10**9
+    damaged_stream_idle_timeout_ns: int = 60 * 10**9
+    # connections followed at once; past it the least recently active are dropped
+    max_connections: int = 100_000
 
 
 class Exchange:
@@ -47,7 +87,8 @@ class Exchange:
             role=conn.role or "server", method=req.method, target=req.target,
             http_version=req.version, start_ns=req.ts,
             request_headers={k: v for k, v in headers.items() if k in SAFE_HEADERS},
-            tenant=tenant_of(headers), family=conn.family, local_addr=conn.local_addr,
+            tenant=tenant_of(headers, options.tenant_salt, options.secrets_masked),
+            family=conn.family, local_addr=conn.local_addr,
             local_port=conn.local_port, peer_addr=conn.peer_addr, peer_port=conn.peer_port,
         )
         self.operation = operation_for(req.method, req.target)
@@ -137,6 +178,10 @@ class Connection:
     def from_client(self, inbound: bool) -> bool:
         return inbound if self.role == "server" else not inbound
 
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return (self.pid, self.fd, self.conn_id)
+
 
 class ConnectionTracker:
     """Socket events in, finished ``RequestRecord``s out (through ``emit``)."""
@@ -159,7 +204,7 @@ class ConnectionTracker:
             c = Connection(ev.pid, ev.fd, ev.conn_id, role, synced=True)
             c.family, c.peer_addr, c.peer_port = ev.family, ev.peer_addr, ev.peer_port
             c.last_ts = ev.ts
-            self.conns[ev.key] = c
+            self._admit(c)
             self.stats["connections"] += 1
         elif ev.op == C["CONN_PEER"]:
             c = self.conns.get(ev.key)
@@ -169,9 +214,7 @@ class ConnectionTracker:
         elif ev.op == C["CONN_CLOSE"]:
             c = self.conns.pop(ev.key, None)
             if c is not None:
-                self._close(c, ev.ts)
-                if self.ipc is not None:
-                    self.ipc.closed(c.pid, c.fd, c.conn_id)
+                self._close_guarded(c, ev.ts)
 
     def socket_info(self, ev: schema.SocketInfo) -> None:
         c = self.conns.get(ev.key)
@@ -179,7 +222,7 @@ class ConnectionTracker:
             role = {C["ROLE_SERVER"]: "server", C["ROLE_CLIENT"]: "client"}.get(ev.role)
             c = Connection(ev.pid, ev.fd, ev.conn_id, role, synced=not ev.existing)
             c.last_ts = ev.ts
-            self.conns[ev.key] = c
+            self._admit(c)
             if ev.existing:
                 self.stats["connections_existing"] += 1
         c.family = ev.family
@@ -191,7 +234,7 @@ class ConnectionTracker:
         for key in [k for k in self.conns if k[0] == pid]:
             c = self.conns.pop(key)
             c.close_reason = "process exited before the response completed"
-            self._close(c, ts)
+            self._close_guarded(c, ts)
 
     def finish(self, ts: int) -> int:
         """End of capture: count exchanges still open (they are not emitted)."""
@@ -201,13 +244,34 @@ class ConnectionTracker:
         return open_exchanges
 
     def expire(self, now_ts: int) -> None:
-        """Forget connections idle longer than the timeout (a lost close record)."""
-        limit = now_ts - self.options.idle_timeout_ns
+        """Forget connections idle longer than the timeout (a lost close record), and
+        HTTP/2 streams idle longer than theirs (a lost end of stream)."""
+        o = self.options
+        limit = now_ts - o.idle_timeout_ns
         for key in [k for k, c in self.conns.items() if c.last_ts < limit]:
             c = self.conns.pop(key)
             c.close_reason = "connection idle past the tracer's timeout"
             self.stats["connections_expired"] += 1
-            self._close(c, now_ts)
+            self._close_guarded(c, now_ts)
+        for c in list(self.conns.values()):
+            if c.h2 is not None and c.h2.open_calls:
+                try:
+                    self._emit_h2(c.h2.expire(now_ts, o.stream_idle_timeout_ns,
+                                              o.damaged_stream_idle_timeout_ns))
+                except Exception as e:
+                    self._contain(c, e, now_ts)
+
+    def _admit(self, c: Connection) -> None:
+        """Start following ``c``; past ``max_connections`` the least recently active
+        tenth is dropped first (their open requests end in error; counted)."""
+        if len(self.conns) >= self.options.max_connections:
+            n = max(1, len(self.conns) // 10)
+            for old in sorted(self.conns.values(), key=lambda x: x.last_ts)[:n]:
+                del self.conns[old.key]
+                old.close_reason = "dropped: the tracer follows too many connections"
+                self.stats["connections_evicted"] += 1
+                self._close_guarded(old, old.last_ts)
+        self.conns[c.key] = c
 
     # ---- data -------------------------------------------------------------------
 
@@ -216,8 +280,15 @@ class ConnectionTracker:
         if c is None:
             # its open record was lost, or it predates the capture: follow it unsynced
             c = Connection(ev.pid, ev.fd, ev.conn_id, None, synced=False)
-            self.conns[ev.key] = c
+            c.last_ts = ev.ts_exit
+            self._admit(c)
             self.stats["connections_unannounced"] += 1
+        try:
+            self._data_event(c, ev)
+        except Exception as e:  # a parser bug or a peer we did not foresee: this connection only
+            self._contain(c, e, ev.ts_exit)
+
+    def _data_event(self, c: Connection, ev: schema.DataEvent) -> None:
         ts = ev.ts_exit
         c.last_ts = ts
         inbound = ev.inbound
@@ -282,14 +353,14 @@ class ConnectionTracker:
                     self.stats["connections_opaque"] += 1
                 return False
             c.proto = "http1"
-            c.http = http1.HTTP1Connection(synced=False)
+            c.http = http1.HTTP1Connection(synced=False, stats=self.stats)
             return True
         if not c.synced and http2.looks_like_frames(data):
             self._start_h2(c, synced=False)
             return True
         if not c.synced:
             c.proto = "http1"
-            c.http = http1.HTTP1Connection(synced=False)
+            c.http = http1.HTTP1Connection(synced=False, stats=self.stats)
             return True
         if not c.from_client(inbound):
             if http2.server_settings_first(data):  # an HTTP/2 server may not wait
@@ -307,7 +378,7 @@ class ConnectionTracker:
         c.sniff_buf = b""
         if kind == detect.HTTP1_REQUEST:
             c.proto = "http1"
-            c.http = http1.HTTP1Connection(synced=True)
+            c.http = http1.HTTP1Connection(synced=True, stats=self.stats)
             if len(held) > len(data):
                 # fragments were held back while sniffing: the request began with them
                 self._dispatch(c, c.http.receive(held, c.sniff_ts, True), tid)
@@ -332,6 +403,45 @@ class ConnectionTracker:
         if c.http is None:
             return
         self._dispatch(c, c.http.lost(nbytes, ts, c.from_client(inbound)), tid)
+
+    def _close_guarded(self, c: Connection, ts: int) -> None:
+        """``_close`` of a connection already removed from ``conns``, contained."""
+        try:
+            self._close(c, ts)
+        except Exception as e:
+            self._contain(c, e, ts)
+        if self.ipc is not None:
+            self.ipc.closed(c.pid, c.fd, c.conn_id)
+
+    def _contain(self, c: Connection, e: Exception, ts: int) -> None:
+        """A parser raised on ``c``: count it, end its open requests in error, and let
+        its parsers start over from the next message they can find."""
+        count_parser_error(self.stats, e)
+        reason = (f"tracer parser error on this connection ({error_source(e)}: "
+                  f"{type(e).__name__})")
+        exchanges, c.exchanges = list(c.exchanges.values()), {}
+        h2, c.h2 = c.h2, None
+        for ex in exchanges:
+            self._emit_guarded(lambda ex=ex: self._finished(ex, ts, reason, True))
+        if h2 is not None:
+            for rec in h2.abort(ts, reason):
+                self._emit_guarded(lambda rec=rec: rec)
+        if self.conns.get(c.key) is not c:
+            return  # it was closing anyway
+        if c.proto == "http1":
+            c.http = http1.HTTP1Connection(synced=False, stats=self.stats)
+        elif h2 is not None:
+            c.h2 = H2Calls(c, self.options, False, self.stats)
+        else:
+            c.proto, c.http = "opaque", None  # failed while sniffing: stop looking
+        self.stats["connections_reset_after_error"] += 1
+
+    def _emit_guarded(self, make: Callable[[], RequestRecord]) -> None:
+        try:
+            self._emit(make())
+        except Exception as e:
+            count_parser_error(self.stats, e)
+            self.stats["records_dropped_after_error"] += 1
 
     def _close(self, c: Connection, ts: int) -> None:
         if c.http is not None:
@@ -386,7 +496,21 @@ class ConnectionTracker:
     def _finish(self, c: Connection, ex: Exchange, ts: int, error: str | None,
                 incomplete: bool = False) -> None:
         c.exchanges.pop(ex.rec.exchange, None)
-        self._emit(ex.finish(ts, error, incomplete))
+        self._emit(self._finished(ex, ts, error, incomplete))
+
+    def _finished(self, ex: Exchange, ts: int, error: str | None, incomplete: bool
+                  ) -> RequestRecord:
+        """``ex.finish``; if that fails, the record as it stands, ended in error."""
+        try:
+            return ex.finish(ts, error, incomplete)
+        except Exception as e:
+            count_parser_error(self.stats, e)
+            rec = ex.rec
+            rec.end_ns = max(ts, rec.start_ns)
+            rec.response_incomplete = True
+            rec.error = (f"tracer parser error on this request ({error_source(e)}: "
+                         f"{type(e).__name__})")
+            return rec
 
     def _emit(self, rec: RequestRecord) -> None:
         rec.process = self.processes.get(rec.pid)

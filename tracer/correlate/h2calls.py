@@ -49,6 +49,30 @@ class H2Calls:
     def open_calls(self) -> int:
         return len(self.records)
 
+    def expire(self, ts: int, idle_ns: int, damaged_idle_ns: int) -> list[RequestRecord]:
+        """Records of the calls ended for being idle (see ``GrpcConnection.expire``)."""
+        return self._calls(self.grpc.expire(ts, idle_ns, damaged_idle_ns), 0)
+
+    def abort(self, ts: int, reason: str) -> list[RequestRecord]:
+        """Give up on every open call (a parser failed on this connection): their
+        records, ended in error with what was known so far."""
+        out = []
+        for sid, rec in list(self.records.items()):
+            rec.end_ns = max(ts, rec.start_ns)
+            rec.error = reason
+            rec.response_incomplete = True
+            f = self.followers.get(sid)
+            if f is not None:
+                try:
+                    rec.llm_request, rec.llm_response = f.end(ts)
+                    rec.llm_start_ns = f.request_ts
+                except Exception:  # the follower may be what failed: keep the record
+                    self.grpc.stats["llm_fields_dropped_after_error"] += 1
+            out.append(rec)
+        self.records.clear()
+        self.followers.clear()
+        return out
+
     def _calls(self, events: list[grpc.CallEvent], tid: int) -> list[RequestRecord]:
         done: list[RequestRecord] = []
         for e in events:
@@ -89,7 +113,8 @@ class H2Calls:
             method=h.get(":method", ""), target=h.get(":path", ""), http_version="2",
             start_ns=call.start_ns,
             request_headers={k: v for k, v in h.items() if k in SAFE_GRPC_HEADERS},
-            tenant=tenant_of(h), family=c.family, local_addr=c.local_addr,
+            tenant=tenant_of(h, self.options.tenant_salt, self.options.secrets_masked),
+            family=c.family, local_addr=c.local_addr,
             local_port=c.local_port, peer_addr=c.peer_addr, peer_port=c.peer_port, rpc=call,
         )
 
@@ -107,6 +132,8 @@ class H2Calls:
         rec.response_headers = {k: v for k, v in call.response_headers.items()
                                 if k in ("content-type", "grpc-encoding")}
         rec.error = call.error
+        if not self.options.keep_content:
+            call.grpc_message = None  # the server's error text can echo the prompt
         if f is not None:
             rec.llm_request, rec.llm_response = f.end(call.end_ns)
             rec.llm_start_ns = f.request_ts

@@ -4,6 +4,12 @@ A ``RequestRecord`` is one request/response exchange as the traced process saw i
 with monotonic-ns timestamps (the exporters convert them with the capture's clock
 sync). It holds no secrets: request headers are kept by name from ``SAFE_HEADERS``,
 and the API key only as a salted hash (``tenant``).
+
+The tenant hash is keyed by a per-deployment salt (``--tenant-salt``, else a random
+one that the capture header keeps), so tenants cannot be linked across deployments.
+It is computed from the key's *mask* (``mask_token``: an HMAC of the key, as long as
+the key), which is what captures store in place of the key: a replay of a masked
+capture then finds the same tenants as the live run without ever holding a key.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Any
 from protocols.grpc import SERVER_ERROR_CODES, Call
 from protocols.openai import LLMRequest, LLMResponse
 from tracer.events.schema import ProcessInfo
+from tracer.privacy import mask_token, token_span
 
 SAFE_HEADERS = frozenset({
     "host", "user-agent", "content-type", "content-length", "accept", "traceparent",
@@ -22,16 +29,36 @@ SAFE_HEADERS = frozenset({
 })
 
 TENANT_HEADERS = ("authorization", "api-key", "x-api-key")
-TENANT_SALT = b"tokentrace-tenant-v1"
+TENANT_SALT = b"tokentrace-tenant-v1"  # captures from before per-deployment salts
 
 
-def tenant_of(headers: dict[str, str]) -> str | None:
-    """A stable, non-reversible tenant id from the request's API key header."""
+def _bytes(text: str) -> bytes:
+    try:
+        return text.encode("latin-1")  # HTTP/1 header values were decoded as latin-1
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace")
+
+
+def tenant_of(headers: dict[str, str], salt: bytes | None = None, masked: bool = False
+              ) -> str | None:
+    """A stable, non-reversible tenant id from the request's API key header.
+
+    ``salt``: the deployment's tenant salt (None: the fixed salt of older captures).
+    ``masked``: the header values are already masks (a replay of a masked capture)."""
     for name in TENANT_HEADERS:
         v = headers.get(name)
-        if v:
+        if not v:
+            continue
+        if salt is None:
             token = v.split(None, 1)[-1].encode()
             return hashlib.sha256(TENANT_SALT + token).hexdigest()[:16]
+        raw = _bytes(v)
+        a, b = token_span(raw)
+        token = raw[a:b]
+        if masked and token and token.count(b"*") == len(token):
+            return None  # masked without its key (split over two captured reads)
+        m = token if masked else mask_token(token, salt)
+        return hashlib.sha256(salt + m).hexdigest()[:16]
     return None
 
 

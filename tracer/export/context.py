@@ -17,6 +17,7 @@ class ExportContext:
     clock_offset_ns: int = 0  # wall = monotonic + offset
     processes: dict[int, ProcessInfo] = field(default_factory=dict)
     service_name: str | None = None  # overrides the process name as service.name
+    capture_cmdline: bool = False  # export process.command_line (secrets redacted)
     extra_resource: dict[int, dict[str, Any]] = field(default_factory=dict)
     drops: dict[str, int] = field(default_factory=dict)
     identity: Any = None  # an identity.IdentityResolver: container and pod of each pid

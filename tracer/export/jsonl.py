@@ -9,6 +9,8 @@ from typing import IO, Any, Sequence
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from tracer.privacy import open_private
+
 
 def _hex(v: int | None, width: int) -> str | None:
     return None if v is None else format(v, f"0{width}x")
@@ -43,8 +45,10 @@ class JsonlSpanExporter(SpanExporter):
     """Writes spans to a file (or stream), one line each, flushed per batch."""
 
     def __init__(self, out: str | IO[str]) -> None:
+        """``out``: a path (created 0600: spans carry what clients sent) or a stream."""
         self._own = isinstance(out, str)
-        self._f: IO[str] = open(out, "w", encoding="utf-8") if isinstance(out, str) else out
+        self._f: IO[str] = (open_private(out, "w", encoding="utf-8") if isinstance(out, str)
+                            else out)
         self._lock = threading.Lock()
         self.count = 0
 

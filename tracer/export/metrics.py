@@ -9,7 +9,13 @@ seconds, with ``gen_ai.operation.name``, ``gen_ai.request.model`` and (on failur
 ``error.type``; one MeterProvider per traced process, with the span resource.
 
 Prometheus (``PrometheusSink``): the same histograms under vLLM's names with a
-``tokentrace_`` prefix, and counters; label ``model_name`` as in vLLM.
+``tokentrace_`` prefix, and counters; label ``model_name`` as in vLLM. It listens on
+127.0.0.1 unless told an address.
+
+Label values come from what clients and servers sent (a model name is whatever a request
+body says), so each label takes at most ``MAX_LABEL_VALUES`` distinct values, the first
+seen; later ones become ``other`` and are counted in
+``tokentrace_label_values_capped_total{label}``. OTLP metric attributes are capped alike.
 
 ========================================  ==========================================
 tokentrace                                vLLM
@@ -42,6 +48,28 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
                     40.96, 81.92)
+MAX_LABEL_VALUES = 32
+OTHER = "other"
+DEFAULT_ADDR = "127.0.0.1"
+
+
+class LabelCap:
+    """One label's values: the first ``limit`` distinct ones pass, the rest become
+    ``other`` (and are counted in ``capped``), so no client can create series."""
+
+    def __init__(self, limit: int = MAX_LABEL_VALUES) -> None:
+        self.limit = limit
+        self.seen: set[str] = set()
+        self.capped = 0
+
+    def __call__(self, value: str) -> str:
+        if value in self.seen:
+            return value
+        if len(self.seen) < self.limit:
+            self.seen.add(value)
+            return value
+        self.capped += 1
+        return OTHER
 
 
 class RequestFacts:
@@ -76,8 +104,12 @@ class PrometheusSink:
 
     Metrics live in their own registry, so several sinks (tests) do not collide."""
 
-    def __init__(self, port: int, addr: str = "0.0.0.0") -> None:
+    def __init__(self, port: int, addr: str = DEFAULT_ADDR,
+                 max_label_values: int = MAX_LABEL_VALUES) -> None:
         from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+        self.caps = {name: LabelCap(max_label_values)
+                     for name in ("model_name", "error_type", "finished_reason")}
 
         self.registry = CollectorRegistry()
         r, lab = self.registry, ["model_name"]
@@ -104,6 +136,10 @@ class PrometheusSink:
                                 "GPU time attributed to requests.", lab, registry=r)
         self.cost = Counter("tokentrace_cost_usd", "Cost attributed to requests, in USD.",
                             lab, registry=r)
+        self.capped = Counter("tokentrace_label_values_capped",
+                              "Observations whose label value was replaced by 'other': the "
+                              "label had its most distinct values already.", ["label"],
+                              registry=r)
         self._server, self._thread = start_http_server(port, addr, registry=r)
         self.port: int = self._server.server_port
 
@@ -111,22 +147,28 @@ class PrometheusSink:
         if not rec.is_llm:
             return
         f = RequestFacts(rec)
-        m = f.model
+        m = self._label("model_name", f.model)
         self.e2e.labels(m).observe(f.duration)
         if f.ttft is not None:
             self.ttft.labels(m).observe(f.ttft)
         if f.tpot is not None:
             self.tpot.labels(m).observe(f.tpot)
         if f.error_type is not None:
-            self.failure.labels(m, f.error_type).inc()
+            self.failure.labels(m, self._label("error_type", f.error_type)).inc()
         else:
-            self.success.labels(m, f.finish_reason).inc()
+            self.success.labels(m, self._label("finished_reason", f.finish_reason)).inc()
         for counter, v in ((self.prompt_tokens, f.input_tokens),
                            (self.generation_tokens, f.output_tokens),
                            (self.kernels, f.kernel_launches), (self.gpu_time, f.gpu_seconds),
                            (self.cost, f.cost_usd)):
             if v is not None:
                 counter.labels(m).inc(v)
+
+    def _label(self, name: str, value: str) -> str:
+        out = self.caps[name](value)
+        if out is OTHER and value != OTHER:
+            self.capped.labels(name).inc()
+        return out
 
     def close(self) -> None:
         self._server.shutdown()
@@ -145,6 +187,7 @@ class OtlpMetricsSink:
         self.interval_ms = int(interval_s * 1000)
         self._meters: dict[int, tuple[Any, dict[str, Any]]] = {}
         self._lock = threading.Lock()
+        self.caps = {"model": LabelCap(), "error": LabelCap()}
 
     def _instruments(self, pid: int) -> dict[str, Any]:
         with self._lock:
@@ -196,9 +239,9 @@ class OtlpMetricsSink:
         inst = self._instruments(rec.pid)
         attrs: dict[str, Any] = {"gen_ai.operation.name": f.operation}
         if f.model:
-            attrs["gen_ai.request.model"] = f.model
+            attrs["gen_ai.request.model"] = self.caps["model"](f.model)
         if f.error_type is not None:
-            attrs["error.type"] = f.error_type
+            attrs["error.type"] = self.caps["error"](f.error_type)
         inst["duration"].record(f.duration, attrs)
         if f.error_type is None:  # the conventions: TTFT and TPOT of successful responses
             if f.ttft is not None:
@@ -216,16 +259,17 @@ class OtlpMetricsSink:
 
 def _listen(text: str) -> tuple[str, int]:
     addr, _, port = text.rpartition(":")
-    if not port.isdigit() or not 0 <= int(port) < 65536:
+    if not (port.isascii() and port.isdigit()) or not 0 <= int(port) < 65536:
         raise argparse.ArgumentTypeError(f"expected PORT or ADDR:PORT, not {text!r}")
-    return addr.strip("[]") or "0.0.0.0", int(port)
+    return addr.strip("[]") or DEFAULT_ADDR, int(port)
 
 
 def add_metric_args(g: argparse._ArgumentGroup) -> None:
     """The metrics flags, in the export group of `run` and `replay`."""
     g.add_argument("--prometheus", type=_listen, metavar="[ADDR:]PORT",
                    help="serve Prometheus metrics (TTFT, TPOT, latency, requests, tokens, "
-                        "GPU work, cost by model) at http://ADDR:PORT/metrics")
+                        "GPU work, cost by model) at http://ADDR:PORT/metrics; ADDR is "
+                        f"{DEFAULT_ADDR} unless given (0.0.0.0: every interface)")
     g.add_argument("--otlp-metrics", action="store_true",
                    help="also send the GenAI server metrics (gen_ai.server.*) to the "
                         "--otlp endpoint")

@@ -33,6 +33,7 @@ from tracer.correlate.records import RequestRecord
 from tracer.events.schema import ProcessInfo
 from tracer.export.context import ExportContext
 from tracer.export.identity import identity_attributes
+from tracer.privacy import redact_args
 
 NS = 1e-9
 _PROPAGATOR = TraceContextTextMapPropagator()
@@ -108,8 +109,8 @@ def resource_for(ctx: ExportContext, pid: int) -> Resource:
         if info.exe:
             attrs["process.executable.path"] = info.exe
             attrs["process.executable.name"] = info.exe.rsplit("/", 1)[-1]
-        if info.cmdline:
-            attrs["process.command_line"] = " ".join(info.cmdline)[:1024]
+        if info.cmdline and ctx.capture_cmdline:  # keys are passed on command lines
+            attrs["process.command_line"] = " ".join(redact_args(info.cmdline))[:1024]
         if info.ppid:
             attrs["process.parent_pid"] = info.ppid
         name = name or service_name_for(info)
