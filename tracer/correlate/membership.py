@@ -27,6 +27,7 @@ from tracer.correlate.steps import StepLog
 RATIO_SAMPLES = 64  # recent requests the steps-per-token ratio is the median of
 RATIO_MIN_SAMPLES = 1
 RATIO_MIN_TOKENS = 8
+PREEMPT_GAP = 3  # steps between two tokens beyond lag's reach: the request was preempted
 CAPACITY_MIN_SHARE = 0.01  # a batch size seen in fewer steps than this is not capacity
 
 
@@ -48,9 +49,10 @@ def prompt_tokens(rec: RequestRecord) -> float:
 class Occupancy:
     """The steps of one log one request was in.
 
-    ``first``: the step that made its first token, the first its tokens place it in; ``last``: its last step; ``begin``: its first step once prefill
-    is decided (<= ``first``); ``arrival``: the first step that started after it
-    arrived."""
+    ``first``: the step that made its first token, the first its tokens place it in;
+    ``last``: its last step; ``gaps``: runs of steps in between it was out of the batch
+    (preempted); ``begin``: its first step once prefill is decided (<= ``first``);
+    ``arrival``: the first step that started after it arrived."""
 
     rec: RequestRecord
     arrival: int
@@ -58,6 +60,11 @@ class Occupancy:
     last: int
     how: str
     begin: int | None = None
+    gaps: tuple[tuple[int, int], ...] = ()
+
+    def holds(self, i: int) -> bool:
+        """Its tokens place it in step ``i``."""
+        return self.first <= i <= self.last and not any(a <= i <= b for a, b in self.gaps)
 
     @property
     def by_tokens(self) -> bool:
@@ -98,8 +105,17 @@ def request_range(rec: RequestRecord, log: StepLog, per_token: int = 1,
     batching = per_token <= 1
     if tokens and r is not None and r.streamed:
         n = max(len(tokens), n_out) if finished else len(tokens)
-        cap = log.last_ended_by(tokens[-1])
-        first = min(log.last_ended_by(ts) - k for k, ts in enumerate(tokens))
+        ends = [log.last_ended_by(ts) for ts in tokens]
+        if batching and n == len(tokens) and len(tokens) > 1:
+            runs = token_runs(ends)
+            if len(runs) > 1:  # preempted between runs of tokens
+                lo = max(runs[0][0], lower)
+                if runs[-1][1] < lo:
+                    return None
+                gaps = tuple((a[1] + 1, b[0] - 1) for a, b in zip(runs, runs[1:]))
+                return Occupancy(rec, lower, lo, runs[-1][1], "tokens_preempted", gaps=gaps)
+        cap = ends[-1]
+        first = min(e - k for k, e in enumerate(ends))
         if batching:
             first = min(first, cap - (n - 1))
         how = "tokens"
@@ -124,12 +140,31 @@ def request_range(rec: RequestRecord, log: StepLog, per_token: int = 1,
     return Occupancy(rec, lower, first, last, how) if last >= first else None
 
 
+def token_runs(ends: list[int]) -> list[tuple[int, int]]:
+    """A one-token-per-chunk stream's steps as runs of consecutive steps: (first, last)
+    each. ``ends[k]`` is the last step ended before chunk k was written; each token is
+    placed as late as it and the tokens after it allow (one step apart), so a chunk
+    written late does not pull its neighbours; a jump of more than ``PREEMPT_GAP``
+    steps between two tokens is a preemption, not lag. Each run is then placed as
+    early as its least-delayed token allows."""
+    late = list(ends)
+    for k in range(len(late) - 2, -1, -1):
+        late[k] = min(late[k], late[k + 1] - 1)
+    runs, start = [], 0
+    for k in range(1, len(late) + 1):
+        if k == len(late) or late[k] - late[k - 1] > 1 + PREEMPT_GAP:
+            first = min(ends[j] - (j - start) for j in range(start, k))
+            runs.append((first, first + (k - 1 - start)))
+            start = k
+    return runs
+
+
 class StepsPerToken:
     """Steps a request spends per output token on one engine thread: 1 for continuous
-    batching, more where each token takes several result copies. The median over recent
-    finished streamed requests of (steps between first and last token) / (tokens - 1),
-    rounded: a first chunk carrying several tokens and hand-off lag blur single
-    requests, not the median."""
+    batching, more where each token takes several result copies. Per finished
+    streamed request, the median number of steps between consecutive text chunks
+    (robust to a chunk written late, to a chunk carrying two tokens and to a
+    preemption); per thread, the rounded median of the recent requests' values."""
 
     def __init__(self) -> None:
         self.samples: deque[float] = deque(maxlen=RATIO_SAMPLES)
@@ -137,13 +172,10 @@ class StepsPerToken:
 
     def learn(self, rec: RequestRecord, log: StepLog) -> None:
         r = rec.llm_response
-        if r is None or not r.streamed or len(r.token_ts) < 2:
+        if r is None or not r.streamed or len(r.token_ts) < RATIO_MIN_TOKENS:
             return
-        n = max(r.output_tokens or 0, len(r.token_ts))
-        if n < RATIO_MIN_TOKENS:
-            return
-        span = log.last_ended_by(r.token_ts[-1]) - log.last_ended_by(r.token_ts[0])
-        self.samples.append(span / (n - 1))
+        ends = [log.last_ended_by(ts) for ts in r.token_ts]
+        self.samples.append(statistics.median(b - a for a, b in zip(ends, ends[1:])))
         if len(self.samples) >= RATIO_MIN_SAMPLES:
             self.value = max(1, round(statistics.median(self.samples)))
 
@@ -226,7 +258,8 @@ class Membership:
         self._next = i + 1
         out = []
         for o in self.occupancies.values():
-            if (o.arrival if not o.by_tokens else o.start) <= i <= o.last:
+            if (o.arrival <= i <= o.last if not o.by_tokens
+                    else o.start <= i < o.first or o.holds(i)):
                 out.append((o, self._member(o, i)))
         return out
 
@@ -245,7 +278,7 @@ class Membership:
             self.committed[j] += 1
 
     def _emitting_now(self, i: int) -> int:
-        return sum(1 for o in self.occupancies.values() if o.by_tokens and o.first <= i <= o.last)
+        return sum(1 for o in self.occupancies.values() if o.by_tokens and o.holds(i))
 
     def _emitting_ahead(self, i: int) -> Counter[int]:
         """Step -> requests its tokens place in it, for steps from ``i`` on."""
@@ -254,7 +287,8 @@ class Membership:
             for o in self.occupancies.values():
                 if o.by_tokens:
                     for k in range(max(o.first, i), o.last + 1):
-                        self._ahead[k] += 1
+                        if o.holds(k):
+                            self._ahead[k] += 1
         counts = Counter(self._ahead)
         self._ahead.pop(i, None)
         return counts

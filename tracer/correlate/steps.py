@@ -198,9 +198,12 @@ def collective_offset(leader: StepLog, follower: StepLog, window: int = 256,
     a = leader.coll_sigs[-window:]
     a0 = leader.coll_base + len(leader.coll_sigs) - len(a)
     b = follower.coll_sigs
-    best: tuple[int, int] | None = None
-    # nearest shifts first: a run of equal batches matches several shifts equally well,
-    # and the ranks are rarely more than a step apart
+    need = max(2, min(len(a), len(b)) // 2)
+    best: tuple[float, int] | None = None
+    # the best share of matches wins; among equal shares the nearest shift (a run of
+    # equal batches matches every shift, and ranks are rarely more than a step apart;
+    # counting matches instead would favour the shift that overlaps a trailing rank's
+    # shorter sequence most)
     for d in sorted(range(-max_shift, max_shift + 1), key=abs):
         matched = overlap = 0
         for i, sig in enumerate(a):
@@ -208,6 +211,8 @@ def collective_offset(leader: StepLog, follower: StepLog, window: int = 256,
             if 0 <= j < len(b):
                 overlap += 1
                 matched += b[j] == sig
-        if overlap >= 2 and matched >= 0.9 * overlap and (best is None or matched > best[0]):
-            best = (matched, d)
+        if overlap >= need and matched >= 0.9 * overlap:
+            share = round(matched / overlap, 3)
+            if best is None or share > best[0]:
+                best = (share, d)
     return best[1] if best is not None else None

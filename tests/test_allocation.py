@@ -1,0 +1,164 @@
+"""The allocation on hand-built steps: each member is charged what it made the step
+cost (a fixed part shared equally, its per-sequence part, its prefill part), exactly,
+with the step-cost model learned from the steps themselves."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from protocols.openai import LLMResponse
+from tracer.correlate.attribution import GpuAttribution
+from tracer.correlate.costmodel import (MIN_STEPS, Member, StepModel, fit, fractions,
+                                        member_costs)
+from tracer.correlate.records import RequestRecord
+from tracer.events.gpu import KernelBurst
+
+FIXED, PER_SEQ, PER_PREFILL = 6, 4, 25
+
+
+def rows_of(steps: list[list[Member]], cost) -> list[tuple[float, float, float, float]]:
+    from tracer.correlate.costmodel import features
+    return [(*features(m), cost(m)) for m in steps]
+
+
+def stand_in_cost(members: list[Member]) -> float:
+    return FIXED + PER_SEQ * len(members) + PER_PREFILL * sum(m.prefill for m in members)
+
+
+def varied_steps(n: int, seed: int = 1) -> list[list[Member]]:
+    rng = np.random.default_rng(seed)
+    return [[Member(prefill=bool(rng.random() < 0.3), tokens=10.0)
+             for _ in range(int(rng.integers(1, 9)))] for _ in range(n)]
+
+
+def test_the_fit_recovers_the_engines_costs_and_shares_follow_them():
+    model = fit(rows_of(varied_steps(64), stand_in_cost))
+    assert model.usable and model.r2 == pytest.approx(1.0)
+    # per_prefill and per_token are one column here (every prefill is 10 tokens)
+    assert (model.fixed, model.per_seq) == (pytest.approx(FIXED), pytest.approx(PER_SEQ))
+    assert model.per_prefill + 10 * model.per_token == pytest.approx(PER_PREFILL)
+    step = [Member(), Member(), Member(), Member(prefill=True, tokens=10.0)]
+    f = fractions(member_costs(model, step))
+    total = stand_in_cost(step)  # 6 + 16 + 25 = 47
+    assert [x * total for x in f] == pytest.approx([5.5, 5.5, 5.5, 30.5])
+
+
+def test_prefill_tokens_are_charged_by_the_token():
+    """Chunked prefill: a member prefilling 64 prompt tokens in a step costs more than
+    one prefilling 16."""
+    model = StepModel(fixed=10, per_seq=1, per_prefill=0, per_token=0.5, usable=True)
+    step = [Member(True, 64.0), Member(True, 16.0), Member(), Member()]
+    costs = member_costs(model, step)
+    assert costs == [10 / 4 + 1 + 32, 10 / 4 + 1 + 8, 3.5, 3.5]
+    assert sum(fractions(costs)) == 1.0
+
+
+def test_equal_shares_when_the_model_cannot_be_trusted():
+    few = fit(rows_of(varied_steps(MIN_STEPS - 1), stand_in_cost))
+    assert not few.usable and "steps" in few.reason
+    rng = np.random.default_rng(3)
+    noisy = fit(rows_of(varied_steps(200), lambda m: 50.0 * len(m) + rng.normal(0, 600)))
+    assert not noisy.usable and "poor fit" in noisy.reason
+    assert member_costs(noisy, [Member(), Member(True, 10.0)]) == [1.0, 1.0]
+    # costs that do not depend on the members: a fixed part only, shared equally
+    flat = fit(rows_of(varied_steps(200), lambda m: float(rng.integers(0, 1000))))
+    assert flat.per_seq == flat.per_prefill == flat.per_token == 0
+    assert member_costs(flat, [Member(), Member(True, 10.0)]) == [flat.fixed / 2] * 2
+    same = fit([(4.0, 0.0, 0.0, 22.0)] * 100)
+    assert not same.usable and "variety" in same.reason
+
+
+def test_outlying_steps_do_not_move_the_model():
+    steps = varied_steps(300, seed=7)
+    rng = np.random.default_rng(8)
+    rows = [(a, b, c, y * (5 if rng.random() < 0.1 else 1))
+            for a, b, c, y in rows_of(steps, stand_in_cost)]
+    model = fit(rows)
+    assert model.per_seq == pytest.approx(PER_SEQ, rel=0.05)
+    assert model.per_prefill + 10 * model.per_token == pytest.approx(PER_PREFILL, rel=0.05)
+
+
+@given(st.lists(st.floats(0, 1e6, allow_nan=False), min_size=1, max_size=40))
+def test_fractions_add_up_to_exactly_one(costs):
+    f = fractions(costs)
+    assert len(f) == len(costs) and sum(f) == pytest.approx(1.0, abs=1e-12)
+    assert abs(1.0 - sum(f)) <= 1e-12 and all(x >= -1e-12 for x in f)
+
+
+# ---- end to end: an engine whose steps cost 6 + 4 per member + 25 per prefilling one --
+
+def step_burst(k: int, launches: int) -> KernelBurst:
+    return KernelBurst(pid=1, tid=99, reason="sync", sync_api=0, first_ts=100 * k + 10,
+                       last_ts=100 * k + 90, launches=launches, graph_launches=0,
+                       copy_bytes={"h2d": 0, "d2h": 4, "d2d": 0, "other": 0},
+                       copy_calls={"d2h": 1}, memset_bytes=0, memset_calls=0, sync_calls=1,
+                       sync_wait_ns=0, query_polls=0, handle_counts={})
+
+
+class Engine:
+    """``plan``: request -> (arrival ns, prefill chunks before its first token, token
+    steps, token write lags); steps are 100 ns apart, each ends at 100k + 90."""
+
+    def __init__(self, plan: dict[str, tuple[int, list[int], list[int], dict[int, int]]],
+                 steps: int, prompt: dict[str, int]) -> None:
+        self.plan = plan
+        self.members: list[dict[str, bool]] = [dict() for _ in range(steps)]
+        for name, (_, pre, toks, _) in plan.items():
+            for k in pre:
+                self.members[k][name] = True
+            for k in toks:  # the step that makes the first token ends the prefill
+                self.members[k].setdefault(name, k == toks[0])
+        out: list[RequestRecord] = []
+        self.recs: dict[str, RequestRecord] = {}
+        for fd, (name, (arrival, _, toks, lags)) in enumerate(plan.items(), start=10):
+            ts = sorted(100 * k + 90 + lags.get(k, 5) for k in toks)
+            r = LLMResponse(status=200, streamed=True, output_tokens=len(toks),
+                            input_tokens=prompt[name], first_token_ts=ts[0], token_ts=ts)
+            self.recs[name] = RequestRecord(pid=1, fd=fd, conn_id=fd, exchange=0,
+                                            role="server", tids=[1], start_ns=arrival,
+                                            request_end_ns=arrival, end_ns=ts[-1] + 1,
+                                            llm_response=r)
+        self.stats: Counter[str] = Counter()
+        a = GpuAttribution(out.append, lambda pid: [], self.stats, hold_ns=1000)
+        for k, m in enumerate(self.members):
+            a.burst(step_burst(k, FIXED + PER_SEQ * len(m) + PER_PREFILL * sum(m.values())
+                               if m else 3))
+        for rec in sorted(self.recs.values(), key=lambda r: r.end_ns):
+            a.finished(rec)
+        a.close()
+        self.attribution = a
+
+    def truth(self, name: str) -> float:
+        return sum(FIXED / len(m) + PER_SEQ + PER_PREFILL * m[name]
+                   for m in self.members if name in m)
+
+
+def test_each_member_pays_its_own_prefill_and_its_share_of_the_fixed_part():
+    """r1 runs throughout; r2 ends at step 20 (its last token written during step 21:
+    it left mid-step and is not charged step 21); r3 takes its slot; r4's long prompt is
+    prefilled in three chunks, steps 31-33 (the last makes its first token), while a
+    slot was free; r5 is preempted for
+    steps 10-14 and resumed."""
+    r = range
+    plan = {
+        "r1": (0, [], list(r(0, 48)), {}),
+        "r2": (0, [], list(r(0, 21)), {20: 60}),
+        "r3": (2050, [], list(r(21, 48)), {}),
+        "r4": (3050, [31, 32], list(r(33, 48)), {}),
+        "r5": (450, [], [*r(5, 10), *r(15, 20)], {}),
+    }
+    e = Engine(plan, 48, prompt={"r1": 10, "r2": 10, "r3": 10, "r4": 30, "r5": 10})
+    for name, rec in e.recs.items():
+        assert rec.gpu["gpu.kernel_launches"] == pytest.approx(e.truth(name), abs=1e-3), name
+        assert rec.gpu["gpu.attribution"] == "step_model"
+    assert e.recs["r4"].gpu["gpu.steps"] == 17  # two prefill chunks + 15 token steps
+    assert e.recs["r5"].gpu["gpu.steps"] == 10  # not the five steps it was out
+    assert e.stats["gpu_step_ranges_tokens_preempted"] == 1
+    assert e.attribution.ledger.balanced()
+    # the steps nobody was in (none here) and everything else balance
+    assert e.stats["gpu_step_launches_charged"] == e.stats["gpu_step_launches"]
