@@ -179,8 +179,10 @@ class Learner:
             return
         self.rows.append((*features(members), float(cost)))
         self._since += 1
-        if len(self.rows) >= MIN_STEPS and (self._since >= REFIT_EVERY or not self.fitted
-                                            or len(self.rows) < 4 * MIN_STEPS):
+        # fitted at MIN_STEPS, then each time the window grows by half (48, 72, ...)
+        # until REFIT_EVERY new steps are the rarer event
+        due = self._since >= min(REFIT_EVERY, max(1, len(self.rows) // 3))
+        if len(self.rows) >= MIN_STEPS and (due or not self.fitted):
             self._since = 0
             self.fitted = True
             self.model = fit(list(self.rows))

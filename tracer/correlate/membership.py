@@ -29,6 +29,7 @@ RATIO_MIN_SAMPLES = 1
 RATIO_MIN_TOKENS = 8
 PREEMPT_GAP = 3  # steps between two tokens beyond lag's reach: the request was preempted
 CAPACITY_MIN_SHARE = 0.01  # a batch size seen in fewer steps than this is not capacity
+CAPACITY_EVERY = 16  # steps between re-reading the capacity (and whenever requests join)
 
 
 def arrival_ns(rec: RequestRecord) -> int:
@@ -245,15 +246,17 @@ class Membership:
 
     def members(self, i: int) -> list[tuple[Occupancy, Member]]:
         """Who was in step ``i``, each with what the cost model needs to know."""
+        rebuilt = self._ahead is None or self._next != i
         ahead = self._emitting_ahead(i)
         emitting = ahead.pop(i, 0)
         self.counts[emitting] += 1
-        self._learn_capacity(ahead)
+        if rebuilt or i % CAPACITY_EVERY == 0:
+            self._learn_capacity(ahead)
         undecided = sorted((o for o in self.occupancies.values() if o.by_tokens
                             and o.begin is None and o.arrival <= i),
                            key=lambda o: arrival_ns(o.rec))
         for o in undecided:  # earlier arrivals first
-            self._place(o, i, ahead)
+            self._place(o, i, ahead, emitting)
         self.committed.pop(i - 1, None)
         self._next = i + 1
         out = []
@@ -263,13 +266,14 @@ class Membership:
                 out.append((o, self._member(o, i)))
         return out
 
-    def _place(self, o: Occupancy, i: int, ahead: Counter[int]) -> None:
+    def _place(self, o: Occupancy, i: int, ahead: Counter[int], now: int) -> None:
         """Decide where ``o``'s prefill began: back from its first token while steps had
-        a free slot, not before step ``i`` (those are settled) or its arrival."""
+        a free slot, not before step ``i`` (those are settled) or its arrival. ``now``:
+        the requests tokens place in step ``i``."""
         a = o.first
         while a - 1 >= max(o.arrival, i):
             j = a - 1
-            used = (ahead.get(j, 0) if j != i else self._emitting_now(i)) + self.committed[j]
+            used = (ahead.get(j, 0) if j != i else now) + self.committed[j]
             if used >= self.capacity:
                 break
             a = j
@@ -277,11 +281,9 @@ class Membership:
         for j in range(a, o.first):
             self.committed[j] += 1
 
-    def _emitting_now(self, i: int) -> int:
-        return sum(1 for o in self.occupancies.values() if o.by_tokens and o.holds(i))
-
     def _emitting_ahead(self, i: int) -> Counter[int]:
-        """Step -> requests its tokens place in it, for steps from ``i`` on."""
+        """Step -> requests its tokens place in it, for steps from ``i`` on (kept
+        between calls; the caller pops step ``i`` once it has read it)."""
         if self._ahead is None or self._next != i:
             self._ahead = Counter()
             for o in self.occupancies.values():
@@ -289,9 +291,7 @@ class Membership:
                     for k in range(max(o.first, i), o.last + 1):
                         if o.holds(k):
                             self._ahead[k] += 1
-        counts = Counter(self._ahead)
-        self._ahead.pop(i, None)
-        return counts
+        return self._ahead
 
     def _learn_capacity(self, ahead: Counter[int]) -> None:
         """The batch capacity: the most requests tokens place in one step, counting
