@@ -18,8 +18,9 @@ from bench.accuracy import run_case
 from samples.gpu.build import build
 from tracer.correlate.cost import GpuPricing
 
-# measured at concurrency 8 (bench/results/accuracy.json): 1-4%; the bar leaves room
-# for a loaded 2-vCPU CI machine
+# measured at concurrency 8 (bench/results/accuracy.json): 1-4% with 64 requests, 1.5-2%
+# with 48 on an idle VM; 48 requests dilute the cold start (8 arrivals at once, seen by
+# the tracer before the engine process has them) that a loaded 2-vCPU machine stretches
 MAX_SHARE_ERROR = {"thread": 0.05, "process": 0.05, "tp2": 0.08}
 
 
@@ -30,15 +31,16 @@ def libs(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", ["thread", "process", "tp2"])
 def test_requests_are_charged_their_share_of_the_steps_they_were_in(layout, libs, tmp_path):
-    r = run_case(layout, concurrency=8, requests=32, device="cpu", libs=libs,
+    r = run_case(layout, concurrency=8, requests=48, device="cpu", libs=libs,
                  work=tmp_path, max_batch=16)
     t = r["tracer"]
-    assert r["requests_traced"] == r["requests_truth"] == 32
-    assert r["kernel_share"]["n"] == 32
+    assert r["requests_traced"] == r["requests_truth"] == 48
+    assert r["kernel_share"]["n"] == 48
     assert r["kernel_share"]["mae_over_mean"] <= MAX_SHARE_ERROR[layout], r
     # nothing lost, and (almost) every launch charged to someone
     assert all(v == 0 for k, v in t.items() if k.startswith("capture.lost"))
-    assert t["gpu_step_launches_charged"] == pytest.approx(t["gpu_step_launches"], rel=0.05)
+    # every launch in a step is charged (no idle steps were traced) and the books balance
+    assert t["gpu_step_launches_charged"] == pytest.approx(t["gpu_step_launches"], rel=0.01)
     assert t.get("gpu_step_ranges_tokens", 0) > 0
     if layout != "thread":
         assert t.get("ipc_links", 0) >= (2 if layout == "tp2" else 1)
