@@ -44,11 +44,18 @@ class Pipeline:
         self.gpu = GpuLedger()
         self.pricing = pricing
         self.attribution = GpuAttribution(self._export, self._open_records, self.stats,
-                                          ipc=self.ipc, pricing=pricing)
+                                          ipc=self.ipc, pricing=pricing,
+                                          kernel_name=self._kernel_name)
 
     def _emit(self, rec: RequestRecord) -> None:
         """A finished record: held by the GPU attribution until its bursts are in."""
         self.attribution.finished(rec)
+
+    def _kernel_name(self, pid: int, handle: int) -> str:
+        """A readable name for a launched kernel handle of process ``pid``."""
+        from tracer.correlate.kernelnames import readable
+        proc = self.gpu.processes.get(pid)
+        return readable(proc.name_of(handle)) if proc is not None else f"unknown@{handle:#x}"
 
     def _open_records(self, pid: int) -> Iterator[RequestRecord]:
         """The exchanges of ``pid`` still being assembled, with their responses so far."""

@@ -51,6 +51,7 @@ MAX_HOLD_NS = 5 * 10**9  # a trailing rank is not waited for longer than this
 MAX_SETTLE_LAG_NS = 60 * 10**9
 KEEP_SETTLED_NS = 10 * 10**9  # settled steps kept for requests that arrived before them
 MAX_PENDING_NS = 2 * 10**9  # decided steps wait at most this long for a fitted model
+TOP_KERNELS = 5  # kernels named on a span, by its share of their launches
 
 
 class Pricing(Protocol):
@@ -71,12 +72,18 @@ class GpuShare:
     whole: bool = True  # every burst or step it was charged it had alone
     methods: set[str] = field(default_factory=set)
     models: set[str] = field(default_factory=set)
+    kernels: dict[tuple[int, int], float] = field(default_factory=dict)  # (pid, handle)
 
-    def add_burst(self, work: Work) -> None:
+    def add_burst(self, work: Work, pid: int, kernels: dict[int, int]) -> None:
         """A burst of its own thread, whole (same-thread work)."""
         self.bursts += 1
         self.work.add(work)
         self.methods.add("same_thread")
+        self._add_kernels(pid, kernels, 1.0)
+
+    def _add_kernels(self, pid: int, kernels: dict[int, int], fraction: float) -> None:
+        for h, n in kernels.items():
+            self.kernels[(pid, h)] = self.kernels.get((pid, h), 0.0) + n * fraction
 
     def add_step(self, step: Step, charged: Work, whole: bool, prefill: bool, method: str,
                  rank: int = 0) -> None:
@@ -86,6 +93,8 @@ class GpuShare:
         self.bursts += step.bursts
         self.work.add(charged)
         launches = charged.get("kernel_launches", 0.0)
+        if step.launches:
+            self._add_kernels(step.pid, step.kernels, launches / step.launches)
         if prefill:
             self.prefill_launches += launches
         else:
@@ -93,8 +102,10 @@ class GpuShare:
         self.whole = self.whole and whole
         self.methods.add(method)
 
-    def attributes(self, pricing: Pricing | None) -> dict[str, Any]:
-        """Attribute name suffixes (``tokentrace.<suffix>`` on the span) -> values."""
+    def attributes(self, pricing: Pricing | None,
+                   kernel_name: Callable[[int, int], str] | None = None) -> dict[str, Any]:
+        """Attribute name suffixes (``tokentrace.<suffix>`` on the span) -> values.
+        ``kernel_name(pid, handle)``: a readable kernel name, for ``gpu.top_kernels``."""
 
         def count(x: float) -> float | int:
             return round(x) if self.whole else round(x, 3)
@@ -128,6 +139,13 @@ class GpuShare:
             out["gpu.memset_bytes"] = count(w["memset_bytes"])
         if pricing is not None:
             out.update(pricing.attributes(w.get("gpu_time_ns", 0.0) / 1e6))
+        if kernel_name is not None and self.kernels:
+            by_name: dict[str, float] = {}
+            for (pid, h), n in self.kernels.items():
+                name = kernel_name(pid, h)
+                by_name[name] = by_name.get(name, 0.0) + n
+            top = sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
+            out["gpu.top_kernels"] = [f"{name}: {count(n)}" for name, n in top]
         return out
 
 
@@ -145,8 +163,10 @@ class GpuAttribution:
     def __init__(self, emit: Callable[[RequestRecord], None],
                  open_records: Callable[[int], Iterable[RequestRecord]],
                  stats: Counter[str] | None = None, hold_ns: int = DEFAULT_HOLD_NS,
-                 ipc: IpcGraph | None = None, pricing: Pricing | None = None) -> None:
+                 ipc: IpcGraph | None = None, pricing: Pricing | None = None,
+                 kernel_name: Callable[[int, int], str] | None = None) -> None:
         self.emit = emit
+        self.kernel_name = kernel_name
         self.open_records = open_records
         self.stats: Counter[str] = stats if stats is not None else Counter()
         self.hold_ns = hold_ns
@@ -184,7 +204,7 @@ class GpuAttribution:
             work = Work.of_burst(b)
             self.ledger.observe(b.pid, work)
             self.ledger.charge(b.pid, work)
-            self._share(mine[0]).add_burst(work)
+            self._share(mine[0]).add_burst(work, b.pid, b.handle_counts)
             self.stats["gpu_bursts_same_thread"] += 1
         else:
             log = self._log(b.pid, b.tid)
@@ -225,7 +245,7 @@ class GpuAttribution:
         if not (self.ipc.serving_group(rec.pid) & self.gpu_pids):
             share = self.shares.pop(rec.key, None)
             if share is not None:
-                rec.gpu.update(share.attributes(self.pricing))
+                rec.gpu.update(share.attributes(self.pricing, self.kernel_name))
             self.emit(rec)
             return
         self.held.setdefault(rec.pid, []).append(rec)
@@ -544,7 +564,7 @@ class GpuAttribution:
                 primary = (self.logs[lk], occ)
         share = self.shares.pop(rec.key, None)
         if share is not None:
-            rec.gpu.update(share.attributes(self.pricing))
+            rec.gpu.update(share.attributes(self.pricing, self.kernel_name))
             if primary is not None:
                 self._phases(rec, *primary, share)
         self.released_end[rec.pid] = max(self.released_end.get(rec.pid, 0), rec.end_ns)

@@ -10,6 +10,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from tracer.correlate.kernelnames import readable
 from tracer.correlate.sampling import LaunchSampling, StepSample, estimate
 from tracer.events import wire
 from tracer.events.gpu import (COPY_KINDS, LIVE_NAME_SOURCES, GpuSampling, KernelBurst,
@@ -404,5 +405,6 @@ def _totals(t: ThreadTotals, p: ProcessGpu, top: int,
         "bursts": t.bursts,
         "nccl_ops": dict(t.nccl_ops),
         "nccl_bytes": dict(t.nccl_bytes),
-        "top_kernels": [{"name": n, "launches": round(c)} for n, c in named.most_common(top)],
+        "top_kernels": [{"name": n, "readable": readable(n), "launches": round(c)}
+                        for n, c in named.most_common(top)],
     }

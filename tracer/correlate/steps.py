@@ -23,6 +23,7 @@ indexed so that "the last step that had ended by time t" is a bisection
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections import Counter
 from dataclasses import dataclass, field
 
 from tracer.correlate.work import Work
@@ -43,6 +44,7 @@ class Step:
     end_ts: int = 0
     bursts: int = 0
     work: Work = field(default_factory=Work)
+    kernels: Counter[int] = field(default_factory=Counter)  # handle -> launches
     settled: bool = False  # shared out among its members (or left unattributed): final
     signature: tuple[str, int, int] | None = None  # (op, count, dtype) of its 1st collective
     coll_seq: int = -1  # that collective's place among its thread's collectives
@@ -69,6 +71,7 @@ class Step:
         self.end_ts = max(self.end_ts, b.last_ts)
         self.bursts_ns += max(0, b.last_ts - b.first_ts)
         self.work.add(Work.of_burst(b, time_ns=0))
+        self.kernels.update(b.handle_counts)
 
 
 class StepLog:
