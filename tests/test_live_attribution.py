@@ -71,3 +71,20 @@ def test_every_span_carries_exactly_its_own_launches(server):
     assert sum(truth[r]["launches"] for r in truth) == KERNELS * sum(MAX_TOKENS)
     assert got.report.get("gpu_steps_unattributed", 0) == 0
     assert got.report.get("gpu_bursts_late", 0) == 0
+
+
+def test_an_idle_server_still_gets_its_last_span_out(server):
+    """After the last request nothing more happens on any socket; the tracer's own
+    periodic counter report moves the stream's clock, so the held span is released
+    within a couple of seconds instead of waiting for the next request or for exit."""
+    import time
+    p, port, _ = server
+    with traced(pids=[p.pid]) as got:
+        answer = complete(port, 3)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not got.records:
+            time.sleep(0.1)
+        released_while_running = [r for r in got.records
+                                  if r.llm_response and r.llm_response.response_id == answer["id"]]
+    assert released_while_running, "the span waited for the tracer to stop"
+    assert released_while_running[0].gpu["gpu.kernel_launches"] == 3 * KERNELS

@@ -118,6 +118,7 @@ class Pipeline:
         elif isinstance(ev, schema.ClockSync):
             self.ctx.clock_offset_ns = ev.offset_ns
         elif isinstance(ev, schema.DropReport):
+            self.last_ts = max(self.last_ts, ev.ts)
             self.ctx.drops = dict(ev.counters)
         self.attribution.advance(self.last_ts)
         if self.last_ts >= self._next_expire:

@@ -148,7 +148,10 @@ class CaptureSession:
                 self._collect_counters()
         if now >= self._next_counters:
             self._next_counters = now + self.config.counters_interval_s
-            self.report_counters()
+            # every interval, changed or not: its time stamp is also the stream's clock
+            # for an idle server (the correlator releases what is due; a replay sees the
+            # same ticks)
+            self.report_counters(force=True)
 
     def _toggle_launch_probes(self, now: float) -> None:
         """--gpu-sample: launch probes on for ``gpu_sample`` of each period, off for the
