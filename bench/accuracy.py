@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -43,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from samples.gpu.build import build  # noqa: E402
-from samples.scoring import errors, score  # noqa: E402,F401
+from samples.scoring import score  # noqa: E402
 from tests.live import traced  # noqa: E402
 
 
@@ -218,38 +219,35 @@ def main(argv: list[str] | None = None) -> int:
         conc = [int(x) for x in args.concurrency.split(",")]
         counts = [int(x) for x in args.requests.split(",")]
         for c, n in zip(conc, counts * len(conc) if len(counts) == 1 else counts):
-            r = run_hf_case(args.server == "hf-cb", c, n, args.device, work, model, args.keep)
-            print(json.dumps(r), flush=True)
-            results.append(r)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"server": args.server, "device": args.device,
-                                              "requests": args.requests,
-                                              "results": results}, indent=1) + "\n")
-        print(table(results))
-        return 0
+            results.append(run_hf_case(args.server == "hf-cb", c, n, args.device, work, model,
+                                       args.keep))
+            print(json.dumps(results[-1]), flush=True)
+        return finish(args, results, server=args.server)
     libs = build(work / "gpu") if args.device == "cpu" else None
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
     for layout in args.layouts.split(","):
         for c in (int(x) for x in args.concurrency.split(",")):
-            rec = None
-            if args.keep is not None:
-                args.keep.mkdir(parents=True, exist_ok=True)
-                rec = args.keep / f"{layout}-c{c}.ttcap"
-            r = run_case(layout, c, int(args.requests.split(",")[0]), args.device, libs, work,
-                         args.max_batch, step_cost=args.step_cost, record=rec)
-            if args.keep is not None:
-                import shutil
+            keep = args.keep / f"{layout}-c{c}" if args.keep is not None else None
+            results.append(run_case(layout, c, int(args.requests.split(",")[0]), args.device,
+                                    libs, work, args.max_batch, step_cost=args.step_cost,
+                                    record=keep.with_suffix(".ttcap") if keep else None))
+            if keep is not None:
                 name = f"{layout}-c{c}" + (f"-cost{args.step_cost.replace(',', '_')}"
                                           if args.step_cost else "")
-                shutil.copy(work / f"truth-{name}.jsonl", args.keep / f"{layout}-c{c}.truth.jsonl")
-            print(json.dumps(r), flush=True)
-            results.append(r)
+                shutil.copy(work / f"truth-{name}.jsonl", keep.with_suffix(".truth.jsonl"))
+            print(json.dumps(results[-1]), flush=True)
+    return finish(args, results, max_batch=args.max_batch)
+
+
+def finish(args: argparse.Namespace, results: list[dict[str, Any]], **meta: Any) -> int:
+    """Write the results JSON and print the table."""
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"device": args.device, "requests": args.requests,
-                                          "max_batch": args.max_batch,
+    Path(args.out).write_text(json.dumps({**meta, "device": args.device,
+                                          "requests": args.requests,
                                           "results": results}, indent=1) + "\n")
     print(table(results))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
