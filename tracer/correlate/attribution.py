@@ -283,8 +283,6 @@ class GpuAttribution:
         self._release_due(final=True)
         for log in self.logs.values():
             self._retire(log, log.prune(log.ends[-1] + 1 if log.ends else 0))
-            if log.open is not None and any(log.open.work.values()):
-                self.stats["gpu_steps_open_at_close"] += 1
 
     def reconciliation(self) -> dict[str, Any]:
         """Per GPU process: observed = charged + unattributed, per quantity."""

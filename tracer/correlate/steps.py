@@ -125,8 +125,9 @@ class StepLog:
             self.open.signature = (ev.op, ev.count, ev.dtype)
 
     def finish(self) -> Step | None:
-        """End of the stream: close the step still open, if it has any work."""
-        if self.open is not None and self.open.bursts:
+        """End of the stream: close the step still open, if it has any work (an NCCL
+        call enqueued after the last burst is work too)."""
+        if self.open is not None and (self.open.bursts or any(self.open.work.values())):
             return self._close()
         return None
 
