@@ -82,8 +82,10 @@ def plot_cost_per_request(ax: Axes, rows: list[dict[str, Any]]) -> None:
 
 
 def plot_ttft_vs_prompt(ax: Axes, rows: list[dict[str, Any]]) -> None:
-    """Time to first token against prompt length, one colour per model."""
-    series = _series(rows, "prompt_tokens", "ttft_ms")
+    """Time to first token of streamed requests against prompt length, one colour per
+    model (a non-streamed request's first token is its whole reply)."""
+    series = _series([r for r in rows if r.get("stream") is not False],
+                     "prompt_tokens", "ttft_ms")
     if not series:
         return _empty(ax, "both a TTFT and a prompt token count")
     _scatter(ax, series)
@@ -141,12 +143,21 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def _table(rows: list[dict[str, Any]], columns: dict[str, str]) -> str:
+def _table(rows: list[dict[str, Any]], columns: dict[str, str],
+           titles: dict[str, str] | None = None) -> str:
+    """An HTML table of ``rows``; ``columns``: name -> header tooltip; ``titles``: a
+    tooltip for the first cell of a row, by its value."""
     head = "".join(f'<th title="{html.escape(d)}">{html.escape(c)}</th>'
                    for c, d in columns.items())
+
+    def first(r: dict[str, Any], c: str) -> str:
+        v = _label(r.get(c))
+        tip = (titles or {}).get(str(r.get(c)))
+        return (f'<td title="{html.escape(tip)}">{html.escape(v)}</td>' if tip
+                else f"<td>{html.escape(v)}</td>")
     body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(_label(r.get(c)) if i == 0 else _fmt(r.get(c)))}"
-                         "</td>" for i, c in enumerate(columns)) + "</tr>\n"
+        "<tr>" + "".join(first(r, c) if i == 0 else f"<td>{html.escape(_fmt(r.get(c)))}</td>"
+                         for i, c in enumerate(columns)) + "</tr>\n"
         for r in rows)
     return (f'<div class="scroll"><table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n'
             f"{body}</tbody>\n</table></div>")
@@ -157,8 +168,8 @@ def _table(rows: list[dict[str, Any]], columns: dict[str, str]) -> str:
 _STYLE = """body{font-family:sans-serif;margin:2em auto;max-width:1100px;padding:0 1em}
 .scroll{overflow-x:auto;max-width:100%;margin:1em 0;border:1px solid #eee}
 table{border-collapse:collapse;font-size:90%}td,th{border:1px solid #ccc;padding:3px 6px;
-text-align:right;white-space:nowrap}th{white-space:normal;min-width:5em;max-width:9em;
-vertical-align:bottom;background:#f6f6f6}td:first-child,th:first-child{text-align:left;
+text-align:right;white-space:nowrap}th{white-space:normal;overflow-wrap:anywhere;
+min-width:5em;max-width:9em;vertical-align:bottom;background:#f6f6f6}td:first-child,th:first-child{text-align:left;
 font-family:monospace;position:sticky;left:0;background:#fff;max-width:22em;
 overflow:hidden;text-overflow:ellipsis}th:first-child{background:#f6f6f6}
 tr.bad td{background:#fde8e8}figure{margin:1em 0}svg{max-width:100%;height:auto}
@@ -171,7 +182,7 @@ def render(rows: list[dict[str, Any]], by_model: list[dict[str, Any]],
     """The whole report page."""
     plots = [
         ("cost-per-request", "Cost per request", lambda ax: plot_cost_per_request(ax, rows)),
-        ("ttft-vs-prompt", "Time to first token vs prompt length",
+        ("ttft-vs-prompt", "Time to first token vs prompt length (streamed requests)",
          lambda ax: plot_ttft_vs_prompt(ax, rows)),
         ("gpu-ms-per-token", "GPU-ms per output token by model",
          lambda ax: plot_gpu_ms_per_token(ax, rows)),
@@ -199,12 +210,14 @@ def render(rows: list[dict[str, Any]], by_model: list[dict[str, Any]],
                       "with the GPU time observed.</p>")
     else:
         from tracer.report.reconcile import RECON_COLUMNS
+        # one column per GPU process, one row per figure: it reads down like a bill
+        rows_t = [{"": k, **{f"pid {r.get('pid')}": r.get(k) for r in recon}}
+                  for k in RECON_COLUMNS if k != "pid"]
+        cols = {"": "", **{f"pid {r.get('pid')}": "GPU process" for r in recon}}
         recon_html = ('<p class="note">Per GPU process over its window: window = requests '
                       "+ unattributed + idle, in GPU time and in money; a balance other "
                       "than 0 means the span file is not the whole run.</p>"
-                      + _table(recon, {"pid": RECON_COLUMNS["pid"],
-                                       **{k: v for k, v in RECON_COLUMNS.items()
-                                          if k != "pid"}}))
+                      + _table(rows_t, cols, titles={k: v for k, v in RECON_COLUMNS.items()}))
     top = sorted((r for r in rows if r.get("cost_usd") is not None),
                  key=lambda r: -r["cost_usd"])[:TOP_REQUESTS]
     return f"""<!DOCTYPE html>
