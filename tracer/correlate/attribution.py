@@ -174,7 +174,8 @@ class GpuAttribution:
         self.ipc = ipc or IpcGraph(self.stats)
         self.pricing = pricing
         self.ledger = Ledger()
-        self.held: dict[int, list[RequestRecord]] = {}  # finished, tokens maybe not all in
+        # pid -> finished records whose tokens may not all be in yet, by key
+        self.held: dict[int, dict[Key, RequestRecord]] = {}
         self.ready: dict[Key, _Ready] = {}
         self.shares: dict[Key, GpuShare] = {}
         self.released_end: dict[int, int] = {}  # pid -> latest end_ns released
@@ -212,7 +213,7 @@ class GpuAttribution:
             if step is not None:
                 self._closed(log, step)
         # work its own thread did is complete once its process launches after its end
-        done = [r for r in self.held.get(b.pid, ())
+        done = [r for r in self.held.get(b.pid, {}).values()
                 if r.end_ns < b.first_ts and self._served_alone(r)]
         for r in done:
             self._ready(r)
@@ -248,7 +249,7 @@ class GpuAttribution:
                 rec.gpu.update(share.attributes(self.pricing, self.kernel_name))
             self.emit(rec)
             return
-        self.held.setdefault(rec.pid, []).append(rec)
+        self.held.setdefault(rec.pid, {})[rec.key] = rec
         self._next_scan = min(self._next_scan, rec.end_ns + self.hold_ns)
 
     def advance(self, now_ns: int) -> None:
@@ -260,7 +261,7 @@ class GpuAttribution:
             return
         self._next_scan = now_ns + SCAN_EVERY_NS
         for pid in list(self.held):
-            for r in list(self.held.get(pid, ())):
+            for r in list(self.held.get(pid, {}).values()):
                 if r.end_ns + self.hold_ns <= now_ns and (
                         r.end_ns + self.max_hold_ns <= now_ns or self._ranks_caught_up(r)):
                     self._ready(r)
@@ -277,7 +278,7 @@ class GpuAttribution:
             if step is not None:
                 self._closed(log, step)
         for pid in list(self.held):
-            for r in sorted(self.held.get(pid, ()), key=lambda r: r.end_ns):
+            for r in sorted(self.held.get(pid, {}).values(), key=lambda r: r.end_ns):
                 self._ready(r)
         self._settle_all(force_before=None, final=True)
         self._release_due(final=True)
@@ -339,8 +340,9 @@ class GpuAttribution:
         """Settle every log's steps as far as their members are final."""
         frontiers: dict[frozenset[int], int | None] = {}
         for log in list(self.logs.values()):
-            if not log.steps:
-                continue
+            if log.get(max(self.decided[log.key], log.base)) is None and not (
+                    self.pending[log.key]):
+                continue  # no closed step to decide, none waiting to be split
             group = self.ipc.serving_group(log.pid)
             leaders, followers = self._group_ranks(group)
             if log in followers:
@@ -360,7 +362,7 @@ class GpuAttribution:
             for r in self.open_records(pid):
                 a = arrival_ns(r)
                 out = a if out is None else min(out, a)
-            for r in self.held.get(pid, ()):
+            for r in self.held.get(pid, {}).values():
                 a = arrival_ns(r)
                 out = a if out is None else min(out, a)
         return out
@@ -484,7 +486,7 @@ class GpuAttribution:
         group = self.ipc.serving_group(log.pid)
         ms = self.members[log.key]
         for pid in group:
-            for r in list(self.open_records(pid)) + list(self.held.get(pid, ())):
+            for r in list(self.open_records(pid)) + list(self.held.get(pid, {}).values()):
                 if r.key in ms.occupancies:
                     continue
                 occ = request_range(r, log, ms.ratio.value, finished=False)
@@ -508,9 +510,9 @@ class GpuAttribution:
     def _ready(self, rec: RequestRecord) -> None:
         """``rec``'s tokens are all in: it becomes a member of the steps it was in."""
         held = self.held.get(rec.pid)
-        if held is None or rec not in held:
+        if held is None or held.get(rec.key) is not rec:
             return
-        held.remove(rec)
+        del held[rec.key]
         if not held:
             del self.held[rec.pid]
         ready = self.ready.setdefault(rec.key, _Ready(rec))
@@ -540,7 +542,7 @@ class GpuAttribution:
         """Release ready records whose steps are all settled, in end order."""
         due = []
         for key, rd in self.ready.items():
-            if rd.rec.pid in self.held and rd.rec in self.held[rd.rec.pid]:
+            if rd.rec.key in self.held.get(rd.rec.pid, {}):
                 continue  # counted in early while still held: not finished being held
             if final or all(self._settled_past(lk, key) for lk in rd.logs):
                 due.append(rd)
@@ -597,7 +599,7 @@ class GpuAttribution:
 
     def _in_flight(self, pid: int, first_ts: int, last_ts: int) -> list[RequestRecord]:
         out = [r for r in self.open_records(pid) if r.start_ns <= last_ts]
-        out += [r for r in self.held.get(pid, ())
+        out += [r for r in self.held.get(pid, {}).values()
                 if r.start_ns <= last_ts and r.end_ns >= first_ts]
         return out
 
