@@ -144,10 +144,12 @@ int tt_stub_arg2(struct pt_regs *ctx) { return stub_enter(ctx, PT_REGS_PARM2(ctx
 static __always_inline void stub_claim(struct pt_regs *ctx, u64 id, u64 handle, u64 now)
 {
     u32 tid = (u32)id;
+    struct stub_pending p = {};
     struct stub_pending *pp = stub_pending.lookup(&tid);
     if (!pp)
-        return; /* a driver-API launch (Triton, cuBLAS's static runtime): no stub */
-    struct stub_pending p = *pp;
+        goto send; /* a driver-API launch (cuBLAS, Triton): sent with no stub, for user
+                    * space to name from the driver's object (tracer/probes/prenames.py) */
+    p = *pp;
     stub_pending.delete(&tid);
     /* Pair only a launch made from inside the runtime call: a call that failed before
      * reaching the driver leaves its stub behind, and the thread's next launch may be
@@ -167,6 +169,7 @@ static __always_inline void stub_claim(struct pt_regs *ctx, u64 id, u64 handle, 
         return;
     }
 #endif
+send:;
     struct stub_key k = {.pid = id >> 32, .handle = handle};
     if (stub_sent.lookup(&k))
         return; /* the steady state: sent before, or named by the driver */

@@ -116,6 +116,129 @@ def build_stubs(out_dir: str | os.PathLike[str]) -> dict[str, Path]:
     return paths
 
 
+K13_SOURCES = [HERE / "standin" / "k13rt.c", HERE / "k13_kernels.c", HERE / "standin" / "k13.h",
+               Path(__file__)]
+# the cubins of libttk13.so's .nv_fatbin: (arch, compression, kernels, device functions)
+K13_CUBINS = [(90, "none", ["_Z5k13_av", "_Z5k13_bv"], ["_Z6helperv"]),
+              (90, "lz4", ["_Z5k13_cv", "_Z5k13_dv", "_Z11blas_kernelv"], []),
+              (90, "zstd", ["_Z9zstd_kernv"], []),
+              (80, "none", ["_Z9sm80_onlyv"], [])]
+
+
+def cubin(kernels: list[str], functions: list[str]) -> bytes:
+    """A cubin-like ELF (EM_CUDA) whose symbol table holds ``kernels`` (STO_CUDA_ENTRY)
+    and ``functions`` (device functions, not kernels)."""
+    import struct
+
+    strtab = b"\0"
+    syms = [bytes(24)]
+    for name, other in [(k, 0x10) for k in kernels] + [(f, 0) for f in functions]:
+        syms.append(struct.pack("<IBBHQQ", len(strtab), 0x12, other, 1, 0, 64))
+        strtab += name.encode() + b"\0"
+    shstr = b"\0.shstrtab\0.strtab\0.symtab\0"
+    body = shstr + strtab + b"".join(syms)
+    off_shstr, off_str = 64, 64 + len(shstr)
+    off_sym = off_str + len(strtab)
+    shoff = 64 + len(body)
+    shoff += -shoff % 8
+    sh = [bytes(64),
+          struct.pack("<IIQQQQIIQQ", 1, 3, 0, 0, off_shstr, len(shstr), 0, 0, 1, 0),
+          struct.pack("<IIQQQQIIQQ", 11, 3, 0, 0, off_str, len(strtab), 0, 0, 1, 0),
+          struct.pack("<IIQQQQIIQQ", 19, 2, 0, 0, off_sym, 24 * len(syms), 2, 1, 8, 24)]
+    ident = b"\x7fELF\x02\x01\x01" + bytes(9)
+    head = ident + struct.pack("<HHIQQQIHHHHHH", 1, 190, 1, 0, 0, shoff, 0, 64, 0, 0, 64,
+                               len(sh), 1)
+    out = head + body
+    return out + bytes(shoff - len(out)) + b"".join(sh)
+
+
+def lz4_compress(data: bytes) -> bytes:
+    """A raw LZ4 block of ``data`` (greedy, 4-byte matches), for the stand-in's fatbin."""
+    out = bytearray()
+
+    def length(n: int) -> None:
+        while n >= 255:
+            out.append(255)
+            n -= 255
+        out.append(n)
+
+    last: dict[bytes, int] = {}
+    i = anchor = 0
+    while i + 12 <= len(data):
+        key = data[i:i + 4]
+        j = last.get(key)
+        last[key] = i
+        if j is None or i - j > 65535:
+            i += 1
+            continue
+        m = 4
+        while i + m + 5 < len(data) and data[j + m] == data[i + m]:
+            m += 1
+        lit = i - anchor
+        out.append((min(lit, 15) << 4) | min(m - 4, 15))
+        if lit >= 15:
+            length(lit - 15)
+        out += data[anchor:i]
+        out += (i - j).to_bytes(2, "little")
+        if m - 4 >= 15:
+            length(m - 4 - 15)
+        i += m
+        anchor = i
+    lit = len(data) - anchor
+    out.append(min(lit, 15) << 4)
+    if lit >= 15:
+        length(lit - 15)
+    out += data[anchor:]
+    return bytes(out)
+
+
+def k13_fatbin() -> bytes:
+    """The stand-in's .nv_fatbin: one container per cubin of K13_CUBINS."""
+    import struct
+
+    out = b""
+    for arch, how, kernels, functions in K13_CUBINS:
+        raw = cubin(kernels, functions)
+        flags, payload = 0x11, raw
+        if how == "lz4":
+            flags, payload = 0x2011, lz4_compress(raw)
+        elif how == "zstd":
+            import zstandard
+
+            flags, payload = 0x8011, zstandard.ZstdCompressor().compress(raw)
+        padded = payload + bytes(-len(payload) % 8)
+        entry = struct.pack("<HHIQIIHHIIIQQQ", 2, 0x101, 64, len(padded),
+                            len(payload) if how != "none" else 0, 0, 0, 0, arch, 0, 0, flags,
+                            0, len(raw) if how != "none" else 0)
+        out += struct.pack("<IHHQ", 0xBA55ED50, 1, 16, len(entry) + len(padded))
+        out += entry + padded
+    return out
+
+
+def build_k13(out_dir: str | os.PathLike[str]) -> dict[str, Path]:
+    """Build the CUDA 13-style stand-ins: ``libttk13rt.so`` (registration,
+    __cudaGetKernel and driver objects) and ``libttk13.so`` (stripped; host stubs that
+    keep their handles, registration code, a .nv_fatbin of uncompressed, LZ4 and zstd
+    cubins)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cc = _compiler()
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in K13_SOURCES)).hexdigest()[:16]
+    paths = {"libttk13rt": out / "libttk13rt.so", "libttk13": out / "libttk13.so"}
+    stamp = out / ".built-k13"
+    if stamp.exists() and stamp.read_text() == digest and all(p.exists() for p in paths.values()):
+        return paths
+    inc = out / "k13_fatbin.inc"
+    inc.write_text(",".join(str(b) for b in k13_fatbin()) + "\n")
+    run = _runner(cc)
+    run("-O2", "-fPIC", "-shared", "-Wl,-soname,libttk13rt.so", "-o", str(paths["libttk13rt"]),
+        str(K13_SOURCES[0]))
+    run("-O2", "-fPIC", "-shared", "-s", "-Wl,-soname,libttk13.so", "-o", str(paths["libttk13"]),
+        str(K13_SOURCES[1]), f"-I{HERE}", f"-I{out}", f"-L{out}", "-lttk13rt")
+    stamp.write_text(digest)
+    return paths
+
+
 def verbs_abi_flags() -> list[str]:
     """The TT_VERBS_* offsets and constants of bpf/ibverbs.c as -D flags."""
     text = (ROOT / "bpf" / "ibverbs.c").read_text()

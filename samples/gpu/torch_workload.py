@@ -9,6 +9,8 @@ Commands (one per line; each answers one JSON line on stdout):
   suite_eager     under torch.profiler (CUPTI): eager decode, cuBLAS GEMMs, a Triton
                   kernel (torch.compile) if Triton works here
   suite_graph     under the profiler: 100 replays of a CUDA graph captured before
+  hf_prep         build a tiny random Llama (transformers) and warm up its generate
+  suite_hf        under the profiler: HF generate, 32 new tokens
                   Each suite answers the profiler's GPU kernel and launch-API counts;
                   "suite_eager names" also each kernel's launches by its name.
   quit
@@ -98,6 +100,8 @@ class Work:
                 self.gemms(100)
                 if triton_state == "ok":
                     self.triton(100)
+            elif window == "hf":
+                self.hf_generate(32)
             else:
                 for _ in range(100):
                     g.replay()
@@ -117,11 +121,32 @@ class Work:
         return out
 
     def prep(self) -> dict:
-        """Compile the Triton kernel and capture the graph outside the profiled windows."""
+        """Compile the Triton kernel, capture the graph and run the GEMMs once, outside
+        the profiled windows (so that every kernel of a window is resolved before)."""
         self.triton_state = self.triton(1)
         self.graph_obj = self.make_graph()
+        self.gemms(1)
         torch.cuda.synchronize()
         return {"triton": self.triton_state}
+
+    def hf_prep(self) -> dict:
+        """A tiny random Llama (no download), its generate warmed up."""
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                          max_position_embeddings=256)
+        torch.manual_seed(0)
+        self.hf = LlamaForCausalLM(cfg).to(self.dev).eval()
+        self.hf_ids = torch.randint(0, 512, (1, 16), device=self.dev)
+        self.hf_generate(32)
+        return {"hf": "ok"}
+
+    def hf_generate(self, n: int) -> None:
+        with torch.no_grad():
+            self.hf.generate(self.hf_ids, max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
 
     def microbench(self, n: int) -> dict:
         """ns per call of two probed driver entry points, called through ctypes:
@@ -174,6 +199,8 @@ def main() -> None:
             say(w.decode(int(rest[0]), timed=True))
         elif cmd == "prep":
             say(w.prep())
+        elif cmd == "hf_prep":
+            say(w.hf_prep())
         elif cmd == "microbench":
             say(w.microbench(int(rest[0])))
         elif cmd.startswith("suite_"):

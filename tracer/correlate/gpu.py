@@ -13,11 +13,22 @@ from typing import Any, Iterator
 from tracer.correlate.kernelnames import readable
 from tracer.correlate.sampling import LaunchSampling, StepSample, estimate
 from tracer.events import wire
-from tracer.events.gpu import (COPY_KINDS, LIVE_NAME_SOURCES, GpuSampling, KernelBurst,
-                               KernelCounts, KernelName, KernelStub, MemEvent, NcclEvent,
-                               VerbsContext, VerbsCounts, VerbsMr, VerbsQp)
+from tracer.events.gpu import (COPY_KINDS, LIVE_NAME_SOURCES, NAME_SOURCES, GpuSampling,
+                               KernelBurst, KernelCounts, KernelName, KernelStub, MemEvent,
+                               NcclEvent, VerbsContext, VerbsCounts, VerbsMr, VerbsQp)
 
 HOST_STUB = wire.CONSTANTS["NAME_HOST_STUB"]
+# kernel_names rows: live names, then each route for handles resolved before attach
+NAME_ROWS = ("live", "host_stub", "registered_stub", "stub_slot", "driver_object", "unknown")
+
+
+def name_row(source: int | None) -> str:
+    """The kernel_names row of a NAME_* source (None: not named)."""
+    if source is None:
+        return "unknown"
+    if source in LIVE_NAME_SOURCES:
+        return "live"
+    return NAME_SOURCES.get(source, "unknown")
 
 
 @dataclass
@@ -231,12 +242,13 @@ class ProcessGpu:
         self.name_sources[ev.handle] = ev.source
 
     def names_summary(self, kernels: Counter[int]) -> dict[str, Any]:
-        """Launched handles and their launches by where their names came from."""
-        out = {k: {"handles": 0, "launches": 0} for k in ("live", "host_stub", "unknown")}
+        """Launched handles and their launches by where their names came from: ``live``
+        (the driver's name probes), the routes for handles resolved before attach
+        (``host_stub``, ``registered_stub``, ``stub_slot``, ``driver_object``), or
+        ``unknown``."""
+        out = {k: {"handles": 0, "launches": 0} for k in NAME_ROWS}
         for h, n in kernels.items():
-            src = self.name_sources.get(h) if h in self.names else None
-            row = out["unknown" if src is None else "host_stub" if src == HOST_STUB
-                      else "live"]
+            row = out[name_row(self.name_sources.get(h) if h in self.names else None)]
             row["handles"] += 1
             row["launches"] += n
         return {**out, "host_stubs_seen": self.host_stubs}

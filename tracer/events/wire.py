@@ -104,6 +104,10 @@ CONSTANTS: dict[str, int] = {
     "NAME_LIBRARY_GET_KERNEL": 2,
     "NAME_KERNEL_GET_FUNCTION": 3,  # an alias: handle names the same kernel as alias_of
     "NAME_HOST_STUB": 4,  # the ELF symbol of the runtime's host stub (a KSTUB, symbolised)
+    # names found in user space for handles resolved before attach (tracer/probes/prenames.py)
+    "NAME_REGISTERED_STUB": 5,  # a KSTUB's host stub -> its __cudaRegisterFunction name
+    "NAME_STUB_SLOT": 6,  # CUDA 13: the handle a host stub keeps in its static, read from memory
+    "NAME_DRIVER_OBJECT": 7,  # a name the driver's object behind the handle points to
     "NAME_LEN": 128,
     # GPU: MEM.op
     "MEM_ALLOC": 1,
@@ -468,9 +472,10 @@ KSTUB = Record(
         Field("pid", "u32"),
         Field("tid", "u32"),
         Field("pad", "u32"),
-        Field("ts", "u64", "the first driver launch of handle seen after a runtime launch"),
+        Field("ts", "u64", "the first driver launch of handle seen while naming is open"),
         Field("handle", "u64", "CUfunction/CUkernel the driver launched"),
-        Field("stub", "u64", "the host stub (func of cudaLaunchKernel*): a process address"),
+        Field("stub", "u64", "the host stub (func of cudaLaunchKernel*): a process address;"
+              " 0: a driver-API launch, no runtime call"),
     ],
 )
 

@@ -151,12 +151,19 @@ class GpuProbes:
         self.attached: dict[tuple[int, int], AttachedLibrary] = {}  # (dev, inode) -> lib
         self.errors: dict[str, str] = {}
         from tracer.probes.ibverbs import VerbsProbes
+        from tracer.probes.prenames import BackgroundPreNames, PreNames, device_arch
         from tracer.probes.stubnames import StubNames
 
         # BCC's attach and detach bookkeeping is not meant for two threads at once
         self.uprobes = Uprobes(bpf, threading.Lock(), uprobe_mode)
         self.verbs = VerbsProbes(bpf, self.errors, self.uprobes)
-        self.stubs = StubNames(bpf, self.errors, self.uprobes, stub_quiet_s, stub_max_s)
+        # kernels resolved before attach: named from the libraries' registration code,
+        # cubins and the driver's objects (off with host-stub naming)
+        self.prenames = (BackgroundPreNames(PreNames(device_arch())) if stub_quiet_s > 0
+                         else None)
+        self._prenames_maps: dict[int, tuple[str, ...]] = {}  # pid -> its last library list
+        self.stubs = StubNames(bpf, self.errors, self.uprobes, stub_quiet_s, stub_max_s,
+                               self.prenames)
         self._stub_seen: set[tuple[int, str]] = set()  # (pid, libcudart path) found
         self.launch_sites: list[Site] = []  # every library's launch probes
         self._launch_attached: list[Attached] = []  # those attached now
@@ -166,9 +173,11 @@ class GpuProbes:
         self._kcounts = CounterDeltas(bpf, b"kernel_counts", lambda v: (v.value,))
 
     def scan(self, pid: int) -> list[AttachedLibrary]:
-        """Attach to the GPU libraries ``pid`` maps that are not attached yet."""
+        """Attach to the GPU libraries ``pid`` maps that are not attached yet; then (the
+        name probes attached) name what its libraries resolved before."""
         new = []
-        for path in procfs.maps(pid):
+        mapped = procfs.maps(pid)
+        for path in mapped:
             for kind, (pattern, probes) in LIBRARIES.items():
                 if pattern.search(path):
                     lib = self._attach_file(kind, f"/proc/{pid}/root{path}", probes)
@@ -179,12 +188,17 @@ class GpuProbes:
                         # them by their host stubs for a while
                         self._stub_seen.add((pid, path))
                         self.stubs.open_window()
+        if (self.prenames is not None and self._prenames_maps.get(pid) != mapped
+                and any(LIBRARIES["cuda"][0].search(path) for path in mapped)):
+            self._prenames_maps[pid] = mapped
+            self.prenames.scan(pid)
         return new
 
     def forget(self, pid: int) -> None:
         """``pid`` exited."""
         self.stubs.forget(pid)
         self._stub_seen = {k for k in self._stub_seen if k[0] != pid}
+        self._prenames_maps.pop(pid, None)
 
     def _attach_file(self, kind: str, path: str, probes: list[Probe]) -> AttachedLibrary | None:
         try:

@@ -306,6 +306,9 @@ class CaptureSession:
                 self.gpu.verbs.on_context(schema.decode(buf))
             elif kind == C["KIND_KSTUB"] and self.gpu is not None:
                 self.gpu.stubs.on_stub(schema.decode(buf))
+            elif kind == C["KIND_KNAME"] and self.gpu is not None and self.gpu.prenames:
+                name = schema.decode(buf)  # a known handle to learn driver objects from
+                self.gpu.prenames.live(name.pid, name.handle, name.name)
         except schema.WireError:
             self.user_counters["undecodable_records"] += 1
 

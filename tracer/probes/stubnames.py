@@ -28,6 +28,7 @@ from typing import Any
 from tracer.events import wire
 from tracer.events.gpu import KernelName, KernelStub
 from tracer.probes import procfs
+from tracer.probes.prenames import BackgroundPreNames
 from tracer.probes.symbols import SymbolError, Symbolizer
 from tracer.probes.uprobes import Attached, Site, Uprobes
 
@@ -40,8 +41,10 @@ class StubNames:
     symbolising of the stubs they reveal."""
 
     def __init__(self, bpf: Any, errors: dict[str, str], uprobes: Uprobes | None,
-                 quiet_s: float = 5.0, max_s: float = 60.0) -> None:
+                 quiet_s: float = 5.0, max_s: float = 60.0,
+                 prenames: BackgroundPreNames | None = None) -> None:
         self.bpf = bpf
+        self.prenames = prenames  # names from registration code, cubins, driver objects
         self.errors = errors
         self.uprobes = uprobes
         self._detacher: threading.Thread | None = None
@@ -62,6 +65,7 @@ class StubNames:
         self.unresolved: Counter[str] = Counter()  # by reason (the error's first words)
         self.unresolved_examples: dict[str, str] = {}  # reason -> one full message
         self.symbolise_s = 0.0  # time spent reading symbols and maps
+        self.driver_launches = 0  # handles first launched through the driver API (stub 0)
         self._pending: list[KernelStub] = []
         self._exited: set[int] = set()
 
@@ -160,12 +164,21 @@ class StubNames:
     def resolve(self) -> list[KernelName]:
         """Names for the stubs that arrived since the last call."""
         pending, self._pending = self._pending, []
+        out = self.prenames.take() if self.prenames is not None else []
         if not pending:
-            return []
+            return out
         t0 = time.perf_counter()
-        out = []
         maps: dict[int, list[procfs.Mapping]] = {}
         for ev in pending:
+            if ev.stub == 0 or ev.stub == ev.handle:
+                # no host stub to symbolise: a driver-API launch, or (CUDA 13) the
+                # runtime given the handle; named, if at all, from what the process's
+                # memory holds (tracer/probes/prenames.py)
+                if self.prenames is not None:
+                    self.prenames.launched(ev.pid, ev.handle)
+                if ev.stub == 0:
+                    self.driver_launches += 1
+                    continue
             if ev.stub == ev.handle:
                 # The runtime was given the kernel handle itself (cudaKernel_t), not a
                 # host stub: seen with PyTorch 2.11 + CUDA 13 on an H100, where every
@@ -177,9 +190,20 @@ class StubNames:
                     why, f"pid {ev.pid}: the runtime launch got {ev.stub:#x}, the driver's "
                          "own kernel handle, not a host-stub address")
                 continue
+            if ev.pid not in maps:
+                maps[ev.pid] = procfs.mappings(ev.pid)
+            registered = (self.prenames.registered_name(ev.pid, ev.stub, maps[ev.pid])
+                          if self.prenames is not None else None)
+            if registered:
+                # the device name the stub was registered with: exact, symbols or not
+                # (a stub's own symbol can differ: internal-linkage stubs are "...L...")
+                self.named += 1
+                self.prenames.named(ev.pid, ev.handle, registered)  # type: ignore[union-attr]
+                out.append(KernelName(pid=ev.pid, tid=ev.tid, ts=ev.ts,
+                                      source=C["NAME_REGISTERED_STUB"], handle=ev.handle,
+                                      alias_of=0, name=registered))
+                continue
             try:
-                if ev.pid not in maps:
-                    maps[ev.pid] = procfs.mappings(ev.pid)
                 sym = self.symbolizer.resolve(ev.pid, ev.stub, maps[ev.pid])
             except SymbolError as e:
                 why = _reason(str(e))
@@ -187,6 +211,8 @@ class StubNames:
                 self.unresolved_examples.setdefault(why, str(e))
                 continue
             self.named += 1
+            if self.prenames is not None:
+                self.prenames.named(ev.pid, ev.handle)
             out.append(KernelName(pid=ev.pid, tid=ev.tid, ts=ev.ts,
                                   source=C["NAME_HOST_STUB"], handle=ev.handle, alias_of=0,
                                   name=sym.name))
@@ -194,14 +220,18 @@ class StubNames:
         return out
 
     def counters(self) -> dict[str, int]:
-        """For the drop report: stubs that stayed unnamed."""
-        return {"stub_unresolved": sum(self.unresolved.values())}
+        """For the drop report: stubs that stayed unnamed (a kernel handle given to the
+        runtime is no stub: whether it got a name is in the summary's kernel_names)."""
+        return {"stub_unresolved": sum(n for why, n in self.unresolved.items()
+                                       if why != "kernel_handle")}
 
     # ---- exited processes -------------------------------------------------------------
 
     def forget(self, pid: int) -> None:
         """``pid`` exited: its entries in the kernel's sent-set go at the next prune."""
         self._exited.add(pid)
+        if self.prenames is not None:
+            self.prenames.forget(pid)
 
     def prune(self) -> None:
         """Remove exited processes' (pid, handle) entries, so a reused pid is named
@@ -226,7 +256,9 @@ class StubNames:
                 "unresolved": dict(self.unresolved),
                 "unresolved_examples": dict(self.unresolved_examples),
                 "files_read": self.symbolizer.parses,
-                "symbolise_s": round(self.symbolise_s, 4)}
+                "symbolise_s": round(self.symbolise_s, 4),
+                "driver_launches": self.driver_launches,
+                "before_attach": self.prenames.state() if self.prenames is not None else None}
 
 
 def _reason(message: str) -> str:
