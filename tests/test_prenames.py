@@ -102,3 +102,17 @@ def test_no_layout_is_used_without_enough_agreeing_handles(child):
     pre.on_launched(pid, handles["_Z11blas_kernelv"])
     assert pre.resolve() == []
     assert pre.counts["driver_object: no verified layout"] == 1
+
+
+def test_the_systems_libzstd_decompresses_without_the_zstandard_wheel():
+    """GPU hosts may lack the zstandard wheel; libzstd.so.1 comes with the base system."""
+    import zstandard
+
+    from tracer.probes import fatbin
+    data = b"cubin " * 5000
+    frame = zstandard.ZstdCompressor().compress(data)
+    decompress = fatbin._libzstd()
+    assert decompress is not None
+    assert decompress(frame, len(data)) == data
+    with pytest.raises(ValueError, match="zstd"):
+        decompress(frame[:-7] + b"garbage", len(data))

@@ -68,7 +68,38 @@ def _zstd_decoder() -> Callable[[bytes | memoryview, int], bytes] | None:
         d = zstandard.ZstdDecompressor()
         return lambda data, size: d.decompress(data, max_output_size=size)
     except ImportError:
+        pass
+    return _libzstd()
+
+
+def _libzstd() -> Callable[[bytes | memoryview, int], bytes] | None:
+    """The system's libzstd through ctypes (Debian and Ubuntu install it with the base
+    system): one call, the decompressed size known from the fatbin's header."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("zstd") or "libzstd.so.1"
+    try:
+        lib = ctypes.CDLL(name)
+    except OSError:
         return None
+    lib.ZSTD_decompress.restype = ctypes.c_size_t
+    lib.ZSTD_decompress.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p,
+                                    ctypes.c_size_t]
+    lib.ZSTD_isError.restype = ctypes.c_uint
+    lib.ZSTD_isError.argtypes = [ctypes.c_size_t]
+    lib.ZSTD_getErrorName.restype = ctypes.c_char_p
+    lib.ZSTD_getErrorName.argtypes = [ctypes.c_size_t]
+
+    def decompress(data: bytes | memoryview, size: int) -> bytes:
+        src = bytes(data)
+        out = ctypes.create_string_buffer(size)
+        n = lib.ZSTD_decompress(out, size, src, len(src))
+        if lib.ZSTD_isError(n):
+            raise ValueError(f"zstd: {lib.ZSTD_getErrorName(n).decode()}")
+        return out.raw[:n]
+
+    return decompress
 
 
 _ZSTD = _zstd_decoder()
