@@ -179,7 +179,28 @@ def run_hf_case(continuous: bool, concurrency: int, requests: int, device: str, 
     lines = truth_path.read_text().splitlines()
     return {"server": name, "concurrency": concurrency, "device": device,
             **score(lines, got.spans, got.report),
-            **ttft_errors(lines, got.spans, json.loads(client_out.read_text()))}
+            **ttft_errors(lines, got.spans, json.loads(client_out.read_text())),
+            "kernel_names": kernel_names(got.gpu, lines)}
+
+
+def kernel_names(gpu: dict[str, Any], lines: list[str]) -> dict[str, Any]:
+    """How many of the server's launches the tracer named (attached after warm-up), by
+    source, and its top 10 kernels against the profiler's (names shortened alike)."""
+    from tracer.correlate.kernelnames import readable, shorten
+    procs = gpu.get("processes", [])
+    launches = sum(p.get("kernel_launches", 0) for p in procs)
+    by_source: dict[str, int] = {}
+    for p in procs:
+        for src, row in (p.get("kernel_names") or {}).items():
+            if isinstance(row, dict):
+                by_source[src] = by_source.get(src, 0) + int(row.get("launches", 0))
+    tracer_top = [readable(k["name"]) for p in procs for k in p.get("top_kernels", [])][:10]
+    prof = next((json.loads(x)["launches"] for x in lines if '"kernel_names"' in x), {})
+    prof_top = [shorten(n) for n in list(prof)[:10]]
+    return {"launches": launches, "by_source": by_source,
+            "named_share": round(1 - by_source.get("unknown", 0) / launches, 4) if launches else None,
+            "top10_tracer": tracer_top, "top10_profiler": prof_top,
+            "top10_same_set": sorted(tracer_top) == sorted(prof_top)}
 
 
 def table(results: list[dict[str, Any]]) -> str:

@@ -29,6 +29,8 @@ class Collected:
     def __init__(self) -> None:
         self.records: list[Any] = []
         self.report: dict[str, int] = {}
+        self.gpu: dict[str, Any] = {}  # the GPU ledger's --summary part, after the stop
+        self.reconciliation: dict[str, Any] = {}
         self._jsonl = io.StringIO()
 
     def on_record(self, rec: Any) -> None:
@@ -62,6 +64,8 @@ def traced(pids: list[int] | None = None, ports: list[int] | None = None,
     finally:
         time.sleep(settle)  # the last writes and closes reach the ring buffer
         c.report = run.stop()
+        c.gpu = run.pipeline.gpu.summary()
+        c.reconciliation = run.pipeline.reconciliation()
 
 
 FIRST_TEXT = re.compile(rb'"(?:content|text)": ?"(?:[^"\\]|\\.)')

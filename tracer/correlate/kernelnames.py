@@ -101,6 +101,11 @@ def readable(name: str) -> str:
     full = demangle(name)
     if full == name:
         return _mangled_base(name) or name[:MAX_LEN]
+    return shorten(full)
+
+
+def shorten(full: str) -> str:
+    """The short form of a demangled name (as profilers print them)."""
     words = _split_top(_without_params(full), " ")
     qualified = words[-1] if words else full  # the return type goes
     last = (_split_top(qualified, "::") or [qualified])[-1]

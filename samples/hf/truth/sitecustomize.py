@@ -168,7 +168,13 @@ def step_kernels(prof: Any) -> list[dict[str, Any]]:
             if n is not None:
                 counts[n]["kernels"] += 1
                 counts[n]["kernel_ns"] += e.duration_ns()
-    return [{"type": "step_kernels", "step": n, **c} for n, c in sorted(counts.items())]
+    names: dict[str, int] = {}
+    for e in events:  # every device kernel the profiler saw run, by its (demangled) name
+        if str(e.device_type()).endswith("CUDA") and not e.name().startswith(("Memcpy", "Memset")):
+            names[e.name()] = names.get(e.name(), 0) + 1
+    top = dict(sorted(names.items(), key=lambda kv: -kv[1])[:50])
+    return ([{"type": "step_kernels", "step": n, **c} for n, c in sorted(counts.items())]
+            + [{"type": "kernel_names", "launches": top}])
 
 
 def _members(bp: Any) -> list[dict[str, Any]]:
