@@ -89,6 +89,7 @@ def test_doctor_explains_missing_headers(monkeypatch):
 
 def test_doctor_explains_missing_privileges(monkeypatch):
     monkeypatch.setattr("os.geteuid", lambda: 1000)
+    monkeypatch.setattr("tracer.probes.caps.effective_caps", lambda: 0)
     monkeypatch.setattr("tracer.doctor.effective_caps", lambda: 0)
     results = {c.name: c for c in run_checks(load=False)}
     assert not results["privileges"].ok and "CAP_BPF" in results["privileges"].fix

@@ -13,11 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-CAP_SYS_ADMIN = 21
-CAP_PERFMON = 38
-CAP_BPF = 39
-CAP_SYS_PTRACE = 19
-CAP_DAC_READ_SEARCH = 2
+from tracer.probes.caps import (CAP_DAC_READ_SEARCH, CAP_SYS_PTRACE, effective_caps,
+                                has_bpf_caps)
 
 
 @dataclass
@@ -27,20 +24,6 @@ class Check:
     detail: str
     fix: str = ""
     required: bool = True
-
-
-def effective_caps() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("CapEff:"):
-            return int(line.split()[1], 16)
-    return 0
-
-
-def has_bpf_caps() -> bool:
-    caps = effective_caps()
-    if caps & (1 << CAP_SYS_ADMIN):
-        return True
-    return bool(caps & (1 << CAP_BPF)) and bool(caps & (1 << CAP_PERFMON))
 
 
 def check_privileges() -> Check:

@@ -11,13 +11,32 @@ message counts); a stream that is not gRPC is an HTTP/2 request record.
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from protocols import grpc, kserve
 from tracer.correlate.records import SAFE_HEADERS, RequestRecord, tenant_of
 
-if TYPE_CHECKING:
-    from tracer.correlate.connections import Connection, TrackerOptions
+
+class ConnectionView(Protocol):
+    """What a call's record takes from its connection (``connections.Connection``)."""
+
+    pid: int
+    fd: int
+    conn_id: int
+    role: str | None
+    family: int
+    local_addr: str
+    local_port: int
+    peer_addr: str
+    peer_port: int
+
+
+class CallOptions(Protocol):
+    """The tracker options calls need (``connections.TrackerOptions``)."""
+
+    keep_content: bool
+    tenant_salt: bytes | None
+    secrets_masked: bool
 
 SAFE_GRPC_HEADERS = SAFE_HEADERS | {"grpc-timeout", "grpc-encoding", "grpc-accept-encoding",
                                     "te", ":authority", ":scheme"}
@@ -26,7 +45,7 @@ SAFE_GRPC_HEADERS = SAFE_HEADERS | {"grpc-timeout", "grpc-encoding", "grpc-accep
 class H2Calls:
     """Calls of one HTTP/2 connection in, finished records out."""
 
-    def __init__(self, conn: "Connection", options: "TrackerOptions", synced: bool,
+    def __init__(self, conn: ConnectionView, options: CallOptions, synced: bool,
                  stats: Counter[str]) -> None:
         self.conn = conn
         self.options = options

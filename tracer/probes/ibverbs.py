@@ -28,7 +28,7 @@ from tracer.events import wire
 from tracer.events.gpu import VerbsContext
 from tracer.probes import procfs
 from tracer.probes.entry import entry_sites
-from tracer.probes.gpu import CounterDeltas
+from tracer.probes.counters import CounterDeltas
 from tracer.probes.uprobes import Site, Uprobes
 
 

@@ -69,7 +69,7 @@ def import_bcc() -> Any:
 def check_environment() -> None:
     """Raise ProbeSetupError for the first missing prerequisite, with its fix."""
     if os.geteuid() != 0:
-        from tracer.doctor import has_bpf_caps
+        from tracer.probes.caps import has_bpf_caps
 
         if not has_bpf_caps():
             raise ProbeSetupError(
