@@ -368,6 +368,17 @@ struct name_args {
 BPF_HASH(name_inflight, u64, struct name_args, 4096);
 BPF_PERCPU_ARRAY(name_scratch, struct tt_kname, 1);
 
+struct alias_key {
+    u32 pid;
+    u32 pad;
+    u64 handle;
+    u64 alias_of;
+};
+/* cuKernelGetFunction aliases already sent. Some libraries call it before every launch
+ * (an HF serve capture: 10,640 alias records for 5 handles); one record per alias is
+ * all user space needs. LRU: bounded, and a reused handle is sent again once evicted. */
+BPF_TABLE("lru_hash", struct alias_key, u8, alias_sent, 16384);
+
 static __always_inline int name_enter(u64 out, u64 name, u32 source)
 {
     u64 id = bpf_get_current_pid_tgid();
@@ -420,9 +431,14 @@ int tt_name_return(struct pt_regs *ctx)
     bpf_probe_read_user(&n->handle, sizeof(n->handle), (void *)args.out);
     /* named live: its host stub need never be sent */
     stub_mark_named(n->pid, n->handle);
-    if (args.source == TT_NAME_KERNEL_GET_FUNCTION)
+    if (args.source == TT_NAME_KERNEL_GET_FUNCTION) {
+        struct alias_key k = {.pid = n->pid, .handle = n->handle, .alias_of = args.name};
+        u8 one = 1;
+        if (alias_sent.lookup(&k))
+            return 0;
+        alias_sent.update(&k, &one);
         n->alias_of = args.name;
-    else if (bpf_probe_read_user_str(n->name, sizeof(n->name), (void *)args.name) < 0)
+    } else if (bpf_probe_read_user_str(n->name, sizeof(n->name), (void *)args.name) < 0)
         count(TT_CNT_NAMES_FULL);
     submit(n, sizeof(*n), TT_CNT_LOST_GPU);
     return 0;

@@ -71,6 +71,9 @@ def test_counts_bytes_names_and_waits_match_the_libraries_exactly(gpu_build, tmp
     # names: every launch is named, the cuKernelGetFunction alias included
     top = {k["name"]: k["launches"] for k in proc["top_kernels"]}
     assert top == {f"_Z11tt_kernel_{k:02d}PfS_i": 3 * STEPS for k in range(KERNELS)}
+    # one record per name and per alias, though kernel 1's alias is asked for before
+    # each of its launches (3 x STEPS calls)
+    assert proc["kernel_names"]["name_records"] == 3 * (KERNELS + 1)
     # per thread: three workers with the same work, the main thread with none
     workers = [t for t in proc["threads"].values() if t["kernel_launches"]]
     assert len(workers) == 3

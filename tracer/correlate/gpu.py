@@ -161,6 +161,7 @@ class ProcessGpu:
     names: dict[int, str] = field(default_factory=dict)  # handle -> kernel name
     name_sources: dict[int, int] = field(default_factory=dict)  # handle -> NAME_* source
     host_stubs: int = 0  # handles whose host stub the runtime probes learnt (KSTUB)
+    name_records: int = 0  # KernelName records received (names and aliases)
     live_bytes: int = 0
     peak_bytes: int = 0
     allocs: int = 0
@@ -251,7 +252,7 @@ class ProcessGpu:
             row = out[name_row(self.name_sources.get(h) if h in self.names else None)]
             row["handles"] += 1
             row["launches"] += n
-        return {**out, "host_stubs_seen": self.host_stubs}
+        return {**out, "host_stubs_seen": self.host_stubs, "name_records": self.name_records}
 
 
 class GpuLedger:
@@ -279,7 +280,9 @@ class GpuLedger:
                 t.sample.add(ev.reason, ev.first_ts, ev.last_ts, ev.launches,
                              ev.graph_launches, self.sampling)
         elif isinstance(ev, KernelName):
-            self.proc(ev.pid).add_name(ev)
+            p = self.proc(ev.pid)
+            p.name_records += 1
+            p.add_name(ev)
         elif isinstance(ev, KernelStub):
             self.proc(ev.pid).host_stubs += 1
         elif isinstance(ev, MemEvent):

@@ -81,7 +81,10 @@ EXPORT CUresult cuCtxCreate_v2(CUcontext *c, unsigned int f, CUdevice d)
 }
 
 /* ---- kernel handles: a heap object per name, as a driver's handles are pointers ---- */
-struct CUfunc_st { char name[128]; };
+struct CUfunc_st {
+    char name[128];
+    struct CUfunc_st *function; /* a kernel's function, once asked for (as the driver keeps) */
+};
 
 static void *new_handle(const char *name)
 {
@@ -106,7 +109,10 @@ EXPORT CUresult cuLibraryGetKernel(CUkernel *out, CUlibrary lib, const char *nam
 }
 EXPORT CUresult cuKernelGetFunction(CUfunction *out, CUkernel kernel)
 {
-    *out = new_handle(((struct CUfunc_st *)kernel)->name);
+    struct CUfunc_st *k = (struct CUfunc_st *)kernel;
+    if (!k->function) /* the driver hands out one function per kernel and context */
+        k->function = new_handle(k->name);
+    *out = k->function;
     return CUDA_SUCCESS;
 }
 
