@@ -42,7 +42,7 @@ def test_live_names_win_whichever_comes_first():
                                     "registered_stub": none, "stub_slot": none,
                                     "driver_object": none,
                                     "unknown": {"handles": 1, "launches": 1},
-                                    "host_stubs_seen": 1}
+                                    "host_stubs_seen": 1, "name_records": 6}
     assert {k["name"]: k["launches"] for k in proc["top_kernels"]} == {
         "_Z4liveA": 5, "_Z4liveB": 6, "_Z4stubC": 3, "unknown@0xe": 1}
 
