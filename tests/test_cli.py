@@ -63,6 +63,23 @@ def test_replay_of_the_committed_capture(openai_capture, tmp_path):
     assert "tiny-gpt" in r.stdout  # the console table
 
 
+def test_max_connections_bounds_what_is_followed_and_counts_the_evicted(openai_capture,
+                                                                       tmp_path):
+    """--max-connections 1: the capture's other connections push each other out; every
+    eviction is counted and said on exit, and nothing crashes."""
+    summaries, said = {}, {}
+    for n in (1, 100_000):
+        out = tmp_path / f"s{n}.json"
+        r = cli("replay", str(openai_capture), "--quiet", "--max-connections", str(n),
+                "--summary", str(out))
+        assert r.returncode == 0, r.stderr
+        summaries[n], said[n] = json.loads(out.read_text())["report"], r.stderr
+    assert summaries[1]["connections_evicted"] > 0
+    assert f"connections_evicted={summaries[1]['connections_evicted']}" in said[1]
+    assert summaries[100_000].get("connections_evicted", 0) == 0
+    assert summaries[1].get("requests", 0) <= summaries[100_000]["requests"]
+
+
 def test_replay_of_a_cut_capture_warns_and_keeps_what_it_has(openai_capture, tmp_path):
     raw = gzip.decompress(openai_capture.read_bytes())
     f = tmp_path / "cut.ttcap"

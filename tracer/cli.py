@@ -127,6 +127,10 @@ def _add_export_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--capture-cmdline", action="store_true",
                    help="export process.command_line, with anything that looks like a "
                         "key or token redacted (off by default)")
+    g.add_argument("--max-connections", type=int, default=100_000, metavar="N",
+                   help="connections followed at once; past N the least recently active "
+                        "is dropped and counted (connections_evicted). The agent's memory "
+                        "grows ~5 KB per open connection (bench/soak.py) (default: 100000)")
     g.add_argument("--summary", metavar="FILE",
                    help="on exit, write per-process and per-thread GPU totals (kernel "
                         "launches, graph launches, memcpy/memset bytes, device memory, "
@@ -297,6 +301,8 @@ def reconciliation_lines(recon: dict[str, Any]) -> list[str]:
                 f"unattributed; GPU time {row['busy_s']:.3f} s busy = {row['charged_s']:.3f} s "
                 f"charged + {row['unattributed_s']:.3f} s unattributed, "
                 f"{row['idle_s']:.3f} s idle of {row['window_s']:.3f} s")
+        if row.get("streams", 1) > 1:
+            line += f" ({row['streams']} launching threads over {row['wall_s']:.3f} s wall)"
         if "busy_usd" in row:
             line += (f"; ${row['window_usd']:.6f} = ${row['charged_usd']:.6f} requests + "
                      f"${row['unattributed_usd']:.6f} unattributed + ${row['idle_usd']:.6f} idle")
@@ -430,7 +436,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     ctx = ExportContext(capture_id=header["capture_id"], host=header["host"])
     sinks, console = build_sinks(args, ctx)
     options = TrackerOptions(keep_content=args.capture_content,
-                             tenant_salt=capture.tenant_salt(header))
+                             tenant_salt=capture.tenant_salt(header),
+                             max_connections=max(1, args.max_connections))
     run = TraceRun(_targets(args), sinks, options, record=args.record, ctx=ctx, header=header,
                    pricing=pricing, keep_secrets=args.capture_secrets)
     poll = run.poll
@@ -493,7 +500,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     sinks, console = build_sinks(args, ctx)
     options = TrackerOptions(keep_content=args.capture_content,
                              tenant_salt=capture.tenant_salt(reader.header),
-                             secrets_masked=reader.header.get("secrets_masked") is True)
+                             secrets_masked=reader.header.get("secrets_masked") is True,
+                             max_connections=max(1, args.max_connections))
     pipeline = Pipeline(sinks, ctx, options, pricing)
     try:
         for item in reader:
