@@ -136,13 +136,16 @@ class Pipeline:
     def reconciliation(self) -> dict[str, Any]:
         """Per GPU process and quantity: observed = charged to requests + unattributed,
         with GPU time and its cost over each process's window (``cost.reconcile``)."""
-        from tracer.correlate.cost import reconcile
+        from tracer.correlate.cost import Window, reconcile
         recon = self.attribution.reconciliation()
-        windows = {}
+        windows: dict[int, Window] = {}
         for pid, p in self.gpu.processes.items():
-            firsts = [t.first_ts for t in p.threads.values() if t.bursts]
-            if firsts:
-                windows[pid] = (min(firsts), max(t.last_ts for t in p.threads.values()))
+            spans = [(t.first_ts, t.last_ts) for t in p.threads.values() if t.bursts]
+            if spans:
+                windows[pid] = Window(first=min(a for a, _ in spans),
+                                      last=max(b for _, b in spans),
+                                      stream_ns=sum(max(0, b - a) for a, b in spans),
+                                      streams=len(spans))
         return {**recon, "cost": reconcile(recon, windows, self.pricing)}
 
     def report(self) -> dict[str, int]:

@@ -16,7 +16,7 @@ import math
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 MS_PER_HOUR = 3_600_000.0
 
@@ -207,24 +207,38 @@ class GpuPricing:
         return what + ("; " + "; ".join(self.notes) if self.notes else "")
 
 
-def reconcile(recon: dict[str, Any], windows: dict[int, tuple[int, int]],
+class Window(NamedTuple):
+    """A GPU process's activity: first and last GPU activity (ns) of any thread, and
+    the sum over its launching threads of each one's own first-to-last (``stream_ns``)."""
+
+    first: int
+    last: int
+    stream_ns: int
+    streams: int
+
+
+def reconcile(recon: dict[str, Any], windows: dict[int, Window],
               pricing: "GpuPricing | None") -> dict[str, Any]:
     """Money that reconciles, per GPU process (OpenCost's habit: every dollar of the
     window lands in a request, in busy-but-unattributed, or in idle).
 
-    ``recon`` is ``Ledger.reconciliation()``; ``windows`` each process's first and last
-    GPU activity (ns). GPU time is the steps' and bursts' spans (first launch to the end
-    of the wait), so busy <= window on an engine thread; idle is the rest of the window.
-    Costs are at ``pricing``'s price per GPU-hour, one GPU per process."""
+    ``recon`` is ``Ledger.reconciliation()``; ``windows`` each process's ``Window``. GPU
+    time is the steps' and bursts' spans (first launch to the end of the wait) on each
+    launching thread, so busy <= that thread's window. The window priced is the stream
+    time: on an engine with one launching thread (every engine measured) it is the
+    wall window; a process whose threads keep the GPU busy at once (concurrent
+    streams) gets each thread's window, and ``wall_s`` and ``streams`` say so. Costs
+    are at ``pricing``'s price per GPU-hour, one GPU per process."""
     price = pricing.usd_per_gpu_hour if pricing is not None else None
     rows = []
     for pid, q in recon.get("processes", {}).items():
         t = q.get("gpu_time_ns", {})
-        first, last = windows.get(int(pid), (0, 0))
-        window_s = max(0, last - first) / 1e9
+        w = windows.get(int(pid), Window(0, 0, 0, 0))
+        window_s = w.stream_ns / 1e9
         busy_s = t.get("observed", 0.0) / 1e9
         row: dict[str, Any] = {
             "pid": int(pid), "window_s": round(window_s, 6), "busy_s": round(busy_s, 6),
+            "wall_s": round(max(0, w.last - w.first) / 1e9, 6), "streams": w.streams,
             "charged_s": round(t.get("charged", 0.0) / 1e9, 6),
             "unattributed_s": round(t.get("unattributed", 0.0) / 1e9, 6),
             "idle_s": round(max(0.0, window_s - busy_s), 6),
