@@ -7,6 +7,7 @@ tritonclient client holds at most one stream)."""
 from __future__ import annotations
 
 import gc
+import gzip
 import os
 import socket
 import struct
@@ -32,6 +33,9 @@ from tracer.events import capture, schema, wire
 pytestmark = pytest.mark.bpf
 
 MODEL = "tiny-gpt"
+# sent as call metadata by the tritonclient calls; must never reach a capture file
+GRPC_KEY = "sk-grpc-metadata-0123456789SECRET"
+AUTH = {"authorization": "Bearer " + GRPC_KEY}
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +75,7 @@ class Client:
             outs.append(tc.InferRequestedOutput("num_output_tokens"))
         t0 = time.monotonic()
         r = self.c.infer(MODEL, inputs, request_id=rid, outputs=outs,
-                         compression_algorithm=compression)
+                         compression_algorithm=compression, headers=AUTH)
         t1 = time.monotonic()
         n = int(r.as_numpy("num_output_tokens")[0]) if counts else None
         return {"id": rid, "ttft": t1 - t0, "output_tokens": n, "stream": False,
@@ -97,7 +101,8 @@ class Client:
             if result.get_response().parameters["triton_final_response"].bool_param:
                 done.set()
 
-        self.c.start_stream(callback=callback, compression_algorithm=compression)
+        self.c.start_stream(callback=callback, compression_algorithm=compression,
+                            headers=AUTH)
         t0 = time.monotonic()
         self.c.async_stream_infer(MODEL, inputs, request_id=rid)
         assert done.wait(30), "stream finished"
@@ -333,6 +338,10 @@ def test_unary_and_streaming_calls_one_span_each_with_tokens_and_ttft(server, tm
     assert within >= 0.98 * len(rest) and max(rest) < 0.010 \
         and sum(rest) / len(rest) < 0.001, sorted(rest)[-5:]
     assert got.returncode == 0 and "no events lost" in got.stderr, got.stderr
+    # the calls' authorization metadata is masked in the capture (HPACK, see h2mask)
+    from tracer.events.h2mask import _HUFFMAN
+    raw = gzip.decompress((tmp_path / "cap.ttcap").read_bytes())
+    assert GRPC_KEY.encode() not in raw and _HUFFMAN.encode(GRPC_KEY.encode()) not in raw
 
 
 def test_64_concurrent_streams_on_one_connection_neither_lost_nor_merged(server):

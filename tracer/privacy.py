@@ -2,7 +2,8 @@
 and files other users could read.
 
 - ``mask_token``/``token_span``: a credential header's key is replaced, in captures,
-  by an HMAC of it as long as it (``SecretMasker`` in ``tracer.events.capture``).
+  by an HMAC of it as long as it (``SecretMasker`` in ``tracer.events.capture``; in
+  HTTP/2 header blocks, ``tracer.events.h2mask``).
 - ``redact_args``: a command line with whatever looks like a key or token replaced.
 - ``open_private``: every file the tracer writes is created (or truncated) mode 0600.
 """

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import IO, Any, Iterator
 
 from tracer.events import schema, wire
+from tracer.events.h2mask import H2SecretMasker
 from tracer.privacy import mask_token, open_private, redact_args, token_span
 
 MAGIC = "tokentrace-capture"
@@ -90,18 +91,54 @@ class SecretMasker:
     A value is masked where it lies, at the same length: the key of a credential
     (after its scheme) by ``mask_token`` under the tenant salt, cookies alike. A value
     split across two reads is masked with ``*`` (its whole key was never in one read);
-    such a request has no tenant in a replay. HTTP/2 header blocks (HPACK) are not
-    masked. State is kept per connection direction, for at most ``max_streams``."""
+    such a request has no tenant in a replay. HTTP/2 header blocks (HPACK) are masked
+    by ``h2mask.H2SecretMasker``; ``records`` may then hold a read back until its
+    header block ends. State is kept per connection direction, for at most
+    ``max_streams``."""
 
     def __init__(self, salt: bytes, max_streams: int = 65536) -> None:
         self.salt = salt
         self.max_streams = max_streams
+        self.h2 = H2SecretMasker(salt, max_streams)
+        self._next_pos: OrderedDict[tuple[int, int, int, int], int] = OrderedDict()
         # (pid, fd, conn_id, direction) -> (tail of the last read, inside a value)
         self._state: OrderedDict[tuple[int, int, int, int], tuple[bytes, bool]] = OrderedDict()
         self.masked = 0  # values masked
 
+    def records(self, buf: bytes) -> list[bytes]:
+        """The records to write now that ``buf`` (one ring-buffer record) came: masked,
+        and with any held back for an HTTP/2 header block it completes."""
+        if len(buf) >= wire.DATA.header_size and wire.kind_of(buf) == _C["KIND_DATA"]:
+            f = wire.DATA.unpack(buf)
+            key = (f["pid"], f["fd"], f["conn_id"], f["direction"])
+            start = wire.DATA.header_size
+            payload = buf[start:start + min(f["len"], len(buf) - start)]
+            other = (f["pid"], f["fd"], f["conn_id"], _C["DIR_IN"] + _C["DIR_OUT"] - f["direction"])
+            if self.h2.is_http2(key, payload, other):
+                pos = f["stream_off"] + f["offset"]
+                complete = self._next_pos.pop(key, pos) == pos
+                self._next_pos[key] = pos + len(payload)
+                if len(self._next_pos) > self.max_streams:
+                    self._next_pos.popitem(last=False)
+                return [bytes(r) for r in self.h2.feed(key, bytearray(buf), start,
+                                                       start + len(payload), complete)]
+        if len(buf) >= wire.CONN.header_size and wire.kind_of(buf) == _C["KIND_CONN"]:
+            f = wire.CONN.unpack(buf)
+            if f["op"] == _C["CONN_CLOSE"]:
+                held: list[bytes] = []
+                for d in (_C["DIR_IN"], _C["DIR_OUT"]):
+                    key = (f["pid"], f["fd"], f["conn_id"], d)
+                    self._next_pos.pop(key, None)
+                    held += [bytes(p) for p in self.h2.close(key)]
+                return held + [self.record(buf)]
+        return [self.record(buf)]
+
+    def flush(self) -> list[bytes]:
+        """Records still held (the capture is closing), their open header blocks cut."""
+        return [bytes(p) for p in self.h2.flush()]
+
     def record(self, buf: bytes) -> bytes:
-        """``buf`` (one ring-buffer record) with its payload masked, if it needs it."""
+        """``buf`` (one ring-buffer record) with HTTP/1 credential values masked."""
         if len(buf) < 4 or wire.kind_of(buf) != _C["KIND_DATA"]:
             if len(buf) >= wire.CONN.header_size and wire.kind_of(buf) == _C["KIND_CONN"]:
                 f = wire.CONN.unpack(buf)
@@ -265,18 +302,25 @@ class CaptureWriter:
 
     def write(self, item: bytes | Any) -> None:
         if isinstance(item, (bytes, bytearray)):
-            body, tag = bytes(item), b"W"
-            if self.masker is not None:
-                body = self.masker.record(body)
-        else:
-            if self.masker is not None and isinstance(item, schema.ProcessInfo):
-                item = dataclasses.replace(item, cmdline=tuple(redact_args(item.cmdline)))
-            body, tag = json.dumps(event_to_json(item), separators=(",", ":")).encode(), b"J"
+            if self.masker is None:
+                self._frame(b"W", bytes(item))
+                return
+            for body in self.masker.records(bytes(item)):
+                self._frame(b"W", body)
+            return
+        if self.masker is not None and isinstance(item, schema.ProcessInfo):
+            item = dataclasses.replace(item, cmdline=tuple(redact_args(item.cmdline)))
+        self._frame(b"J", json.dumps(event_to_json(item), separators=(",", ":")).encode())
+
+    def _frame(self, tag: bytes, body: bytes) -> None:
         self._f.write(_FRAME.pack(tag, len(body)))
         self._f.write(body)
         self.items += 1
 
     def close(self) -> None:
+        if self.masker is not None:
+            for body in self.masker.flush():
+                self._frame(b"W", body)
         self._f.close()
         self._raw.close()
 
