@@ -235,6 +235,12 @@ class GrpcConnection:
         self.h2 = http2.H2Observer(synced, self.stats)
         self.streams: dict[int, _Stream] = {}
 
+    @property
+    def buffered(self) -> int:
+        """Bytes held: the HTTP/2 observer's and every open stream's unfinished messages."""
+        return self.h2.buffered + sum(len(r.buf) for st in self.streams.values()
+                                      for r in st.readers.values())
+
     def receive(self, data: bytes, ts: int, from_client: bool) -> list[CallEvent]:
         return self._events(self.h2.receive(data, ts, from_client))
 

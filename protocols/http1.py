@@ -419,6 +419,11 @@ class HTTP1Connection:
         self._server = _Direction(self, False, synced)
         self._out: list[Event] = []
 
+    @property
+    def buffered(self) -> int:
+        """Bytes held outside the parser: start lines being hunted, HEAD heads."""
+        return sum(len(d.hunt_buf) + len(d.head_buf) for d in (self._client, self._server))
+
     def receive(self, data: bytes, ts: int, from_client: bool) -> list[Event]:
         """Bytes one peer sent, captured at ``ts``; returns the events they complete."""
         d = self._client if from_client else self._server

@@ -373,6 +373,11 @@ class H2Observer:
         self.stats: Counter[str] = stats if stats is not None else Counter()
         self.sides = {True: _Side(synced, True), False: _Side(synced, False)}
 
+    @property
+    def buffered(self) -> int:
+        """Bytes held: unfinished frames and header blocks awaiting CONTINUATION."""
+        return sum(len(s.buf) + len(s.block or b"") for s in self.sides.values())
+
     # ---- input --------------------------------------------------------------------
 
     def receive(self, data: bytes, ts: int, from_client: bool) -> list[Event]:

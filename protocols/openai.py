@@ -249,6 +249,11 @@ class ResponseFollower:
         self._decomp: Any = None
         self._inflated = 0
 
+    @property
+    def buffered(self) -> int:
+        """Bytes held for parsing: the JSON body so far, or the SSE parser's."""
+        return len(self._body) + (self._sse.buffered if self._sse is not None else 0)
+
     def head(self, ts: int, status: int, headers: dict[str, str]) -> None:
         self.r.status = status
         ctype = headers.get("content-type", "")

@@ -35,6 +35,11 @@ class SSEParser:
         self._dropping = False  # inside an event dropped for its size
         self.oversized = 0
 
+    @property
+    def buffered(self) -> int:
+        """Bytes held: an unfinished line and the data lines of an unfinished event."""
+        return len(self._buf) + self._held
+
     def feed(self, chunk: bytes, ts: int) -> list[ServerSentEvent]:
         if self._pending_cr and chunk.startswith(b"\n"):
             chunk = chunk[1:]  # the LF of a CRLF split across writes

@@ -126,3 +126,56 @@ def test_normal_traffic_evicts_nothing():
         serve(f)
     assert not [k for k in f.t.stats if "evicted" in k or "over" in k or "parser" in k]
     assert len(f.records) == 3
+
+
+def test_bytes_held_by_all_connections_stay_under_the_buffer_budget():
+    """Forty clients each send half of a 1 MiB chat body and one a small whole request:
+    with a 4 MiB budget the connections holding the most are dropped (their requests end
+    in error, counted) and what all hold together never passes the budget."""
+    records = []
+    budget = 4 << 20
+    t = ConnectionTracker(records.append, TrackerOptions(max_buffered=budget))
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"x" * (1 << 20)
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % (len(body) + 4)
+    peak = 0
+    for fd in range(40):
+        t.conn_event(schema.ConnEvent(1, 1, fd, fd, 100 + fd, C["CONN_ACCEPT"], 0, 0, 3, 2,
+                                      "127.0.0.1", 1000 + fd))
+        part = head + body[: len(body) // 2]
+        t.data_event(schema.DataEvent(1, 1, fd, 100 + fd, 10 + fd, 11 + fd, len(part), 0,
+                                      C["SYS_READ"], C["DIR_IN"], C["FLAG_LAST"], part))
+        peak = max(peak, sum(c.buffered() for c in t.conns.values()))
+    assert peak <= budget
+    dropped = t.stats["connections_over_buffer_budget"]
+    assert dropped >= 40 - budget // (len(body) // 2) and dropped < 40
+    assert len(records) == dropped and all("buffer budget" in r.error for r in records)
+    # a small request on a new connection is still traced whole
+    f_fd = 99
+    t.conn_event(schema.ConnEvent(1, 1, f_fd, 200, 999, C["CONN_ACCEPT"], 0, 0, 3, 2,
+                                  "127.0.0.1", 2000))
+    t.data_event(schema.DataEvent(1, 1, f_fd, 999, 201, 202, 18, 0, C["SYS_READ"],
+                                  C["DIR_IN"], C["FLAG_LAST"], b"GET / HTTP/1.1\r\n\r\n"))
+    assert (1, f_fd, 999) in t.conns
+
+
+def test_grpc_messages_count_against_the_buffer_budget():
+    """Unfinished gRPC messages on many connections are held bytes too."""
+    records = []
+    t = ConnectionTracker(records.append, TrackerOptions(max_buffered=1 << 18))
+    for fd in range(8):
+        w = Wire()
+        sid = w.request("/pkg.S/M", end=False)
+        msg = grpc_message(b"q" * 300_000)[:60_000]  # a 300 kB message, 60 kB of it sent
+        for i in range(0, len(msg), 16_000):
+            w.client.send_data(sid, msg[i:i + 16_000])
+            w.pump()
+        t.conn_event(schema.ConnEvent(1, 1, fd, fd, 100 + fd, C["CONN_ACCEPT"], 0, 0, 3, 2,
+                                      "127.0.0.1", 1000 + fd))
+        off = {True: 0, False: 0}
+        for i, (fc, data) in enumerate(w.chunks):
+            t.data_event(schema.DataEvent(1, 1, fd, 100 + fd, 10 + i, 11 + i, len(data), 0,
+                                          C["SYS_READ"], C["DIR_IN"] if fc else C["DIR_OUT"],
+                                          C["FLAG_LAST"], data, stream_off=off[fc]))
+            off[fc] += len(data)
+        assert sum(c.buffered() for c in t.conns.values()) <= 1 << 18
+    assert t.stats["connections_over_buffer_budget"] >= 3

@@ -131,6 +131,11 @@ def _add_export_args(p: argparse.ArgumentParser) -> None:
                    help="connections followed at once; past N the least recently active "
                         "is dropped and counted (connections_evicted). The agent's memory "
                         "grows ~5 KB per open connection (bench/soak.py) (default: 100000)")
+    g.add_argument("--max-buffered-mb", type=float, default=256, metavar="MB",
+                   help="bytes all connections together may hold for parsing (request "
+                        "and response bodies, unfinished frames and messages); past it "
+                        "the connections holding the most are dropped and counted "
+                        "(connections_over_buffer_budget) (default: 256)")
     g.add_argument("--summary", metavar="FILE",
                    help="on exit, write per-process and per-thread GPU totals (kernel "
                         "launches, graph launches, memcpy/memset bytes, device memory, "
@@ -437,7 +442,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     sinks, console = build_sinks(args, ctx)
     options = TrackerOptions(keep_content=args.capture_content,
                              tenant_salt=capture.tenant_salt(header),
-                             max_connections=max(1, args.max_connections))
+                             max_connections=max(1, args.max_connections),
+                             max_buffered=max(1 << 20, int(args.max_buffered_mb * 2**20)))
     run = TraceRun(_targets(args), sinks, options, record=args.record, ctx=ctx, header=header,
                    pricing=pricing, keep_secrets=args.capture_secrets)
     poll = run.poll
@@ -501,7 +507,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     options = TrackerOptions(keep_content=args.capture_content,
                              tenant_salt=capture.tenant_salt(reader.header),
                              secrets_masked=reader.header.get("secrets_masked") is True,
-                             max_connections=max(1, args.max_connections))
+                             max_connections=max(1, args.max_connections),
+                             max_buffered=max(1 << 20, int(args.max_buffered_mb * 2**20)))
     pipeline = Pipeline(sinks, ctx, options, pricing)
     try:
         for item in reader:

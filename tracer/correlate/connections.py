@@ -72,6 +72,9 @@ class TrackerOptions:
     damaged_stream_idle_timeout_ns: int = 60 * 10**9
     # connections followed at once; past it the least recently active are dropped
     max_connections: int = 100_000
+    # bytes all connections together may hold for parsing (bodies, unfinished frames,
+    # messages, events); past it the connections holding the most are dropped
+    max_buffered: int = 256 * 1024 * 1024
 
 
 class Exchange:
@@ -174,6 +177,18 @@ class Connection:
         self.last_ts = 0
         self.close_reason: str | None = None
         self.ipc_seen = False  # its addresses were given to the process graph
+        self.held = 0  # bytes it held for parsing after its last data event
+
+    def buffered(self) -> int:
+        """Bytes this connection's parsers hold now."""
+        n = len(self.sniff_buf)
+        if self.http is not None:
+            n += self.http.buffered
+        if self.h2 is not None:
+            n += self.h2.grpc.buffered
+        for ex in self.exchanges.values():
+            n += len(ex.body or b"") + (ex.follower.buffered if ex.follower else 0)
+        return n
 
     def from_client(self, inbound: bool) -> bool:
         return inbound if self.role == "server" else not inbound
@@ -194,6 +209,7 @@ class ConnectionTracker:
         self.options = options or TrackerOptions()
         self.processes = processes if processes is not None else {}
         self.conns: dict[tuple[int, int, int], Connection] = {}
+        self.buffered_estimate = 0  # sum of Connection.held, give or take the closed
         self.stats: Counter[str] = Counter()
 
     # ---- connection lifecycle ---------------------------------------------------
@@ -285,8 +301,28 @@ class ConnectionTracker:
             self.stats["connections_unannounced"] += 1
         try:
             self._data_event(c, ev)
+            held, c.held = c.held, c.buffered()
+            self.buffered_estimate += c.held - held
+            if self.buffered_estimate > self.options.max_buffered:
+                self._shed(ev.ts_exit)
         except Exception as e:  # a parser bug or a peer we did not foresee: this connection only
             self._contain(c, e, ev.ts_exit)
+
+    def _shed(self, ts: int) -> None:
+        """Over the buffer budget: drop the connections holding the most until the
+        rest fit (their open requests end in error; counted). The running estimate does not
+        subtract connections that went away, so it is recounted first."""
+        self.buffered_estimate = sum(c.held for c in self.conns.values())
+        if self.buffered_estimate <= self.options.max_buffered:
+            return
+        for c in sorted(self.conns.values(), key=lambda x: x.held, reverse=True):
+            if self.buffered_estimate <= self.options.max_buffered or not c.held:
+                break
+            del self.conns[c.key]
+            self.buffered_estimate -= c.held
+            c.close_reason = "dropped: over the tracer's buffer budget"
+            self.stats["connections_over_buffer_budget"] += 1
+            self._close_guarded(c, ts)
 
     def _data_event(self, c: Connection, ev: schema.DataEvent) -> None:
         ts = ev.ts_exit
