@@ -5,6 +5,7 @@ benchmarks run it in a background thread with ``start()``/``stop()``."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from tracer.correlate.connections import TrackerOptions
@@ -12,6 +13,8 @@ from tracer.events import capture
 from tracer.export.context import ExportContext
 from tracer.pipeline import Pipeline
 from tracer.probes.session import CaptureConfig, CaptureSession
+
+UNNAMED_CHECK_S = 2.0  # how often launched handles with no name are looked for
 
 
 class TraceRun:
@@ -34,6 +37,8 @@ class TraceRun:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self.error: BaseException | None = None
+        self._unnamed_reported: dict[int, set[int]] = {}  # pid -> handles asked about
+        self._next_unnamed = 0.0
 
     def _sink(self, item: Any) -> None:
         if self.writer is not None:
@@ -46,6 +51,26 @@ class TraceRun:
 
     def poll(self) -> None:
         self.session.poll()
+        now = time.monotonic()
+        if now >= self._next_unnamed:
+            self._next_unnamed = now + UNNAMED_CHECK_S
+            self.ask_unnamed()
+
+    def ask_unnamed(self) -> None:
+        """Hand kernel handles launched with no name (new since the last time) to the
+        pre-attach naming, which reads the process's handle variables again: a kernel
+        first launched after attach, once the naming window had closed, is named so.
+        Each handle is asked about once."""
+        gpu = self.session.gpu
+        prenames = gpu.prenames if gpu is not None else None
+        if prenames is None:
+            return
+        for pid, proc in list(self.pipeline.gpu.processes.items()):
+            asked = self._unnamed_reported.setdefault(pid, set())
+            new = proc.unnamed_handles() - asked
+            if new:
+                asked |= new
+                prenames.unnamed(pid, new)
 
     def close(self) -> dict[str, int]:
         """Drain, flush every finished span, close files; returns the loss report."""

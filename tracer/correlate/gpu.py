@@ -242,6 +242,13 @@ class ProcessGpu:
         self.names[ev.handle] = name
         self.name_sources[ev.handle] = ev.source
 
+    def unnamed_handles(self) -> set[int]:
+        """Handles this process launched that have no name."""
+        out: set[int] = set()
+        for t in self.threads.values():
+            out.update(h for h in t.kernels if h not in self.names)
+        return out
+
     def names_summary(self, kernels: Counter[int]) -> dict[str, Any]:
         """Launched handles and their launches by where their names came from: ``live``
         (the driver's name probes), the routes for handles resolved before attach

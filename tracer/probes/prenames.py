@@ -37,7 +37,7 @@ import time
 from bisect import bisect_right
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
@@ -177,6 +177,8 @@ class _Process:
     paths: list[tuple[int, ...]] | None = None  # learnt driver-object paths
     learnt_from: int = 0  # references the paths were learnt with
     path_stats: dict[str, Any] = field(default_factory=dict)
+    # libraries with handle variables, to read again when unnamed handles turn up
+    slot_libs: list[tuple[LibraryEvidence, list[procfs.Mapping]]] = field(default_factory=list)
 
 
 def device_arch() -> int | None:
@@ -288,10 +290,31 @@ class PreNames:
                 continue
             p.kernel_names |= ev.kernel_names
             if ev.registration is not None and ev.registration.slots:
+                p.slot_libs.append((ev, maps))
                 t0 = time.perf_counter()
                 out += self._read_slots(p, ev, maps)
                 self.read_s += time.perf_counter() - t0
         return out
+
+    def rescan(self, pid: int, unnamed: Iterable[int]) -> list[KernelName]:
+        """``unnamed``: handles ``pid`` launched that have no name. A kernel first
+        launched after attach once naming had closed filled its handle variable then:
+        the variables are read again and the handles they now hold named (each only
+        once); the rest go to the driver-object route."""
+        p = self._proc(pid)
+        todo = {h for h in unnamed if h and h not in p.named}
+        if not todo:
+            return []
+        self.counts["stub_slot: rereads"] += 1
+        out: list[KernelName] = []
+        t0 = time.perf_counter()
+        for ev, maps in p.slot_libs:
+            out += self._read_slots(p, ev, maps)
+        self.read_s += time.perf_counter() - t0
+        self.counts["stub_slot: named by a reread"] += sum(n.handle in todo for n in out)
+        for h in todo - p.named:
+            self.on_launched(pid, h)
+        return out + (self.resolve() if self.object_naming else [])
 
     def _add_triton(self, p: _Process) -> None:
         t0 = time.perf_counter()
@@ -340,6 +363,8 @@ class PreNames:
         out = []
         ts = time.monotonic_ns()
         for handle, got in by_handle.items():
+            if handle in p.named:
+                continue  # named already (at attach, or live): once is enough
             if len(got) != 1:
                 self._count("stub_slot: one handle, several names", ", ".join(sorted(got)))
                 continue
@@ -681,6 +706,10 @@ class BackgroundPreNames:
         """A name the driver's probes saw."""
         self._put("live", pid, handle, name)
 
+    def unnamed(self, pid: int, handles: Iterable[int]) -> None:
+        """Handles ``pid`` launched that still have no name (``PreNames.rescan``)."""
+        self._put("unnamed", pid, tuple(handles))
+
     def forget(self, pid: int) -> None:
         """``pid`` exited."""
         self._put("forget", pid)
@@ -730,6 +759,8 @@ class BackgroundPreNames:
             n.on_launched(item[1], item[2])
             # several launches arrive together: name them in one pass
             return n.resolve() if self._work.empty() else []
+        if op == "unnamed":
+            return n.rescan(item[1], item[2])
         if op == "named":
             n.on_named(item[1], item[2], item[3])
         elif op == "live":
