@@ -180,7 +180,8 @@ def run_hf_case(continuous: bool, concurrency: int, requests: int, device: str, 
     return {"server": name, "concurrency": concurrency, "device": device,
             **score(lines, got.spans, got.report),
             **ttft_errors(lines, got.spans, json.loads(client_out.read_text())),
-            "kernel_names": kernel_names(got.gpu, lines)}
+            "kernel_names": {**kernel_names(got.gpu, lines),
+                             "naming": (got.naming or {}).get("before_attach")}}
 
 
 def kernel_names(gpu: dict[str, Any], lines: list[str]) -> dict[str, Any]:

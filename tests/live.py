@@ -31,6 +31,7 @@ class Collected:
         self.report: dict[str, int] = {}
         self.gpu: dict[str, Any] = {}  # the GPU ledger's --summary part, after the stop
         self.reconciliation: dict[str, Any] = {}
+        self.naming: dict[str, Any] | None = None  # stub naming and before-attach state
         self._jsonl = io.StringIO()
 
     def on_record(self, rec: Any) -> None:
@@ -63,6 +64,8 @@ def traced(pids: list[int] | None = None, ports: list[int] | None = None,
         yield c
     finally:
         time.sleep(settle)  # the last writes and closes reach the ring buffer
+        gpu = run.session.gpu
+        c.naming = gpu.stubs.state() if gpu is not None else None
         c.report = run.stop()
         c.gpu = run.pipeline.gpu.summary()
         c.reconciliation = run.pipeline.reconciliation()
