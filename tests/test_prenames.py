@@ -30,8 +30,9 @@ for k in ("k13_a", "k13_b", "k13_d", "k13_ghost"):  # launched (warmed up); k13_
 rt.tt_driver_kernel.restype = rt.tt_handle_named.restype = ctypes.c_void_p
 rt.tt_driver_kernel(b"_Z11blas_kernelv")  # a driver-API kernel (cuBLAS-like)
 rt.tt_driver_kernel(b"triton_poi_fused_9")  # loaded from no cubin we can read
+rt.tt_driver_kernel(b"_Z15nvjet_sm90_tstv")  # cuBLASLt's: a cubin of .cask_resource
 names = ("_Z5k13_av", "_Z5k13_bv", "_Z5k13_dv", "_Z9k13_ghostv", "_Z11blas_kernelv",
-         "triton_poi_fused_9")
+         "triton_poi_fused_9", "_Z15nvjet_sm90_tstv")
 print(json.dumps({n: rt.tt_handle_named(n.encode()) for n in names}), flush=True)
 sys.stdin.read()
 """
@@ -57,9 +58,11 @@ def test_fatbin_names_from_uncompressed_lz4_and_zstd_cubins(k13):
     got = read_fatbin(str(k13["libttk13"]), arch=90)
     # kernels only (the device function _Z6helperv is none); sm_80's cubin stands for
     # its container, which has no sm_90 one
+    # .cask_resource (cuBLASLt's kernel store) is read like .nv_fatbin
     assert got.names == {"_Z5k13_av", "_Z5k13_bv", "_Z5k13_cv", "_Z5k13_dv",
-                         "_Z11blas_kernelv", "_Z9zstd_kernv", "_Z9sm80_onlyv"}
-    assert got.compression == {"none": 2, "lz4": 1, "zstd": 1} and not got.errors
+                         "_Z11blas_kernelv", "_Z9zstd_kernv", "_Z9sm80_onlyv",
+                         "_Z15nvjet_sm90_tstv"}
+    assert got.compression == {"none": 2, "lz4": 1, "zstd": 2} and not got.errors
     with pytest.raises(FatbinError, match="bad match offset"):
         lz4_block(bytes([0x10, 0x41, 0x05, 0x00]), 8)  # a match reaching before the start
 
@@ -81,7 +84,7 @@ def test_handles_named_from_their_stub_slots_and_driver_objects(child):
         handles[k]: (k, C["NAME_STUB_SLOT"]) for k in ("_Z5k13_av", "_Z5k13_bv", "_Z5k13_dv")}
     assert pre.counts["stub_slot: name not in the library's cubins"] == 1
 
-    for k in ("_Z11blas_kernelv", "triton_poi_fused_9", "_Z9k13_ghostv"):
+    for k in ("_Z11blas_kernelv", "triton_poi_fused_9", "_Z9k13_ghostv", "_Z15nvjet_sm90_tstv"):
         pre.on_launched(pid, handles[k])
     got = {n.handle: (n.name, n.source) for n in pre.resolve()}
     # learnt from the three named handles: the name pointer at offset 24; the object
@@ -90,7 +93,8 @@ def test_handles_named_from_their_stub_slots_and_driver_objects(child):
     assert layout["paths"] == [{"path": [24, 0], "agree": 3}]
     assert any(r["path"] == [8, 24, 0] and r["wrong"] for r in layout["rejected"])
     # a kernel of the loaded cubins is named; strings the cubins do not confirm are not
-    assert got == {handles["_Z11blas_kernelv"]: ("_Z11blas_kernelv", C["NAME_DRIVER_OBJECT"])}
+    assert got == {handles[k]: (k, C["NAME_DRIVER_OBJECT"])
+                   for k in ("_Z11blas_kernelv", "_Z15nvjet_sm90_tstv")}
     assert pre.counts["driver_object: string not a kernel of the loaded cubins"] == 2
 
 

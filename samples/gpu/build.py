@@ -123,6 +123,8 @@ K13_CUBINS = [(90, "none", ["_Z5k13_av", "_Z5k13_bv"], ["_Z6helperv"]),
               (90, "lz4", ["_Z5k13_cv", "_Z5k13_dv", "_Z11blas_kernelv"], []),
               (90, "zstd", ["_Z9zstd_kernv"], []),
               (80, "none", ["_Z9sm80_onlyv"], [])]
+# its .cask_resource (cuBLASLt keeps its own kernels there, in the same containers)
+K13_CASK = [(90, "zstd", ["_Z15nvjet_sm90_tstv"], [])]
 
 
 def cubin(kernels: list[str], functions: list[str]) -> bytes:
@@ -192,12 +194,13 @@ def lz4_compress(data: bytes) -> bytes:
     return bytes(out)
 
 
-def k13_fatbin() -> bytes:
-    """The stand-in's .nv_fatbin: one container per cubin of K13_CUBINS."""
+def k13_fatbin(cubins: list[tuple[int, str, list[str], list[str]]] = K13_CUBINS) -> bytes:
+    """The stand-in's .nv_fatbin (or, given K13_CASK, .cask_resource): one container
+    per cubin."""
     import struct
 
     out = b""
-    for arch, how, kernels, functions in K13_CUBINS:
+    for arch, how, kernels, functions in cubins:
         raw = cubin(kernels, functions)
         flags, payload = 0x11, raw
         if how == "lz4":
@@ -230,6 +233,7 @@ def build_k13(out_dir: str | os.PathLike[str]) -> dict[str, Path]:
         return paths
     inc = out / "k13_fatbin.inc"
     inc.write_text(",".join(str(b) for b in k13_fatbin()) + "\n")
+    (out / "k13_cask.inc").write_text(",".join(str(b) for b in k13_fatbin(K13_CASK)) + "\n")
     run = _runner(cc)
     run("-O2", "-fPIC", "-shared", "-Wl,-soname,libttk13rt.so", "-o", str(paths["libttk13rt"]),
         str(K13_SOURCES[0]))

@@ -4,7 +4,7 @@
  * __cudaGetKernel(&__handle, stub), and a constructor registers every stub with its
  * device name. Its .nv_fatbin (k13_fatbin.inc, made by samples/gpu/build.py) holds
  * cubins naming the kernels, except _Z9k13_ghostv: a registered name the cubins do not
- * confirm, which must never be given.
+ * confirm, which must never be given. Its .cask_resource holds a cubin like cuBLASLt's.
  */
 #include "standin/k13.h"
 
@@ -28,6 +28,13 @@ STUB(k13_ghost)
 __attribute__((section(".nv_fatbin"), used, aligned(8)))
 static const unsigned char fatbin[] = {
 #include "k13_fatbin.inc"
+};
+
+/* cuBLASLt keeps its own kernels (nvjet_*, cutlass_*) in a section of the same
+ * containers, looked up by the driver API: one such cubin */
+__attribute__((section(".cask_resource"), used, aligned(8)))
+static const unsigned char cask[] = {
+#include "k13_cask.inc"
 };
 
 __attribute__((constructor)) static void register_kernels(void)

@@ -1,5 +1,6 @@
-"""The kernel names in an ELF file's ``.nv_fatbin`` section: every ``__global__`` function
-of the cubins nvcc embedded there, read from their own symbol tables.
+"""The kernel names in an ELF file's ``.nv_fatbin`` section (and cuBLASLt's
+``.cask_resource``, made of the same containers): every ``__global__`` function of the
+cubins embedded there, read from their own symbol tables.
 
 A fat binary is a run of containers (a 16-byte header: magic 0xBA55ED50, version 1,
 header size, size of what follows), each a run of entries: a header (kind 2 = cubin,
@@ -221,25 +222,39 @@ def _payload(buf: mmap.mmap | bytes, at: int, hdr: tuple[int, ...]) -> tuple[str
         raw.release()
 
 
+# Sections made of fat binary containers: nvcc's, and cuBLASLt's own kernel store
+# (libcublasLt.so.13: 383 containers of zstd cubins, its nvjet_* and cutlass_* kernels,
+# which its .nv_fatbin does not hold)
+FATBIN_SECTIONS = (".nv_fatbin", ".cask_resource")
+
+
 def read_fatbin(path: str, arch: int | None = None, every_cubin: bool = False) -> FatbinNames:
-    """The kernel names of ``path``'s ``.nv_fatbin`` (empty if it has none): of the
-    cubins for ``arch`` (a container with none: its first), or of all of them."""
+    """The kernel names of the cubins in ``path``'s fat binary sections (empty if it
+    has none): of the cubins for ``arch`` (a container with none: its first), or of
+    all of them."""
     t0 = time.perf_counter()
     out = FatbinNames(path)
     with open(path, "rb") as f:
         try:
-            sec = ELFFile(f).get_section_by_name(".nv_fatbin")
+            elf = ELFFile(f)
+            sections = [elf.get_section_by_name(n) for n in FATBIN_SECTIONS]
         except (ELFError, struct.error) as e:
             out.errors[f"not an ELF file: {e}"] = 1
             return out
-        if sec is None or sec["sh_type"] == "SHT_NOBITS" or not sec["sh_size"]:
-            return out
-        start, end = sec["sh_offset"], sec["sh_offset"] + sec["sh_size"]
-        if end > os.fstat(f.fileno()).st_size:
-            out.errors["section past the end of the file"] = 1
-            return out
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            _read_section(mm, start, end, out, arch, every_cubin)
+        size = os.fstat(f.fileno()).st_size
+        ranges = []
+        for sec in sections:
+            if sec is None or sec["sh_type"] == "SHT_NOBITS" or not sec["sh_size"]:
+                continue
+            start, end = sec["sh_offset"], sec["sh_offset"] + sec["sh_size"]
+            if end > size:
+                out.errors["section past the end of the file"] = 1
+                continue
+            ranges.append((start, end))
+        if ranges:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                for start, end in ranges:
+                    _read_section(mm, start, end, out, arch, every_cubin)
     out.seconds = time.perf_counter() - t0
     return out
 
