@@ -40,7 +40,7 @@ def test_live_names_win_whichever_comes_first():
     assert proc["kernel_names"] == {"live": {"handles": 3, "launches": 11},
                                     "host_stub": {"handles": 1, "launches": 3},
                                     "registered_stub": none, "stub_slot": none,
-                                    "driver_object": none,
+                                    "driver_object": none, "driver_string": none,
                                     "unknown": {"handles": 1, "launches": 1},
                                     "host_stubs_seen": 1, "name_records": 6}
     assert {k["name"]: k["launches"] for k in proc["top_kernels"]} == {

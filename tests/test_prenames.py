@@ -31,8 +31,12 @@ rt.tt_driver_kernel.restype = rt.tt_handle_named.restype = ctypes.c_void_p
 rt.tt_driver_kernel(b"_Z11blas_kernelv")  # a driver-API kernel (cuBLAS-like)
 rt.tt_driver_kernel(b"triton_poi_fused_9")  # loaded from no cubin we can read
 rt.tt_driver_kernel(b"_Z15nvjet_sm90_tstv")  # cuBLASLt's: a cubin of .cask_resource
+rt.tt_driver_kernel(b"_Z20cutlass_rodata_kernv")  # in no cubin; in the library's table
+rt.tt_driver_kernel(b"ttjet_sm90_hsh_64x48_h")  # in no cubin; made from a library format
+rt.tt_driver_kernel(b"ttjet_sm90_hsh_64x48_h_x")  # what that format cannot make
 names = ("_Z5k13_av", "_Z5k13_bv", "_Z5k13_dv", "_Z9k13_ghostv", "_Z11blas_kernelv",
-         "triton_poi_fused_9", "_Z15nvjet_sm90_tstv")
+         "triton_poi_fused_9", "_Z15nvjet_sm90_tstv", "_Z20cutlass_rodata_kernv",
+         "ttjet_sm90_hsh_64x48_h", "ttjet_sm90_hsh_64x48_h_x")
 print(json.dumps({n: rt.tt_handle_named(n.encode()) for n in names}), flush=True)
 sys.stdin.read()
 """
@@ -84,7 +88,9 @@ def test_handles_named_from_their_stub_slots_and_driver_objects(child):
         handles[k]: (k, C["NAME_STUB_SLOT"]) for k in ("_Z5k13_av", "_Z5k13_bv", "_Z5k13_dv")}
     assert pre.counts["stub_slot: name not in the library's cubins"] == 1
 
-    for k in ("_Z11blas_kernelv", "triton_poi_fused_9", "_Z9k13_ghostv", "_Z15nvjet_sm90_tstv"):
+    driver = ("_Z11blas_kernelv", "triton_poi_fused_9", "_Z9k13_ghostv", "_Z15nvjet_sm90_tstv",
+              "_Z20cutlass_rodata_kernv", "ttjet_sm90_hsh_64x48_h", "ttjet_sm90_hsh_64x48_h_x")
+    for k in driver:
         pre.on_launched(pid, handles[k])
     got = {n.handle: (n.name, n.source) for n in pre.resolve()}
     # learnt from the three named handles: the name pointer at offset 24; the object
@@ -92,10 +98,15 @@ def test_handles_named_from_their_stub_slots_and_driver_objects(child):
     layout = pre.state()["layouts"][str(pid)]
     assert layout["paths"] == [{"path": [24, 0], "agree": 3}]
     assert any(r["path"] == [8, 24, 0] and r["wrong"] for r in layout["rejected"])
-    # a kernel of the loaded cubins is named; strings the cubins do not confirm are not
-    assert got == {handles[k]: (k, C["NAME_DRIVER_OBJECT"])
-                   for k in ("_Z11blas_kernelv", "_Z15nvjet_sm90_tstv")}
-    assert pre.counts["driver_object: string not a kernel of the loaded cubins"] == 2
+    # a kernel of the loaded cubins is named (driver_object); one in no cubin only if a
+    # library's read-only data holds it whole or a format of it makes it (driver_string:
+    # the registered-only ghost's name is such a string); nothing else
+    assert got == {**{handles[k]: (k, C["NAME_DRIVER_OBJECT"])
+                      for k in ("_Z11blas_kernelv", "_Z15nvjet_sm90_tstv")},
+                   **{handles[k]: (k, C["NAME_DRIVER_STRING"])
+                      for k in ("_Z20cutlass_rodata_kernv", "ttjet_sm90_hsh_64x48_h",
+                                "_Z9k13_ghostv")}}
+    assert pre.counts["driver_object: string in no cubin or library string"] == 2
 
 
 def test_no_layout_is_used_without_enough_agreeing_handles(child):

@@ -30,6 +30,11 @@ static const unsigned char fatbin[] = {
 #include "k13_fatbin.inc"
 };
 
+/* cuBLASLt names some kernels only in its read-only data: mangled names in a table,
+ * and printf formats it builds names from at run time (nvjet_sm90_%s_%dx%d_...) */
+__attribute__((used)) const char *const tt_kernel_table[] = {
+    "_Z20cutlass_rodata_kernv", "ttjet_sm90_%s_%dx%d_%c", "%s"};
+
 /* cuBLASLt keeps its own kernels (nvjet_*, cutlass_*) in a section of the same
  * containers, looked up by the driver API: one such cubin */
 __attribute__((section(".cask_resource"), used, aligned(8)))

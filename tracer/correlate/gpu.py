@@ -19,7 +19,8 @@ from tracer.events.gpu import (COPY_KINDS, LIVE_NAME_SOURCES, NAME_SOURCES, GpuS
 
 HOST_STUB = wire.CONSTANTS["NAME_HOST_STUB"]
 # kernel_names rows: live names, then each route for handles resolved before attach
-NAME_ROWS = ("live", "host_stub", "registered_stub", "stub_slot", "driver_object", "unknown")
+NAME_ROWS = ("live", "host_stub", "registered_stub", "stub_slot", "driver_object",
+             "driver_string", "unknown")
 
 
 def name_row(source: int | None) -> str:
@@ -252,7 +253,8 @@ class ProcessGpu:
     def names_summary(self, kernels: Counter[int]) -> dict[str, Any]:
         """Launched handles and their launches by where their names came from: ``live``
         (the driver's name probes), the routes for handles resolved before attach
-        (``host_stub``, ``registered_stub``, ``stub_slot``, ``driver_object``), or
+        (``host_stub``, ``registered_stub``, ``stub_slot``, ``driver_object``,
+        ``driver_string``), or
         ``unknown``."""
         out = {k: {"handles": 0, "launches": 0} for k in NAME_ROWS}
         for h, n in kernels.items():

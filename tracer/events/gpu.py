@@ -69,7 +69,8 @@ NAME_SOURCES = {C["NAME_MODULE_GET_FUNCTION"]: "module_get_function",
                 C["NAME_HOST_STUB"]: "host_stub",
                 C["NAME_REGISTERED_STUB"]: "registered_stub",
                 C["NAME_STUB_SLOT"]: "stub_slot",
-                C["NAME_DRIVER_OBJECT"]: "driver_object"}
+                C["NAME_DRIVER_OBJECT"]: "driver_object",
+                C["NAME_DRIVER_STRING"]: "driver_string"}
 LIVE_NAME_SOURCES = frozenset({C["NAME_MODULE_GET_FUNCTION"], C["NAME_LIBRARY_GET_KERNEL"],
                                C["NAME_KERNEL_GET_FUNCTION"]})
 

@@ -108,6 +108,8 @@ CONSTANTS: dict[str, int] = {
     "NAME_REGISTERED_STUB": 5,  # a KSTUB's host stub -> its __cudaRegisterFunction name
     "NAME_STUB_SLOT": 6,  # CUDA 13: the handle a host stub keeps in its static, read from memory
     "NAME_DRIVER_OBJECT": 7,  # a name the driver's object behind the handle points to
+    # the same, in no cubin but confirmed by a library's .rodata (tracer/probes/libstrings.py)
+    "NAME_DRIVER_STRING": 8,
     "NAME_LEN": 128,
     # GPU: MEM.op
     "MEM_ALLOC": 1,

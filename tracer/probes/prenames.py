@@ -43,9 +43,10 @@ from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 
 from tracer.events import wire
-from tracer.events.gpu import KernelName
+from tracer.events.gpu import NAME_SOURCES, KernelName
 from tracer.probes import procfs
 from tracer.probes.fatbin import FatbinNames, read_fatbin
+from tracer.probes.libstrings import LibraryStrings
 from tracer.probes.regcode import (GET_KERNEL, REGISTER, Registration, RegcodeError,
                                    read_registration)
 
@@ -177,6 +178,7 @@ class _Process:
     paths: list[tuple[int, ...]] | None = None  # learnt driver-object paths
     learnt_from: int = 0  # references the paths were learnt with
     path_stats: dict[str, Any] = field(default_factory=dict)
+    libraries: list[str] = field(default_factory=list)  # its CUDA libraries (opened paths)
     # libraries with handle variables, to read again when unnamed handles turn up
     slot_libs: list[tuple[LibraryEvidence, list[procfs.Mapping]]] = field(default_factory=list)
 
@@ -214,6 +216,7 @@ class PreNames:
         # that they never push a library's evidence out of the cache
         self._plain: set[tuple[int, int, int, int]] = set()
         self._procs: dict[int, _Process] = {}
+        self._libstrings: OrderedDict[str, LibraryStrings] = OrderedDict()
         self.counts: Counter[str] = Counter()  # named by route, and why not
         self.examples: dict[str, str] = {}
         self.analyse_s = 0.0  # files
@@ -249,6 +252,14 @@ class PreNames:
         while len(self._files) > self.max_files:
             self._files.popitem(last=False)
         return ev
+
+    def _strings(self, path: str) -> LibraryStrings:
+        ls = self._libstrings.get(path)
+        if ls is None:
+            ls = self._libstrings[path] = LibraryStrings(path)
+            while len(self._libstrings) > self.max_files:
+                self._libstrings.popitem(last=False)
+        return ls
 
     def libraries(self) -> list[dict[str, Any]]:
         """The analysed CUDA libraries, what each holds and what it cost."""
@@ -289,6 +300,7 @@ class PreNames:
             if ev is None:
                 continue
             p.kernel_names |= ev.kernel_names
+            p.libraries.append(opened)
             if ev.registration is not None and ev.registration.slots:
                 p.slot_libs.append((ev, maps))
                 t0 = time.perf_counter()
@@ -461,17 +473,23 @@ class PreNames:
             if found and not good and time.monotonic() - p.triton_read > TRITON_REREAD_S:
                 self._add_triton(p)  # a Triton kernel compiled since attach: cached now
                 good = {s for s in found if s in p.kernel_names}
+            source = C["NAME_DRIVER_OBJECT"]
+            if found and not good:
+                # in no cubin (cuBLASLt builds some kernels' names at run time): a
+                # string of one of the process's CUDA libraries may still confirm it
+                good = {s for s in found if any(self._strings(lib).holds(s)
+                                                for lib in p.libraries)}
+                source = C["NAME_DRIVER_STRING"]
             if len(good) == 1:
                 name = good.pop()
                 p.named.add(handle)
-                self.counts["driver_object"] += 1
-                out.append(KernelName(pid=p.pid, tid=p.pid, ts=ts,
-                                      source=C["NAME_DRIVER_OBJECT"], handle=handle,
-                                      alias_of=0, name=name))
+                self.counts[NAME_SOURCES[source]] += 1
+                out.append(KernelName(pid=p.pid, tid=p.pid, ts=ts, source=source,
+                                      handle=handle, alias_of=0, name=name))
             elif len(good) > 1:
                 self._count("driver_object: paths disagree", ", ".join(sorted(good)))
             elif found:
-                self._count("driver_object: string not a kernel of the loaded cubins",
+                self._count("driver_object: string in no cubin or library string",
                             sorted(found)[0])
             else:
                 self.counts["driver_object: nothing found"] += 1
