@@ -1,7 +1,7 @@
 """Kernel names on a real GPU for kernels resolved before the tracer attached (run there
 as root, with BCC; see bench/gpu_validate.py): how many launches get a name and from
 where (live: the driver's name probes; host_stub / registered_stub: the runtime's host
-stub; stub_slot: the handle a CUDA 13 host stub keeps, read from memory; driver_object:
+stub; stub_slot: the handle a CUDA 13 host stub keeps, read from memory; driver_object (driver_string when a library string, not a cubin, confirms it):
 the driver's object behind the handle), whether those names are right, and what naming
 cost at attach.
 
@@ -49,7 +49,7 @@ from tracer.correlate.gpu import NAME_ROWS, GpuLedger, ProcessGpu, name_row  # n
 from tracer.events import capture  # noqa: E402
 
 TOP = 20
-PRE_ATTACH = ("host_stub", "registered_stub", "stub_slot", "driver_object")
+PRE_ATTACH = ("host_stub", "registered_stub", "stub_slot", "driver_object", "driver_string")
 CUDA_LIB = ("libtorch_cuda", "libcublas", "libcudnn", "libnccl", "libcusparse", "libcufft",
             "libcurand", "libcusolver", "libc10_cuda", "flash_attn", "libcudart")
 
