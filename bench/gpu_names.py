@@ -1,9 +1,9 @@
 """Kernel names on a real GPU for kernels resolved before the tracer attached (run there
 as root, with BCC; see bench/gpu_validate.py): how many launches get a name and from
 where (live: the driver's name probes; host_stub / registered_stub: the runtime's host
-stub; stub_slot: the handle a CUDA 13 host stub keeps, read from memory; driver_object (driver_string when a library string, not a cubin, confirms it):
-the driver's object behind the handle), whether those names are right, and what naming
-cost at attach.
+stub; stub_slot: the handle a CUDA 13 host stub keeps, read from memory; driver_object:
+the driver's object behind the handle, confirmed by a cubin, or driver_string: by a
+library's string), whether those names are right, and what naming cost at attach.
 
     python3 bench/gpu_names.py OUT_DIR [--hf] [--stub-names-quiet S] [--stub-names-max S]
 
