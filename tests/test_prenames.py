@@ -62,11 +62,14 @@ def test_fatbin_names_from_uncompressed_lz4_and_zstd_cubins(k13):
     got = read_fatbin(str(k13["libttk13"]), arch=90)
     # kernels only (the device function _Z6helperv is none); sm_80's cubin stands for
     # its container, which has no sm_90 one
-    # .cask_resource (cuBLASLt's kernel store) is read like .nv_fatbin
+    # .cask_resource (cuBLASLt's kernel store) is read like .nv_fatbin, but only the
+    # GPU's own cubins (its containers hold one architecture's kernels each)
     assert got.names == {"_Z5k13_av", "_Z5k13_bv", "_Z5k13_cv", "_Z5k13_dv",
                          "_Z11blas_kernelv", "_Z9zstd_kernv", "_Z9sm80_onlyv",
                          "_Z15nvjet_sm90_tstv"}
     assert got.compression == {"none": 2, "lz4": 1, "zstd": 2} and not got.errors
+    assert "_Z16nvjet_sm100_tstv" in read_fatbin(str(k13["libttk13"]), arch=100).names
+    assert "_Z16nvjet_sm100_tstv" in read_fatbin(str(k13["libttk13"]), arch=None).names
     with pytest.raises(FatbinError, match="bad match offset"):
         lz4_block(bytes([0x10, 0x41, 0x05, 0x00]), 8)  # a match reaching before the start
 

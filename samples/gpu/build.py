@@ -124,7 +124,8 @@ K13_CUBINS = [(90, "none", ["_Z5k13_av", "_Z5k13_bv"], ["_Z6helperv"]),
               (90, "zstd", ["_Z9zstd_kernv"], []),
               (80, "none", ["_Z9sm80_onlyv"], [])]
 # its .cask_resource (cuBLASLt keeps its own kernels there, in the same containers)
-K13_CASK = [(90, "zstd", ["_Z15nvjet_sm90_tstv"], [])]
+K13_CASK = [(90, "zstd", ["_Z15nvjet_sm90_tstv"], []),
+            (100, "zstd", ["_Z16nvjet_sm100_tstv"], [])]  # another GPU's: skipped
 
 
 def cubin(kernels: list[str], functions: list[str]) -> bytes:

@@ -243,24 +243,28 @@ def read_fatbin(path: str, arch: int | None = None, every_cubin: bool = False) -
             return out
         size = os.fstat(f.fileno()).st_size
         ranges = []
-        for sec in sections:
+        for name, sec in zip(FATBIN_SECTIONS, sections):
             if sec is None or sec["sh_type"] == "SHT_NOBITS" or not sec["sh_size"]:
                 continue
             start, end = sec["sh_offset"], sec["sh_offset"] + sec["sh_size"]
             if end > size:
                 out.errors["section past the end of the file"] = 1
                 continue
-            ranges.append((start, end))
+            ranges.append((start, end, name == ".nv_fatbin"))
         if ranges:
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                for start, end in ranges:
-                    _read_section(mm, start, end, out, arch, every_cubin)
+                for start, end, first_for_all in ranges:
+                    _read_section(mm, start, end, out, arch, every_cubin, first_for_all)
     out.seconds = time.perf_counter() - t0
     return out
 
 
 def _read_section(mm: mmap.mmap, start: int, end: int, out: FatbinNames, arch: int | None,
-                  every_cubin: bool) -> None:
+                  every_cubin: bool, first_for_all: bool = True) -> None:
+    """``first_for_all``: a container with no cubin for ``arch`` is read from its first
+    (nvcc's: one translation unit's kernels in every architecture); else it is skipped
+    (cuBLASLt's .cask_resource: each container one architecture's own kernels, 1.5 GB
+    of sm_100/sm_120 cubins that an H100 never runs)."""
     off = start
     while off + _CONTAINER.size <= end:
         magic, _version, hsize, size = _CONTAINER.unpack_from(mm, off)
@@ -283,7 +287,8 @@ def _read_section(mm: mmap.mmap, start: int, end: int, out: FatbinNames, arch: i
         if not every_cubin and cubins:
             # a container may hold several cubins of one architecture (cuBLASLt's do):
             # all of the GPU's are read; where it has none, the first stands for all
-            cubins = [c for c in cubins if c[1][8] == arch] or cubins[:1]
+            cubins = [c for c in cubins if c[1][8] == arch] or (
+                cubins[:1] if first_for_all or arch is None else [])
         for at, hdr in cubins:
             try:
                 how, elf = _payload(mm, at, hdr)
