@@ -80,6 +80,13 @@ def test_max_connections_bounds_what_is_followed_and_counts_the_evicted(openai_c
     assert summaries[1].get("requests", 0) <= summaries[100_000]["requests"]
 
 
+def test_exit_report_says_how_many_launches_got_a_kernel_name():
+    from tests.conftest import CAPTURES
+    r = cli("replay", str(CAPTURES / "wire3" / "gpu-standin.ttcap"), "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert "kernel names for 100.0% of 1,600 launches (live 100.0%)" in r.stderr
+
+
 def test_replay_of_a_cut_capture_warns_and_keeps_what_it_has(openai_capture, tmp_path):
     raw = gzip.decompress(openai_capture.read_bytes())
     f = tmp_path / "cut.ttcap"

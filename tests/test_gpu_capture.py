@@ -84,3 +84,5 @@ def test_console_gpu_rows_show_the_totals_and_rates_of_the_replayed_capture():
     total = sum(t.kernel_launches for t in first.threads.values())
     assert rows[0][3] == _n(seen_first) and rows[1][3] == _n(total)
     assert rows[0][2] == "-" and rows[1][2] == _n((total - seen_first) / 10.0)
+    # the last column: the share of launches named (every kernel of the H200 run was)
+    assert lines[0].split()[-1] == "NAMED" and rows[1][-1] == "100%"

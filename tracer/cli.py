@@ -288,12 +288,30 @@ def _report(pipeline: Pipeline, console: Any) -> None:
                 "http_protocol_errors", "undecodable_records",
                 "in_flight_at_exit", "identity.k8s_errors")
                 or k.startswith("parser_errors") or k.endswith("_evicted")
-                or k.endswith("_over_budget"))}
-    for line in reconciliation_lines(pipeline.reconciliation()):
+                or k.endswith("_budget"))}
+    for line in reconciliation_lines(pipeline.reconciliation()) + kernel_name_lines(pipeline.gpu):
         _say(line)
     _say(f"{pipeline.records} requests exported; "
          + ("loss and truncation: " + ", ".join(f"{k}={v}" for k, v in lost.items())
             if lost else "no events lost"))
+
+
+def kernel_name_lines(gpu: Any) -> list[str]:
+    """The exit report's kernel-name lines: per GPU process, the share of its launches
+    whose kernel got a name, by where the names came from."""
+    from tracer.correlate.gpu import NAME_ROWS
+    out = []
+    for p, t in gpu.totals():
+        names = p.names_summary(t.kernels)
+        total = sum(names[r]["launches"] for r in NAME_ROWS)
+        if not total:
+            continue
+        named = total - names["unknown"]["launches"]
+        parts = ", ".join(f"{r} {names[r]['launches'] / total:.1%}" for r in NAME_ROWS
+                          if names[r]["launches"])
+        out.append(f"GPU pid {p.pid}: kernel names for {named / total:.1%} of "
+                   f"{total:,} launches ({parts})")
+    return out
 
 
 def reconciliation_lines(recon: dict[str, Any]) -> list[str]:

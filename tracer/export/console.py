@@ -27,11 +27,20 @@ def _ms(ns: float | None) -> str:
 GPU_COLUMNS = (
     ("GPU", 12), ("PID", 7), ("LAUNCH/s", 9), ("LAUNCHES", 9), ("GRAPHS", 7),
     ("COPY", 8), ("SYNCS", 7), ("WAIT", 9), ("NCCL", 13), ("IBVERBS", 15), ("DEVMEM", 8),
+    ("NAMED", 6),  # share of launches whose kernel has a name
 )
 
 
 def _short(v: float) -> str:
     return f"{v:.3g}" if v < 999.5 else f"{v:.0f}"
+
+
+def _named_share(names: dict[int, str], kernels: dict[int, int]) -> str:
+    """The share of launches whose kernel has a name, as "97%" ("-" with none)."""
+    total = sum(kernels.values())
+    if not total:
+        return "-"
+    return f"{100 * sum(n for h, n in kernels.items() if h in names) / total:.0f}%"
 
 
 def _n(x: float) -> str:
@@ -133,7 +142,8 @@ class ConsoleTable:
             cells = [stamp, str(p.pid), _n(rate) if rate is not None else "-",
                      _n(t.kernel_launches), _n(t.graph_launches),
                      _bytes(sum(t.memcpy_bytes.values())), _n(t.sync_calls),
-                     _ms(t.sync_wait_ns), nccl, ibv, _bytes(p.live_bytes)]
+                     _ms(t.sync_wait_ns), nccl, ibv, _bytes(p.live_bytes),
+                     _named_share(p.names, t.kernels)]
             self.out.write(" ".join(_cut(c, w).ljust(w)
                                     for c, (_, w) in zip(cells, GPU_COLUMNS)).rstrip() + "\n")
         self.out.flush()
