@@ -194,8 +194,18 @@ TRACEPOINT_PROBE(tcp, tcp_probe)
         s->anchored = 1;
         s->tx_base = snd_una;
     }
-    if (!s->anchored || !s->tx_end_ts || !s->pid)
+    if (!s->pid || !s->tx_end_ts)
         return 0;
+    if (!s->anchored) {
+        /* Opened before attach: anchor at an ACK that finds nothing in flight after
+         * the owner's last write returned, when every written byte has been sent
+         * (Nagle and windows hold nothing with nothing in flight; a cork could) */
+        if (snd_nxt != snd_una || now <= s->tx_end_ts)
+            return 0;
+        s->tx_base = snd_nxt - (u32)s->tx_end;
+        s->anchored = 1;
+        return 0;
+    }
     u32 sent = snd_nxt - s->tx_base; /* stream offset sent so far, mod 2^32 */
     if (s->tx_held_ts && (s32)(sent - (u32)s->tx_held_end) >= 0) {
         /* Gone. Held bytes leave while an ACK is processed (Nagle, windows), right
@@ -259,9 +269,9 @@ static __always_inline void nw_io_exit(struct io_args *a, struct tt_data *d, lon
         s->fd = a->fd;
         s->rx_reported = 0;
         flags |= TT_NW_FLAG_FIRST;
-        if (s->anchored)
-            flags |= TT_NW_FLAG_ANCHORED;
     }
+    if (s->anchored)
+        flags |= TT_NW_FLAG_ANCHORED;
     if (a->direction == TT_DIR_OUT) {
         s->tx_end = d->stream_off + (u64)ret;
         s->tx_end_ts = d->ts_exit;

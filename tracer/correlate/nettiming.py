@@ -127,6 +127,7 @@ class NetTimer:
                                              first_read_ns=ev.ref_ts)
         c.last_ns = max(c.last_ns, ev.ts, ev.ref_ts)
         if ev.op == "arrival":
+            c.anchored = c.anchored or ev.anchored  # late: anchored after attach
             if c.arrival_refs and ev.ref_ts < c.arrival_refs[-1]:
                 self.stats["netwait_out_of_order"] += 1
                 return

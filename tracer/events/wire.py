@@ -94,7 +94,7 @@ CONSTANTS: dict[str, int] = {
     "NW_CAUSE_CORK": 4,  # nothing in flight: TCP_CORK, MSG_MORE or pacing
     # NETWAIT.flags
     "NW_FLAG_FIRST": 1,  # the owner's first record for this socket
-    "NW_FLAG_ANCHORED": 2,  # seen from its handshake: departures can be measured
+    "NW_FLAG_ANCHORED": 2,  # stream offsets tied to sequence numbers: departures measurable
     # GPU: KBURST.reason (why a thread's burst was flushed)
     "BURST_SYNC": 1,
     "BURST_QUERY": 2,
