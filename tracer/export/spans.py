@@ -241,9 +241,10 @@ def network_attributes(rec: RequestRecord) -> dict[str, Any]:
     return a
 
 
-def network_children(rec: RequestRecord) -> list[ChildSpan]:
-    """Child spans naming what the kernel held: ``socket_wait`` (arrival to the server's
-    read) and ``send_hold`` (the longest held write: returned to bytes left)."""
+def network_events(rec: RequestRecord) -> list[ChildSpan]:
+    """What the kernel held, as span events (not child spans: one span per request
+    stays one span): ``tokentrace.socket_wait`` at the arrival, ``tokentrace.send_hold``
+    at the return of the longest held write, each with its duration."""
     n = rec.net
     if n is None or n.timing != "socket":
         return []
@@ -253,11 +254,11 @@ def network_children(rec: RequestRecord) -> list[ChildSpan]:
         attrs: dict[str, Any] = {"tokentrace.network.socket_wait": wait * NS}
         if n.estab_ns is not None and n.accept_ns:
             attrs["tokentrace.network.accept_wait"] = max(0, n.accept_ns - n.estab_ns) * NS
-        out.append(ChildSpan("socket_wait", n.arrival_ns, rec.start_ns, attrs))
+        out.append(ChildSpan("tokentrace.socket_wait", n.arrival_ns, rec.start_ns, attrs))
     if n.send_hold_ns:
         held = [(left - ts, ts, left) for ts, left in n.departures.items() if left > ts]
         _, ts, left = max(held)
-        out.append(ChildSpan("send_hold", ts, left, {
+        out.append(ChildSpan("tokentrace.send_hold", ts, left, {
             "tokentrace.network.send_hold": (left - ts) * NS,
             "tokentrace.network.send_hold.cause": n.send_hold_cause}))
     return out
@@ -346,7 +347,9 @@ class SpanBuilder:
                 desc = desc or rec.rpc.grpc_message or f"gRPC {rec.rpc.grpc_status}"
             span.set_status(Status(StatusCode.ERROR, desc or f"HTTP {rec.status}"))
         child_ctx = otel_trace.set_span_in_context(span)
-        for i, child in enumerate(rec.children + network_children(rec)):
+        for ev in network_events(rec):
+            span.add_event(ev.name, timestamp=self.wall(ev.start_ns), attributes=ev.attributes)
+        for i, child in enumerate(rec.children):
             ids.prime(None, derived_id(64, *ident, "child", i))
             cs = tr.start_span(child.name, context=child_ctx, kind=SpanKind.INTERNAL,
                                start_time=self.wall(child.start_ns),

@@ -95,7 +95,7 @@ _LABELS = {
     "send_hold_cause": "tokentrace.network.send_hold.cause",
     "network_timing": "tokentrace.network.timing",
 }
-CHILD_NAMES = frozenset({"queue", "prefill", "decode", "socket_wait", "send_hold"})
+CHILD_NAMES = frozenset({"queue", "prefill", "decode"})
 
 
 class RowBuilder:
