@@ -411,11 +411,10 @@ def _drive(args: argparse.Namespace, open_: Callable[[], Any], poll: Callable[[]
         _sched_idle()
     _say_gpu(gpu())
     mode = net()
-    if mode is not None:
-        _say("requests timed at the socket (arrival, kernel holds: docs/netwait.md)"
-             if mode.mode == "socket" else f"requests timed by syscalls only: {mode.reason}")
+    timing = ("" if mode is None else "requests timed at the socket; " if mode.mode == "socket"
+              else f"requests timed by syscalls only ({mode.reason}); ")
     desc = ", ".join(str(p) for p in sorted(pids())) or "none yet"
-    _say(f"attached to {len(pids())} process(es) (pids: {desc}); "
+    _say(f"attached to {len(pids())} process(es) (pids: {desc}); {timing}"
          + (f"tracing for {args.duration:g}s" if args.duration else "Ctrl-C to stop"))
     stop.arm()
     while not stop:

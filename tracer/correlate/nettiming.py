@@ -146,6 +146,7 @@ class NetTimer:
                     break
             else:  # its HOLD was lost: the departure alone says as much
                 c.holds.append(Hold(ev.held_from, ev.stream_off, ev.ts, ev.cause, ev.ts))
+            self._recheck(ev.key)
 
     # ---- records ----------------------------------------------------------------------
 
@@ -157,6 +158,17 @@ class NetTimer:
             return
         heapq.heappush(self._pending, (rec.end_ns + self.wait_ns, next(self._seq), rec))
         self.advance(self.now)
+
+    def _recheck(self, key: tuple[int, int, int]) -> None:
+        """A hold ended: records of ``key`` waiting on one are due once past their
+        own wait."""
+        changed = False
+        for i, (due, seq, rec) in enumerate(self._pending):
+            if rec.key[:3] == key and due > rec.end_ns + self.wait_ns:
+                self._pending[i] = (rec.end_ns + self.wait_ns, seq, rec)
+                changed = True
+        if changed:
+            heapq.heapify(self._pending)
 
     def advance(self, now: int) -> None:
         """The capture's clock reached ``now``: time the records that are due."""
