@@ -15,6 +15,8 @@
 
 #define SHAPE_BUF 0 /* one buffer */
 #define SHAPE_IOV 1 /* iovec array (readv/writev, and msghdr resolved at entry) */
+/* a plain read's size, kept in io_args.iovcnt (unused for one buffer) */
+#define BUF_SIZE(n) ((n) > 0xffffffffUL ? 0xffffffffU : (u32)(n))
 
 struct conn_state {
     u64 conn_id;
@@ -31,7 +33,7 @@ struct io_args {
     u64 ts_enter;
     u64 conn_id;
     s32 fd;
-    u32 iovcnt;
+    u32 iovcnt;  /* iovec count; a plain read's buffer size (netwait: short read) */
     u16 syscall;
     u8 shape;
     u8 direction;
@@ -39,6 +41,13 @@ struct io_args {
 };
 /* pid_tgid -> the data syscall in flight on that thread */
 BPF_HASH(io_inflight, u64, struct io_args, 16384);
+
+#ifdef TT_NETWAIT
+/* bpf/netwait.c (appended after this file): when the kernel held the bytes */
+static __always_inline void nw_rcv_space(u64 id, struct io_args *a, u16 lport, u16 rport,
+                                         const u8 *laddr, const u8 *raddr);
+static __always_inline void nw_io_exit(struct io_args *a, struct tt_data *d, long ret);
+#endif
 
 struct accept_args {
     u64 addr;
@@ -211,6 +220,19 @@ TRACEPOINT_PROBE(tcp, tcp_rcv_space_adjust)
     struct io_args *a = io_inflight.lookup(&id);
     if (!a)
         return 0;
+#ifdef TT_NETWAIT
+    {
+        /* The verifier refuses loads through a ctx pointer moved to a field, which is
+         * what clang makes of a 16-byte copy (and then shares with the copies below):
+         * read through a copy of the pointer clang cannot see into. */
+        u8 nw_l[16], nw_r[16];
+        const u8 *p = (const u8 *)args;
+        asm volatile("" : "+r"(p));
+        bpf_probe_read_kernel(nw_l, 16, p + __builtin_offsetof(typeof(*args), saddr_v6));
+        bpf_probe_read_kernel(nw_r, 16, p + __builtin_offsetof(typeof(*args), daddr_v6));
+        nw_rcv_space(id, a, args->sport, args->dport, nw_l, nw_r);
+    }
+#endif
     u64 key = conn_key(id >> 32, a->fd);
     struct conn_state *st = conns.lookup(&key);
     if (!st || st->peer_known || st->conn_id != a->conn_id)
@@ -376,6 +398,10 @@ static __always_inline int io_exit(long ret)
         else
             d->stream_off = __sync_fetch_and_add(&st->bytes_out, ret);
     }
+#ifdef TT_NETWAIT
+    if (ret > 0)
+        nw_io_exit(a, d, ret);
+#endif
 
     if (ret <= 0) {
         emit_chunk(d, 0, 0, TT_FLAG_LAST | (ret == 0 ? TT_FLAG_EOF : TT_FLAG_ERROR));
@@ -426,7 +452,8 @@ static __always_inline int io_exit(long ret)
 
 TRACEPOINT_PROBE(syscalls, sys_enter_read)
 {
-    return io_enter(args->fd, (u64)args->buf, 0, TT_SYS_READ, SHAPE_BUF, TT_DIR_IN);
+    return io_enter(args->fd, (u64)args->buf, BUF_SIZE(args->count), TT_SYS_READ, SHAPE_BUF,
+                    TT_DIR_IN);
 }
 TRACEPOINT_PROBE(syscalls, sys_exit_read) { return io_exit(args->ret); }
 
@@ -450,7 +477,8 @@ TRACEPOINT_PROBE(syscalls, sys_exit_writev) { return io_exit(args->ret); }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_recvfrom)
 {
-    return io_enter(args->fd, (u64)args->ubuf, 0, TT_SYS_RECVFROM, SHAPE_BUF, TT_DIR_IN);
+    return io_enter(args->fd, (u64)args->ubuf, BUF_SIZE(args->size), TT_SYS_RECVFROM,
+                    SHAPE_BUF, TT_DIR_IN);
 }
 TRACEPOINT_PROBE(syscalls, sys_exit_recvfrom) { return io_exit(args->ret); }
 

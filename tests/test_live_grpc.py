@@ -279,7 +279,7 @@ def test_unary_and_streaming_calls_one_span_each_with_tokens_and_ttft(server, tm
     assert len(spans) == 200
     waits = request_waits(tmp_path / "cap.ttcap", server.pid,
                           {c["id"]: c["sent_ns"] for _, c in calls if "sent_ns" in c})
-    diffs, signed, sdk, rest = [], [], [], []
+    diffs, signed, sdk = [], [], []
     for n, c in calls:
         s = spans[c["id"]]
         a = s["attributes"]
@@ -301,7 +301,6 @@ def test_unary_and_streaming_calls_one_span_each_with_tokens_and_ttft(server, tm
         if c["id"].startswith("w"):
             signed.append(d)
             diffs.append(abs(d))
-            rest.append(abs(d + waits[c["id"]] / 1e9))
         else:
             sdk.append(abs(d))
     mean = sum(diffs) / len(diffs)
@@ -315,28 +314,30 @@ def test_unary_and_streaming_calls_one_span_each_with_tokens_and_ttft(server, tm
         print("stream" if kind else "unary", "signed ms:", sorted(
             round((spans[c["id"]]["attributes"]["tokentrace.time_to_first_token"] - c["ttft"]) * 1e3, 2)
             for _, c in calls if c["id"].startswith("w") and c["stream"] is kind))
-    # The tracer's TTFT runs from the exit of the server's read of the request message
-    # to the exit of its write of the first response message; the client's from before
-    # its send to the return of its recv. Same CLOCK_MONOTONIC (the read is always
-    # after the client's stamp), so the tracer's TTFT is never longer than the
-    # client's (but for a write preempted after it woke the client). It is shorter by
-    # the time the request waited in the server's socket for grpcio's reader thread to
-    # get a CPU, which the tracer's start (a syscall) does not count: on the shared
-    # 2-vCPU VM at load ~4 that is over 2 ms in 1-8 calls of 100 (docs/grpc.md), so
-    # the issue's bar (the HTTP test's: 98% within 2 ms, none off by more than 10 ms,
-    # mean under 1 ms) is held by the rest of the error, with that wait, measured from
-    # the capture's raw read syscalls, taken out. The raw error is printed above.
+    # The tracer's TTFT runs from the request bytes' arrival at the server's socket to
+    # the first response message's bytes leaving it (bpf/netwait.c; the connection was
+    # opened before attach, and anchored at an idle ACK); the client's from before its
+    # send to the return of its recv: one clock, so the tracer's is never longer. The
+    # time a request waited in the socket for grpcio's reader thread (over 2 ms in 1-8
+    # calls of 100 on the shared 2-vCPU VM, docs/grpc.md) is now inside the span, so
+    # the issue's bar (98% within 2 ms, none over 10 ms, mean under 1 ms) holds on the
+    # raw error. The capture's reads say how long each request waited to be read.
     slow = sorted(round(w / 1e6, 2) for w in waits.values() if w > 2_000_000)
-    print(f"requests that waited over 2 ms in the server's socket: {slow} ms; without "
-          f"that wait: max {max(rest) * 1e3:.3f} ms, mean {sum(rest) / len(rest) * 1e3:.3f} "
-          f"ms, {sum(d < 0.002 for d in rest)} of {len(rest)} within 2 ms "
-          f"(raw: {sum(d < 0.002 for d in diffs)}; load average {os.getloadavg()[0]:.1f})")
+    print(f"requests that waited over 2 ms in the server's socket: {slow} ms "
+          f"(load average {os.getloadavg()[0]:.1f})")
     assert min(waits.values()) > 0  # one clock: no read before the client sent
+    for _, c in calls:
+        if c["id"].startswith("w"):
+            a = spans[c["id"]]["attributes"]
+            assert a["tokentrace.network.timing"] == "socket", a
+            # arrival to read, against the client's send to the read: within the
+            # loopback hand-off
+            assert abs(a["tokentrace.network.socket_wait"] - waits[c["id"]] / 1e9) < 0.002
     longer = sorted(signed)[-3:]
     assert longer[-1] < 0.001, f"tracer's TTFT longer than the client's: {longer}"
-    within = sum(d < 0.002 for d in rest)
-    assert within >= 0.98 * len(rest) and max(rest) < 0.010 \
-        and sum(rest) / len(rest) < 0.001, sorted(rest)[-5:]
+    within = sum(d < 0.002 for d in diffs)
+    assert within >= 0.98 * len(diffs) and max(diffs) < 0.010 \
+        and sum(diffs) / len(diffs) < 0.001, sorted(diffs)[-5:]
     assert got.returncode == 0 and "no events lost" in got.stderr, got.stderr
     # the calls' authorization metadata is masked in the capture (HPACK, see h2mask)
     from tracer.events.h2mask import _HUFFMAN

@@ -119,7 +119,7 @@ def test_kstub_record_decodes_and_adds_no_layout_change():
     assert len(raw) == wire.KSTUB.size == 40
     ev = schema.decode(raw)
     assert (ev.pid, ev.tid, ev.ts, ev.handle, ev.stub) == (7, 8, 5, 0xABC0, 0x5555_0000_1240)
-    assert wire.WIRE_VERSION == 4 and set(wire.READABLE_WIRE_VERSIONS) == {1, 2, 3, 4}
+    assert wire.WIRE_VERSION >= 4 and {1, 2, 3, 4} <= set(wire.READABLE_WIRE_VERSIONS)
     assert C["NAME_HOST_STUB"] not in (C["NAME_MODULE_GET_FUNCTION"],
                                        C["NAME_LIBRARY_GET_KERNEL"],
                                        C["NAME_KERNEL_GET_FUNCTION"])

@@ -101,6 +101,12 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                     help="salt of the tenant hash (tokentrace.tenant, from the API key): "
                          "the same salt gives the same tenant ids across runs; keep it "
                          "secret (default: a random one per run, kept in the capture)")
+    g2.add_argument("--net-timing", choices=("auto", "syscall"), default=None,
+                    help="auto: time requests as clients see them, from their bytes' "
+                         "arrival at the socket to the response's bytes leaving it, where "
+                         "the kernel's tracepoints allow (docs/netwait.md); syscall: the "
+                         "server's reads and writes only (default: $TOKENTRACE_NET_TIMING, "
+                         "else auto)")
     g2.add_argument("--sched-idle", action="store_true",
                     help="run the tracer under SCHED_IDLE once attached: it only takes CPU "
                          "the traced service leaves idle (events wait in the ring buffer; "
@@ -372,7 +378,8 @@ def _targets(args: argparse.Namespace) -> Any:
                          gpu_sample=_sample_fraction(args.gpu_sample),
                          gpu_sample_period_s=max(0.01, args.gpu_sample_period),
                          stub_names_quiet_s=max(0.0, args.stub_names_quiet),
-                         uprobe_links=args.uprobe_links)
+                         uprobe_links=args.uprobe_links,
+                         **({"net_timing": args.net_timing} if args.net_timing else {}))
 
 
 def _sample_fraction(f: float) -> float:
@@ -412,7 +419,8 @@ def _say_detached(session: Any) -> None:
 
 
 def _drive(args: argparse.Namespace, open_: Callable[[], Any], poll: Callable[[], None],
-           pids: Callable[[], set[int]], gpu: Callable[[], Any] = lambda: None) -> int:
+           pids: Callable[[], set[int]], gpu: Callable[[], Any] = lambda: None,
+           net: Callable[[], Any] = lambda: None) -> int:
     """Attach, say so, poll until stopped. The caller closes in all cases."""
     from tracer.probes.loader import ProbeSetupError
 
@@ -431,8 +439,11 @@ def _drive(args: argparse.Namespace, open_: Callable[[], Any], poll: Callable[[]
     if args.sched_idle:
         _sched_idle()
     _say_gpu(gpu())
+    mode = net()
+    timing = ("" if mode is None else "requests timed at the socket; " if mode.mode == "socket"
+              else f"requests timed by syscalls only ({mode.reason}); ")
     desc = ", ".join(str(p) for p in sorted(pids())) or "none yet"
-    _say(f"attached to {len(pids())} process(es) (pids: {desc}); "
+    _say(f"attached to {len(pids())} process(es) (pids: {desc}); {timing}"
          + (f"tracing for {args.duration:g}s" if args.duration else "Ctrl-C to stop"))
     stop.arm()
     while not stop:
@@ -474,7 +485,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     try:
         rc = _drive(args, run.open, poll, lambda: run.session.pids,
-                    lambda: run.session.gpu)
+                    lambda: run.session.gpu, lambda: run.session.net_timing)
     finally:
         run.close()
         _say_detached(run.session)
@@ -496,7 +507,7 @@ def cmd_record(args: argparse.Namespace) -> int:
     session = CaptureSession(_targets(args), writer.write)
     try:
         rc = _drive(args, session.start, session.poll, lambda: session.pids,
-                    lambda: session.gpu)
+                    lambda: session.gpu, lambda: session.net_timing)
     finally:
         session.stop()
         writer.close()

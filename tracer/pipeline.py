@@ -15,8 +15,10 @@ from tracer.correlate.connections import (ConnectionTracker, TrackerOptions,
                                           count_parser_error)
 from tracer.correlate.gpu import GpuLedger
 from tracer.correlate.ipc import IpcGraph
+from tracer.correlate.nettiming import NetTimer
 from tracer.correlate.records import RequestRecord
 from tracer.events import gpu, schema, wire
+from tracer.events.netwait import NetTimingMode, NetWait
 from tracer.export.context import ExportContext
 
 C = wire.CONSTANTS
@@ -43,6 +45,8 @@ class Pipeline:
         self.records = 0
         self.gpu = GpuLedger()
         self.pricing = pricing
+        # after the GPU attribution (which times by syscalls): the client's view
+        self.net = NetTimer(self._export_now, self.stats)
         self.attribution = GpuAttribution(self._export, self._open_records, self.stats,
                                           ipc=self.ipc, pricing=pricing,
                                           kernel_name=self._kernel_name)
@@ -69,6 +73,10 @@ class Pipeline:
                     yield from c.h2.records.values()
 
     def _export(self, rec: RequestRecord) -> None:
+        """An attributed record: timed at the socket, then exported."""
+        self.net.finished(rec)
+
+    def _export_now(self, rec: RequestRecord) -> None:
         self.records += 1
         for s in self.sinks:
             s.on_record(rec)
@@ -103,9 +111,13 @@ class Pipeline:
                 self.attribution.nccl(ev)
         elif isinstance(ev, schema.DataEvent):
             self.last_ts = max(self.last_ts, ev.ts_exit)
+            self.net.data(ev)
             t.data_event(ev)
+        elif isinstance(ev, NetWait):
+            self.net.netwait(ev)
         elif isinstance(ev, schema.ConnEvent):
             self.last_ts = max(self.last_ts, ev.ts)
+            self.net.conn(ev)
             t.conn_event(ev)
         elif isinstance(ev, schema.SocketInfo):
             t.socket_info(ev)
@@ -117,10 +129,13 @@ class Pipeline:
             self.ctx.processes[ev.pid] = ev
         elif isinstance(ev, schema.ClockSync):
             self.ctx.clock_offset_ns = ev.offset_ns
+        elif isinstance(ev, NetTimingMode):
+            self.net.mode = ev
         elif isinstance(ev, schema.DropReport):
             self.last_ts = max(self.last_ts, ev.ts)
             self.ctx.drops = dict(ev.counters)
         self.attribution.advance(self.last_ts)
+        self.net.advance(self.last_ts)
         if self.last_ts >= self._next_expire:
             if self._next_expire:
                 t.expire(self.last_ts)
@@ -130,6 +145,7 @@ class Pipeline:
         """End of the event stream: count what is still open and flush the sinks."""
         self.tracker.finish(self.last_ts)
         self.attribution.close()
+        self.net.close()
         for s in self.sinks:
             s.close()
 

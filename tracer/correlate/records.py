@@ -63,6 +63,30 @@ def tenant_of(headers: dict[str, str], salt: bytes | None = None, masked: bool =
 
 
 @dataclass
+class NetTiming:
+    """A request as its client sees it: when its bytes reached the server's socket and
+    when the response's bytes left it (``tracer.correlate.nettiming``).
+
+    ``timing`` is ``socket`` when both ends were measured, else ``syscall`` (the span
+    keeps the server's syscall times) with ``reason``. ``departures`` maps each write
+    the client's view depends on (by its syscall exit) to when its bytes left."""
+
+    timing: str
+    reason: str = ""
+    arrival_ns: int | None = None  # the request's first bytes reached the socket
+    llm_arrival_ns: int | None = None  # the same for ``llm_start_ns`` (gRPC message)
+    estab_ns: int | None = None  # a new connection's handshake completed
+    accept_ns: int | None = None  # ...and accept() returned it
+    departures: dict[int, int] = field(default_factory=dict)
+    send_hold_ns: int = 0  # the longest wait of a response write's bytes in the kernel
+    send_hold_cause: str | None = None  # nagle, cwnd, rwnd, cork
+
+    def left(self, ts: int | None) -> int | None:
+        """When the bytes of the write that returned at ``ts`` left (``ts`` if unknown)."""
+        return None if ts is None else self.departures.get(ts, ts)
+
+
+@dataclass
 class RequestRecord:
     pid: int
     fd: int
@@ -102,6 +126,7 @@ class RequestRecord:
     # filled by the GPU correlation: attribute name suffix -> value
     gpu: dict[str, Any] = field(default_factory=dict)
     children: list["ChildSpan"] = field(default_factory=list)
+    net: NetTiming | None = None  # the client's view (tracer.correlate.nettiming)
 
     @property
     def key(self) -> tuple[int, int, int, int]:
@@ -132,6 +157,73 @@ class RequestRecord:
         if r is None or len(r.token_ts) < 2:
             return None
         return (r.token_ts[-1] - r.token_ts[0]) / (len(r.token_ts) - 1)
+
+    # ---- the client's view: socket times where measured, else the syscall ones -------
+
+    @property
+    def socket_timed(self) -> bool:
+        return self.net is not None and self.net.timing == "socket"
+
+    @property
+    def client_start_ns(self) -> int:
+        """When the request's first bytes reached the server's socket."""
+        n = self.net
+        return n.arrival_ns if n is not None and n.arrival_ns is not None else self.start_ns
+
+    @property
+    def client_end_ns(self) -> int:
+        """When the response's last bytes left the server's socket."""
+        end = self.net.left(self.end_ns) if self.net is not None else self.end_ns
+        return max(end or self.end_ns, self.client_start_ns)
+
+    def _client_from(self) -> int:
+        n = self.net
+        if n is None or n.timing != "socket":
+            return self.llm_start_ns or self.start_ns
+        return (n.llm_arrival_ns if self.llm_start_ns else n.arrival_ns) or self.start_ns
+
+    @property
+    def client_ttft_ns(self) -> int | None:
+        """Time to first token as the client sees it (socket arrival to departure)."""
+        r = self.llm_response
+        if r is None or r.first_token_ts is None:
+            return None
+        if self.net is None:
+            return self.ttft_ns
+        return self.net.left(r.first_token_ts) - self._client_from()  # type: ignore[operator]
+
+    @property
+    def client_first_chunk_ns(self) -> int | None:
+        r = self.llm_response
+        if r is None or r.first_chunk_ts is None:
+            return None
+        if self.net is None:
+            return self.first_chunk_ns
+        return self.net.left(r.first_chunk_ts) - self._client_from()  # type: ignore[operator]
+
+    @property
+    def client_token_ts(self) -> list[int]:
+        r = self.llm_response
+        if r is None:
+            return []
+        if self.net is None:
+            return list(r.token_ts)
+        return [self.net.left(t) for t in r.token_ts]  # type: ignore[misc]
+
+    @property
+    def client_tpot_ns(self) -> float | None:
+        ts = self.client_token_ts
+        if len(ts) < 2:
+            return None
+        return (ts[-1] - ts[0]) / (len(ts) - 1)
+
+    @property
+    def socket_wait_ns(self) -> int | None:
+        """Arrival of the request's bytes to the server's read of them."""
+        n = self.net
+        if n is None or n.timing != "socket" or n.arrival_ns is None:
+            return None
+        return max(0, self.start_ns - n.arrival_ns)
 
     @property
     def failed(self) -> bool:

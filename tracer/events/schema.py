@@ -257,3 +257,9 @@ DECODERS.update(_gpu.DECODERS)
 USER_EVENTS[_gpu.GpuSampling.__name__] = _gpu.GpuSampling
 # a host stub symbolised in user space (tracer/probes/symbols.py) names its kernel
 USER_EVENTS[_gpu.KernelName.__name__] = _gpu.KernelName
+
+# The kernel's hold on a request's bytes (bpf/netwait.c), and the capture's timing mode.
+from tracer.events import netwait as _netwait  # noqa: E402
+
+DECODERS.update(_netwait.DECODERS)
+USER_EVENTS[_netwait.NetTimingMode.__name__] = _netwait.NetTimingMode

@@ -15,10 +15,11 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-WIRE_VERSION = 4
+WIRE_VERSION = 5
 # Versions whose records this code decodes: 2 added the GPU records, 3 the ibverbs
-# and KCOUNT records, 4 the KSTUB record; none changed an earlier layout.
-READABLE_WIRE_VERSIONS = (1, 2, 3, 4)
+# and KCOUNT records, 4 the KSTUB record, 5 the NETWAIT record; none changed an
+# earlier layout.
+READABLE_WIRE_VERSIONS = (1, 2, 3, 4, 5)
 
 # Sizes of the C scalar types used on the wire (x86-64 and arm64 alike).
 _SCALARS: dict[str, tuple[str, int]] = {
@@ -47,6 +48,7 @@ CONSTANTS: dict[str, int] = {
     "KIND_VERBS_QP": 12,
     "KIND_KCOUNT": 13,
     "KIND_KSTUB": 14,
+    "KIND_NETWAIT": 15,
     # payload chunking: bytes per DATA record and the loop bound per syscall
     "CHUNK": 16384,
     "MAX_ITER": 64,
@@ -81,6 +83,18 @@ CONSTANTS: dict[str, int] = {
     "SYS_SENDTO": 6,
     "SYS_RECVMSG": 7,
     "SYS_SENDMSG": 8,
+    # NETWAIT.op (bpf/netwait.c): when the kernel held a served request's bytes
+    "NW_ARRIVAL": 1,  # a read's oldest bytes reached the socket at ts
+    "NW_HOLD": 2,  # an ACK at ts found written bytes [aux, stream_off) unsent
+    "NW_DEPARTURE": 3,  # bytes up to stream_off left at ts (the last ACK that found them)
+    # NETWAIT.cause: why written bytes were held
+    "NW_CAUSE_NAGLE": 1,  # small segments in flight, the rest waits for their ACK
+    "NW_CAUSE_CWND": 2,  # congestion window full
+    "NW_CAUSE_RWND": 3,  # the peer's receive window full
+    "NW_CAUSE_CORK": 4,  # nothing in flight: TCP_CORK, MSG_MORE or pacing
+    # NETWAIT.flags
+    "NW_FLAG_FIRST": 1,  # the owner's first record for this socket
+    "NW_FLAG_ANCHORED": 2,  # stream offsets tied to sequence numbers: departures measurable
     # GPU: KBURST.reason (why a thread's burst was flushed)
     "BURST_SYNC": 1,
     "BURST_QUERY": 2,
@@ -170,6 +184,7 @@ CONSTANTS: dict[str, int] = {
     "CNT_KCOUNTS_FULL": 12,  # kernel_counts map full: launches counted, kernel unknown
     "CNT_STUBS_FULL": 13,  # stub_pending or stub_sent full: a handle's host stub not sent
     "CNT_STUB_STALE": 14,  # a runtime call's stub not followed by its own driver launch
+    "CNT_LOST_NETWAIT": 15,
     "N_COUNTERS": 16,
 }
 
@@ -553,9 +568,32 @@ VERBS_QP = Record(
     ],
 )
 
+NETWAIT = Record(
+    "tt_netwait",
+    "KIND_NETWAIT",
+    [
+        Field("kind", "u32"),
+        Field("pid", "u32", "owner of the socket (the syscall probes' pid, fd, conn_id)"),
+        Field("tid", "u32", "thread that was running (softirq: any)"),
+        Field("fd", "s32"),
+        Field("conn_id", "u64"),
+        Field("op", "u16", "TT_NW_*"),
+        Field("cause", "u16", "HOLD/DEPARTURE: TT_NW_CAUSE_*"),
+        Field("flags", "u32", "TT_NW_FLAG_*"),
+        Field("ts", "u64", "ARRIVAL: bytes reached the socket (0: unseen); HOLD: the ACK that"
+              " found them; DEPARTURE: when they left"),
+        Field("ref_ts", "u64", "ARRIVAL: the read's ts_exit; HOLD/DEPARTURE: exit of the write"
+              " that ended at stream_off"),
+        Field("stream_off", "u64", "ARRIVAL: the read's stream offset; HOLD/DEPARTURE: end of"
+              " the held bytes"),
+        Field("aux", "u64", "ARRIVAL (FIRST): handshake completed, 0 if unseen; HOLD/DEPARTURE:"
+              " stream offset of the first held byte"),
+    ],
+)
+
 RECORDS: dict[int, Record] = {
     r.kind: r for r in (CONN, DATA, PROC, KBURST, KNAME, MEM, NCCL, KCOUNT, KSTUB, VERBS,
-                        VERBS_CTX, VERBS_MR, VERBS_QP)
+                        VERBS_CTX, VERBS_MR, VERBS_QP, NETWAIT)
 }
 
 

@@ -13,8 +13,11 @@ from tracer.export.context import ExportContext
 
 COLUMNS = (
     ("TIME", 12), ("PID", 7), ("TID", 7), ("REQUEST", 28), ("MODEL", 14), ("ST", 4),
-    ("IN", 6), ("OUT", 6), ("TTFT", 9), ("TPOT", 9), ("DUR", 9),
+    ("IN", 6), ("OUT", 6), ("TTFT", 9), ("TPOT", 9), ("DUR", 9), ("WAIT", 9),
 )
+# TTFT, TPOT and DUR are the client's view (arrival at the socket to the bytes leaving);
+# WAIT is the part the request's bytes waited in the socket before the server read
+# them ("~" after a time: only syscall times were seen for that request)
 
 
 def _ms(ns: float | None) -> str:
@@ -73,6 +76,8 @@ class ConsoleTable:
         self.rows = 0
         self._ttfts: list[float] = []
         self._durs: list[float] = []
+        self._waits: list[float] = []
+        self._syscall_timed = 0
         self._failed = 0
         self._tokens = 0
         self.gpu: Any = None  # a tracer.correlate.gpu.GpuLedger, when GPU rows are wanted
@@ -100,13 +105,21 @@ class ConsoleTable:
             f"{rec.method} {rec.target.split('?', 1)[0]}", model, status,
             str(r.input_tokens) if r and r.input_tokens is not None else "-",
             str(r.output_tokens) if r and r.output_tokens is not None else "-",
-            _ms(rec.ttft_ns), _ms(rec.tpot_ns), _ms(rec.end_ns - rec.start_ns),
+            _ms(rec.client_ttft_ns), _ms(rec.client_tpot_ns),
+            _ms(rec.client_end_ns - rec.client_start_ns),
+            _ms(rec.socket_wait_ns) if rec.socket_timed else "~",
         ]
         self.out.write(self._line(cells) + "\n")
         self.out.flush()
-        if rec.ttft_ns is not None:
-            self._ttfts.append(rec.ttft_ns / 1e6)
-        self._durs.append((rec.end_ns - rec.start_ns) / 1e6)
+        ttft = rec.client_ttft_ns
+        if ttft is not None:
+            self._ttfts.append(ttft / 1e6)
+        self._durs.append((rec.client_end_ns - rec.client_start_ns) / 1e6)
+        wait = rec.socket_wait_ns
+        if wait is not None:
+            self._waits.append(wait / 1e6)
+        elif rec.net is not None:
+            self._syscall_timed += 1
         self._failed += rec.failed
         self._tokens += (r.output_tokens or 0) if r else 0
 
@@ -157,6 +170,11 @@ class ConsoleTable:
             q = statistics.quantiles(self._ttfts, n=10) if len(self._ttfts) > 1 else [self._ttfts[0]] * 9
             parts.append(f"TTFT p50 {statistics.median(self._ttfts):.1f}ms p90 {q[8]:.1f}ms")
         parts.append(f"duration p50 {statistics.median(self._durs):.1f}ms")
+        if self._waits:
+            parts.append(f"socket wait p50 {statistics.median(self._waits):.1f}ms "
+                         f"max {max(self._waits):.1f}ms")
+        if self._syscall_timed:
+            parts.append(f"{self._syscall_timed} timed by syscalls only")
         return ", ".join(parts)
 
     def close(self) -> None:

@@ -23,6 +23,7 @@ tokentrace                                vLLM
 tokentrace_time_to_first_token_seconds    vllm:time_to_first_token_seconds
 tokentrace_time_per_output_token_seconds  vllm:time_per_output_token_seconds
 tokentrace_e2e_request_latency_seconds    vllm:e2e_request_latency_seconds
+tokentrace_socket_wait_seconds            (none: span tokentrace.network.socket_wait)
 tokentrace_request_success_total          vllm:request_success_total
 tokentrace_prompt_tokens_total            vllm:prompt_tokens_total
 tokentrace_generation_tokens_total        vllm:generation_tokens_total
@@ -46,6 +47,9 @@ from tracer.export.context import ExportContext
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+# socket wait: sub-millisecond when the server keeps up, seconds when it is saturated
+SOCKET_WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                       0.5, 1.0, 2.5, 5.0, 10.0)
 DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
                     40.96, 81.92)
 MAX_LABEL_VALUES = 32
@@ -75,7 +79,7 @@ class LabelCap:
 class RequestFacts:
     """What the metrics take from one request, read from its span attributes."""
 
-    __slots__ = ("model", "operation", "ttft", "tpot", "duration", "input_tokens",
+    __slots__ = ("model", "operation", "ttft", "tpot", "duration", "socket_wait", "input_tokens",
                  "output_tokens", "error_type", "finish_reason", "kernel_launches",
                  "gpu_seconds", "cost_usd")
 
@@ -87,7 +91,9 @@ class RequestFacts:
         self.operation: str = a.get("gen_ai.operation.name", "")
         self.ttft: float | None = a.get("tokentrace.time_to_first_token")
         self.tpot: float | None = a.get("tokentrace.time_per_output_token")
-        self.duration: float = max(rec.end_ns - rec.start_ns, 0) * 1e-9
+        # the span's own extent: arrival to departure where the socket was seen
+        self.duration: float = max(rec.client_end_ns - rec.client_start_ns, 0) * 1e-9
+        self.socket_wait: float | None = a.get("tokentrace.network.socket_wait")
         self.input_tokens: int | None = a.get("gen_ai.usage.input_tokens")
         self.output_tokens: int | None = a.get("gen_ai.usage.output_tokens")
         self.error_type: str | None = a.get("error.type") if rec.failed else None
@@ -120,8 +126,13 @@ class PrometheusSink:
                               "Mean time between generated chunks after the first.",
                               lab, registry=r, buckets=TPOT_BUCKETS)
         self.e2e = Histogram("tokentrace_e2e_request_latency_seconds",
-                             "First request byte read to last response byte written.",
+                             "Request bytes' arrival at the socket to the response's last "
+                             "bytes leaving it (syscall times where those were not seen).",
                              lab, registry=r, buckets=DURATION_BUCKETS)
+        self.socket_wait = Histogram("tokentrace_socket_wait_seconds",
+                                     "Time a request's bytes waited in the socket (listen "
+                                     "backlog, receive queue) before the server read them.",
+                                     lab, registry=r, buckets=SOCKET_WAIT_BUCKETS)
         self.success = Counter("tokentrace_request_success", "Requests answered successfully.",
                                ["model_name", "finished_reason"], registry=r)
         self.failure = Counter("tokentrace_request_failure", "Requests that failed.",
@@ -149,6 +160,8 @@ class PrometheusSink:
         f = RequestFacts(rec)
         m = self._label("model_name", f.model)
         self.e2e.labels(m).observe(f.duration)
+        if f.socket_wait is not None:
+            self.socket_wait.labels(m).observe(f.socket_wait)
         if f.ttft is not None:
             self.ttft.labels(m).observe(f.ttft)
         if f.tpot is not None:

@@ -29,7 +29,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 import tracer
-from tracer.correlate.records import RequestRecord
+from tracer.correlate.records import ChildSpan, RequestRecord
 from tracer.events.schema import ProcessInfo
 from tracer.export.context import ExportContext
 from tracer.export.identity import identity_attributes
@@ -160,11 +160,15 @@ def span_attributes(rec: RequestRecord) -> dict[str, Any]:
         a["gen_ai.usage.input_tokens"] = r.input_tokens
         a["gen_ai.usage.output_tokens"] = r.output_tokens
         a["tokentrace.usage.source"] = r.usage_source
-        a["gen_ai.response.time_to_first_chunk"] = _seconds(rec.first_chunk_ns)
-        a["tokentrace.time_to_first_token"] = _seconds(rec.ttft_ns)
-        a["tokentrace.time_per_output_token"] = _seconds(rec.tpot_ns)
-        if len(r.token_ts) > 1:
-            gaps = [b - x for x, b in zip(r.token_ts, r.token_ts[1:])]
+        # as the client sees them: from the request's arrival at the socket to the
+        # departure of the token's bytes (the syscall times where those were not seen)
+        a["gen_ai.response.time_to_first_chunk"] = _seconds(rec.client_first_chunk_ns)
+        a["tokentrace.time_to_first_token"] = _seconds(rec.client_ttft_ns)
+        a["tokentrace.time_per_output_token"] = _seconds(rec.client_tpot_ns)
+        a["tokentrace.server.time_to_first_token"] = _seconds(rec.ttft_ns)
+        tokens = rec.client_token_ts
+        if len(tokens) > 1:
+            gaps = [b - x for x, b in zip(tokens, tokens[1:])]
             a["tokentrace.inter_token_gap.max"] = max(gaps) * NS
             a["tokentrace.inter_token_gap.p50"] = sorted(gaps)[len(gaps) // 2] * NS
         a["tokentrace.response.chunks"] = r.chunks if r.streamed else None
@@ -175,6 +179,7 @@ def span_attributes(rec: RequestRecord) -> dict[str, Any]:
             a["tokentrace.completion.text"] = r.text
     if rec.rpc is not None:
         a.update(rpc_attributes(rec))
+    a.update(network_attributes(rec))
     a["http.request.method"] = rec.method or None
     a["url.path"] = rec.target.split("?", 1)[0] or None
     a["http.response.status_code"] = rec.status
@@ -213,6 +218,50 @@ def span_attributes(rec: RequestRecord) -> dict[str, Any]:
     for k, v in rec.gpu.items():
         a[f"tokentrace.{k}"] = v
     return {k: v for k, v in a.items() if v is not None}
+
+
+def network_attributes(rec: RequestRecord) -> dict[str, Any]:
+    """``tokentrace.network.*``: how the request was timed and what the kernel held."""
+    n = rec.net
+    if n is None:
+        return {}
+    a: dict[str, Any] = {"tokentrace.network.timing": n.timing,
+                         "tokentrace.server.duration": _seconds(rec.end_ns - rec.start_ns)}
+    if n.timing != "socket":
+        a["tokentrace.network.timing_reason"] = n.reason or None
+        return a
+    a["tokentrace.network.socket_wait"] = _seconds(rec.socket_wait_ns)
+    if n.estab_ns is not None:
+        # a new connection: handshake done to accept() (the listen backlog)
+        a["tokentrace.network.accept_wait"] = (
+            _seconds(max(0, n.accept_ns - n.estab_ns)) if n.accept_ns else None)
+    a["tokentrace.network.send_hold"] = _seconds(n.send_hold_ns)
+    if n.send_hold_ns:
+        a["tokentrace.network.send_hold.cause"] = n.send_hold_cause
+    return a
+
+
+def network_events(rec: RequestRecord) -> list[ChildSpan]:
+    """What the kernel held, as span events (not child spans: one span per request
+    stays one span): ``tokentrace.socket_wait`` at the arrival, ``tokentrace.send_hold``
+    at the return of the longest held write, each with its duration."""
+    n = rec.net
+    if n is None or n.timing != "socket":
+        return []
+    out = []
+    wait = rec.socket_wait_ns
+    if wait and n.arrival_ns is not None:
+        attrs: dict[str, Any] = {"tokentrace.network.socket_wait": wait * NS}
+        if n.estab_ns is not None and n.accept_ns:
+            attrs["tokentrace.network.accept_wait"] = max(0, n.accept_ns - n.estab_ns) * NS
+        out.append(ChildSpan("tokentrace.socket_wait", n.arrival_ns, rec.start_ns, attrs))
+    if n.send_hold_ns:
+        held = [(left - ts, ts, left) for ts, left in n.departures.items() if left > ts]
+        _, ts, left = max(held)
+        out.append(ChildSpan("tokentrace.send_hold", ts, left, {
+            "tokentrace.network.send_hold": (left - ts) * NS,
+            "tokentrace.network.send_hold.cause": n.send_hold_cause}))
+    return out
 
 
 def rpc_attributes(rec: RequestRecord) -> dict[str, Any]:
@@ -283,18 +332,23 @@ class SpanBuilder:
         ids.prime(None if has_parent else derived_id(128, *ident), derived_id(64, *ident))
         kind = SpanKind.SERVER if rec.role == "server" else SpanKind.CLIENT
         span = tr.start_span(span_name(rec), context=parent if has_parent else None, kind=kind,
-                             start_time=self.wall(rec.start_ns),
+                             start_time=self.wall(rec.client_start_ns),
                              attributes=span_attributes(rec))
         r = rec.llm_response
-        if r is not None and r.first_token_ts is not None:
-            span.add_event("tokentrace.first_token", timestamp=self.wall(r.first_token_ts),
-                           attributes={"tokentrace.time_to_first_token": rec.ttft_ns * NS})
+        ttft = rec.client_ttft_ns
+        if r is not None and r.first_token_ts is not None and ttft is not None:
+            span.add_event("tokentrace.first_token",
+                           timestamp=self.wall(rec.net.left(r.first_token_ts) or 0
+                                               if rec.net else r.first_token_ts),
+                           attributes={"tokentrace.time_to_first_token": ttft * NS})
         if rec.failed:
             desc = rec.error or (r.error_message if r and r.error_message else None)
             if rec.rpc is not None and rec.rpc.grpc_status is not None:
                 desc = desc or rec.rpc.grpc_message or f"gRPC {rec.rpc.grpc_status}"
             span.set_status(Status(StatusCode.ERROR, desc or f"HTTP {rec.status}"))
         child_ctx = otel_trace.set_span_in_context(span)
+        for ev in network_events(rec):
+            span.add_event(ev.name, timestamp=self.wall(ev.start_ns), attributes=ev.attributes)
         for i, child in enumerate(rec.children):
             ids.prime(None, derived_id(64, *ident, "child", i))
             cs = tr.start_span(child.name, context=child_ctx, kind=SpanKind.INTERNAL,
@@ -302,7 +356,7 @@ class SpanBuilder:
                                attributes={k: v for k, v in child.attributes.items()
                                            if v is not None})
             cs.end(end_time=self.wall(child.end_ns))
-        span.end(end_time=self.wall(max(rec.end_ns, rec.start_ns)))
+        span.end(end_time=self.wall(rec.client_end_ns))
 
     def close(self) -> None:
         for p in self.processors:

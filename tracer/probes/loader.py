@@ -42,6 +42,25 @@ def tracepoint_has_field(category: str, event: str, field: str) -> bool:
     return f" {field};" in text
 
 
+# What bpf/netwait.c reads from each tracepoint: present from Linux 5.15 to 6.18.
+NETWAIT_FIELDS = {
+    ("sock", "inet_sock_set_state"): ("oldstate", "newstate", "sport", "dport", "protocol",
+                                      "saddr_v6[16]", "daddr_v6[16]"),
+    ("tcp", "tcp_probe"): ("saddr[28]", "daddr[28]", "sport", "dport", "data_len", "snd_nxt",
+                           "snd_una", "snd_cwnd", "snd_wnd"),
+    ("tcp", "tcp_rcv_space_adjust"): ("sport", "dport", "saddr_v6[16]", "daddr_v6[16]"),
+}
+
+
+def netwait_missing() -> str | None:
+    """Why socket-level request timing (bpf/netwait.c) cannot run here, or None."""
+    for (category, event), fields in NETWAIT_FIELDS.items():
+        for f in fields:
+            if not tracepoint_has_field(category, event, f):
+                return f"tracepoint {category}:{event} has no field {f!r} on this kernel"
+    return None
+
+
 def kernel_headers_dir() -> Path:
     return Path("/lib/modules", platform.release(), "build")
 
@@ -100,6 +119,7 @@ def program_text(concerns: Iterable[str]) -> str:
 def compile_program(concerns: Iterable[str], ringbuf_mb: int = 32,
                     extra_cflags: Iterable[str] = ()) -> Any:
     """Compile and load (tracepoint programs attach themselves on load)."""
+    concerns = list(concerns)
     check_environment()
     bcc = import_bcc()
     pages = max(1, (ringbuf_mb * 1024 * 1024) // os.sysconf("SC_PAGE_SIZE"))
@@ -107,6 +127,8 @@ def compile_program(concerns: Iterable[str], ringbuf_mb: int = 32,
     cflags = [f"-DTT_RINGBUF_PAGES={pages}", "-Wno-visibility", "-Wno-macro-redefined"]
     if tracepoint_has_field("sched", "sched_process_exit", "group_dead"):
         cflags.append("-DTT_HAVE_GROUP_DEAD")
+    if "netwait" in concerns:
+        cflags.append("-DTT_NETWAIT")  # sockets.c calls into bpf/netwait.c
     cflags += list(extra_cflags)
     text = program_text(concerns)
     try:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tracer.events import schema, wire
+from tracer.events.netwait import NetTimingMode
 from tracer.probes import loader, procfs, sockdiag
 from tracer.events.gpu import GpuSampling
 from tracer.probes.gpu import GpuProbes
@@ -55,6 +56,11 @@ class CaptureConfig:
     # tracer/probes/uprobes.py
     uprobe_links: str = "auto"
     exclude_pids: set[int] = field(default_factory=set)
+    # time requests at the socket (bpf/netwait.c) where the kernel allows ("auto"), or
+    # keep the server's syscall times ("syscall"); TOKENTRACE_NET_TIMING sets the default
+    net_timing: str = field(default_factory=lambda: os.environ.get("TOKENTRACE_NET_TIMING",
+                                                                   "auto"))
+    listen_scan_interval_s: float = 1.0  # look for ports traced servers started listening on
 
 
 def clock_sync(samples: int = 5) -> schema.ClockSync:
@@ -89,12 +95,17 @@ class CaptureSession:
         self._next_counter_maps = 0.0
         self._next_sample_toggle = 0.0
         self.detach_s = 0.0  # how long detaching the GPU uprobes took at stop
+        self.concerns = tuple(config.concerns)
+        self.net_timing = NetTimingMode(ts=0, mode="syscall", reason="not started")
+        self._nw_ports: set[int] = set()
+        self._next_listen_scan = 0.0
 
     # ---- lifecycle --------------------------------------------------------------
 
     def start(self) -> None:
         """Compile, configure and attach; emit the clock sync and the first targets."""
-        self.bpf = loader.compile_program(self.config.concerns, self.config.ringbuf_mb)
+        self.net_timing = self._choose_net_timing()
+        self.bpf = loader.compile_program(self.concerns, self.config.ringbuf_mb)
         config = self.bpf[b"config"]
         config[ctypes.c_int(C["CFG_CAPTURE_LIMIT"])] = ctypes.c_uint64(self.config.capture_limit)
         config[ctypes.c_int(C["CFG_BURST_NS"])] = ctypes.c_uint64(self.config.burst_ns)
@@ -116,6 +127,8 @@ class CaptureSession:
             self.bpf[b"traced_comms"][key] = ctypes.c_uint32(1)
         self.bpf[b"events"].open_ring_buffer(self._on_record)
         self.sink(clock_sync())
+        self.sink(NetTimingMode(ts=time.monotonic_ns(), mode=self.net_timing.mode,
+                                reason=self.net_timing.reason))
         self.rescan()
 
     def poll(self, timeout_ms: int = POLL_MS) -> None:
@@ -146,6 +159,10 @@ class CaptureSession:
             if now >= self._next_counter_maps:
                 self._next_counter_maps = now + self.config.counter_maps_interval_s
                 self._collect_counters()
+        if "netwait" in self.concerns and now >= self._next_listen_scan:
+            self._next_listen_scan = now + self.config.listen_scan_interval_s
+            for pid in sorted(self.pids):
+                self._watch_listeners(pid)
         if now >= self._next_counters:
             self._next_counters = now + self.config.counters_interval_s
             # every interval, changed or not: its time stamp is also the stream's clock
@@ -240,6 +257,48 @@ class CaptureSession:
             self.gpu.scan(pid)
         if existing_sockets:
             self._adopt_sockets(pid)
+        self._watch_listeners(pid)
+
+    # ---- socket-level timing (bpf/netwait.c) -------------------------------------
+
+    def _choose_net_timing(self) -> NetTimingMode:
+        """Add the netwait concern after sockets where asked for and possible."""
+        mode = self.config.net_timing
+        if "sockets" not in self.concerns:
+            return NetTimingMode(ts=0, mode="syscall", reason="socket probes not loaded")
+        if mode == "syscall":
+            return NetTimingMode(ts=0, mode="syscall", reason="asked for (--net-timing "
+                                 "syscall or TOKENTRACE_NET_TIMING=syscall)")
+        if mode != "auto":
+            raise loader.ProbeSetupError(f"net timing must be auto or syscall, not {mode!r}")
+        missing = loader.netwait_missing()
+        if missing is not None:
+            return NetTimingMode(ts=0, mode="syscall", reason=missing)
+        i = self.concerns.index("sockets")
+        self.concerns = self.concerns[: i + 1] + ("netwait",) + self.concerns[i + 1:]
+        return NetTimingMode(ts=0, mode="socket")
+
+    def _watch_listeners(self, pid: int) -> None:
+        """Put ``pid``'s listening TCP ports (and --port) in the kernel's port filter:
+        the softirq tracepoints keep state only for sockets on those ports."""
+        if "netwait" not in self.concerns:
+            return
+        ports = set(self.config.ports)
+        fds = procfs.socket_fds(pid)
+        if fds:
+            inet = procfs.inet_sockets(pid)
+            inodes = set(fds.values())
+            ports.update(e.local_port for i, e in inet.items()
+                         if i in inodes and e.state == procfs.TCP_LISTEN)
+        table = self.bpf[b"nw_ports"]
+        for port in sorted(ports - self._nw_ports):
+            try:
+                table[ctypes.c_uint16(port)] = ctypes.c_uint32(1)
+            except Exception:
+                self.user_counters["netwait_ports_full"] = (
+                    self.user_counters.get("netwait_ports_full", 0) + 1)
+                continue
+            self._nw_ports.add(port)
 
     def _process_info(self, pid: int) -> schema.ProcessInfo:
         return schema.ProcessInfo(
@@ -250,7 +309,7 @@ class CaptureSession:
 
     def _adopt_sockets(self, pid: int) -> None:
         """Register sockets that were connected before we attached (or inherited)."""
-        if "sockets" not in self.config.concerns:
+        if "sockets" not in self.concerns:
             return
         fds = procfs.socket_fds(pid)
         if not fds:
@@ -353,7 +412,7 @@ class CaptureSession:
 
     def _forget_pid(self, pid: int) -> None:
         """A dead process's sockets were closed by the kernel, not by close(2)."""
-        if "sockets" not in self.config.concerns:
+        if "sockets" not in self.concerns:
             return
         conns = self.bpf[b"conns"]
         stale = [k for k in conns.keys() if (k.value >> 32) == pid]

@@ -143,8 +143,12 @@ def main(args: argparse.Namespace) -> int:
         _say(f"error: cannot write the report to {args.output}: {e}")
         return 1
     cost = totals["cost_usd_total"]
+    wait = totals["socket_wait_p95_ms"]
     _say(f"{len(rows)} request(s), {loaded.child_spans} child span(s) skipped"
          + (f", total cost ${cost:.6f}" if cost is not None else ", no costs on the spans")
+         + (f", socket wait p95 {wait:.1f} ms" if wait is not None else "")
+         + (f", {totals['syscall_timed']} timed by syscalls only"
+            if totals["syscall_timed"] else "")
          + f"; wrote {', '.join(written)}")
     return 0
 

@@ -28,9 +28,16 @@ COLUMNS: dict[str, str] = {
     "stream": "whether the response was streamed",
     "prompt_tokens": "gen_ai.usage.input_tokens",
     "output_tokens": "gen_ai.usage.output_tokens",
-    "ttft_ms": "time to first token, ms",
+    "ttft_ms": "time to first token as the client sees it (arrival at the socket to the "
+               "token's bytes leaving), ms",
     "tpot_ms": "mean time per output token after the first, ms",
-    "e2e_ms": "first request byte to last response byte, ms",
+    "e2e_ms": "request bytes' arrival to the last response bytes leaving, ms",
+    "server_ttft_ms": "time to first token by the server's syscalls (read to write), ms",
+    "socket_wait_ms": "request bytes waiting in the socket before the server read them, ms",
+    "accept_wait_ms": "a new connection's wait in the listen backlog (handshake to accept), ms",
+    "send_hold_ms": "longest time a response write's bytes were held by the kernel, ms",
+    "send_hold_cause": "why: nagle, cwnd, rwnd or cork",
+    "network_timing": "socket (arrival and departure seen) or syscall (server times only)",
     "gpu_launches": "kernel launches charged to the request (its share)",
     "gpu_graph_launches": "CUDA graph launches charged to the request",
     "gpu_prefill_launches": "of the launches, in prefill",
@@ -71,6 +78,10 @@ _NUMBERS = {
 _SECONDS_AS_MS = {
     "ttft_ms": "tokentrace.time_to_first_token",
     "tpot_ms": "tokentrace.time_per_output_token",
+    "server_ttft_ms": "tokentrace.server.time_to_first_token",
+    "socket_wait_ms": "tokentrace.network.socket_wait",
+    "accept_wait_ms": "tokentrace.network.accept_wait",
+    "send_hold_ms": "tokentrace.network.send_hold",
 }
 _LABELS = {
     "service": None,  # from the resource
@@ -81,6 +92,8 @@ _LABELS = {
     "price_source": "tokentrace.cost.price_source",
     "gpu_model": "tokentrace.gpu.model",
     "attribution": "tokentrace.gpu.attribution",
+    "send_hold_cause": "tokentrace.network.send_hold.cause",
+    "network_timing": "tokentrace.network.timing",
 }
 CHILD_NAMES = frozenset({"queue", "prefill", "decode"})
 

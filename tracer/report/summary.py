@@ -23,6 +23,10 @@ SUMMARY_COLUMNS: dict[str, str] = {
     "whole_p50_ms": "median latency of non-streamed requests (their first token is the "
                     "whole reply), ms",
     "whole_p95_ms": "95th percentile latency of non-streamed requests, ms",
+    "socket_wait_p50_ms": "median time requests waited in the socket before being read, ms",
+    "socket_wait_p95_ms": "95th percentile of it (a saturated server: large), ms",
+    "socket_wait_max_ms": "the longest of it, ms",
+    "syscall_timed": "requests timed by the server's syscalls only (socket not seen)",
     "gpu_ms": "sum of GPU-ms charged",
     "gpu_ms_per_output_token": "GPU-ms / output tokens, over requests with both",
     "cost_usd_total": "sum of cost_usd",
@@ -52,6 +56,8 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     both = [r for r in rows if r.get("gpu_ms") is not None and r.get("output_tokens")]
     out_tok = sum(r["output_tokens"] for r in both)
     cost = _values(rows, "cost_usd")
+    waits = _values(rows, "socket_wait_ms")
+    s50, s95 = _percentiles(waits)
     return {
         "requests": len(rows),
         "errors": sum(1 for r in rows if r.get("status") == "error"),
@@ -61,6 +67,10 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "ttft_p95_ms": None if p95 is None else round(p95, 3),
         "whole_p50_ms": None if w50 is None else round(w50, 3),
         "whole_p95_ms": None if w95 is None else round(w95, 3),
+        "socket_wait_p50_ms": None if s50 is None else round(s50, 3),
+        "socket_wait_p95_ms": None if s95 is None else round(s95, 3),
+        "socket_wait_max_ms": round(max(waits), 3) if waits else None,
+        "syscall_timed": sum(1 for r in rows if r.get("network_timing") == "syscall"),
         "gpu_ms": _sum(_values(rows, "gpu_ms")),
         "gpu_ms_per_output_token":
             round(sum(r["gpu_ms"] for r in both) / out_tok, 6) if out_tok else None,

@@ -1,0 +1,126 @@
+"""tracer.correlate.nettiming without BPF: NETWAIT records and socket events fed through
+the pipeline, as a replay would."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from tracer.correlate.nettiming import NetTimer
+from tracer.correlate.records import RequestRecord
+from tracer.events import schema, wire
+from tracer.events.netwait import NetTimingMode, NetWait
+
+C = wire.CONSTANTS
+KEY = (10, 5, 1000)
+MS = 1_000_000
+
+
+def nw(op: str, ts: int, ref: int, off: int, aux: int = 0, cause: str | None = None,
+       first: bool = False, anchored: bool = True) -> NetWait:
+    return NetWait(pid=10, tid=11, fd=5, conn_id=1000, op=op, cause=cause, first=first,
+                   anchored=anchored, ts=ts, ref_ts=ref, stream_off=off, aux=aux)
+
+
+def write(ts: int, off: int, n: int) -> schema.DataEvent:
+    return schema.DataEvent(pid=10, tid=11, fd=5, conn_id=1000, ts_enter=ts - 1000,
+                            ts_exit=ts, ret=n, offset=0, syscall=C["SYS_WRITE"],
+                            direction=C["DIR_OUT"], flags=C["FLAG_LAST"], payload=b"x" * n,
+                            stream_off=off)
+
+
+def rec(start: int, head: int, end: int) -> RequestRecord:
+    return RequestRecord(pid=10, fd=5, conn_id=1000, exchange=0, role="server",
+                         start_ns=start, response_start_ns=head, end_ns=end)
+
+
+def timer(out: list) -> NetTimer:
+    t = NetTimer(out.append, Counter())
+    t.mode = NetTimingMode(ts=0, mode="socket")
+    return t
+
+
+def test_nagle_held_body_waits_for_its_departure_and_names_it():
+    out: list[RequestRecord] = []
+    t = timer(out)
+    t.netwait(nw("arrival", 100 * MS, 103 * MS, 0, aux=99 * MS, first=True))
+    t.data(write(104 * MS, 0, 112))  # head: sent at once
+    t.data(write(105 * MS, 112, 14))  # body: Nagle holds it behind the head
+    t.finished(rec(103 * MS, 104 * MS, 105 * MS))
+    t.advance(200 * MS)
+    assert out == []  # a hold may still show up (the client's delayed ACK)
+    t.netwait(nw("hold", 145 * MS, 105 * MS, 126, aux=112, cause="nagle"))
+    t.advance(360 * MS)
+    assert out == []  # held: waits for the departure
+    t.netwait(nw("departure", 145 * MS, 105 * MS, 126, aux=112, cause="nagle"))
+    t.advance(361 * MS)
+    (r,) = out
+    n = r.net
+    assert n.timing == "socket" and n.arrival_ns == 100 * MS and n.estab_ns == 99 * MS
+    assert r.socket_wait_ns == 3 * MS
+    assert n.send_hold_ns == 40 * MS and n.send_hold_cause == "nagle"
+    assert r.client_end_ns - r.client_start_ns == 45 * MS
+    assert t.stats["net_timing.socket"] == 1
+
+
+def test_no_hold_releases_after_the_wait_and_reads_share_their_burst():
+    out: list[RequestRecord] = []
+    t = timer(out)
+    t.netwait(nw("arrival", 10 * MS, 12 * MS, 0, first=True))
+    t.data(write(20 * MS, 0, 50))
+    t.finished(rec(12 * MS, 20 * MS, 20 * MS))
+    t.advance(20 * MS + t.wait_ns)
+    (r,) = out
+    assert r.net.send_hold_ns == 0 and r.client_end_ns == 20 * MS
+    # a second request read later with no record of its own: same burst (pipelined)
+    t.data(write(31 * MS, 50, 50))
+    t.finished(rec(30 * MS, 31 * MS, 31 * MS))
+    t.close()
+    assert out[1].net.arrival_ns == 10 * MS and out[1].socket_wait_ns == 20 * MS
+
+
+def test_syscall_timing_when_off_unseen_or_unanchored_and_it_says_why():
+    out: list[RequestRecord] = []
+    t = NetTimer(out.append, Counter())
+    t.finished(rec(1, 2, 3))  # a capture from before socket timing
+    t.mode = NetTimingMode(ts=0, mode="syscall", reason="asked for")
+    t.finished(rec(1, 2, 3))
+    t.mode = NetTimingMode(ts=0, mode="socket")
+    t.finished(rec(1, 2, 3))  # no record for the connection
+    t.netwait(nw("arrival", 1, 2, 0, first=True, anchored=False))
+    t.finished(rec(2, 3, 4))
+    t.netwait(nw("arrival", 0, 9, 10))  # anchored since; this arrival unseen
+    assert t.conns[KEY].anchored is True
+    t.finished(rec(9, 10, 11))
+    t.close()
+    reasons = [r.net.reason for r in out]
+    assert [r.net.timing for r in out] == ["syscall"] * 5
+    assert reasons[:3] == ["capture without socket timing", "asked for",
+                           "connection not seen at its socket"]
+    assert reasons[3:] == ["connection opened before attach", "arrival not seen"]
+    assert all(r.ttft_ns == r.client_ttft_ns for r in out)
+
+
+def test_records_from_other_owners_and_bad_order_are_counted_not_fatal():
+    out: list[RequestRecord] = []
+    t = timer(out)
+    t.netwait(nw("hold", 5, 4, 10, aux=0))  # no arrival yet for this owner
+    t.netwait(nw("arrival", 10, 20, 0, first=True))
+    t.netwait(nw("arrival", 5, 15, 0))  # older read after a newer one
+    assert t.stats["netwait_unowned"] == 1 and t.stats["netwait_out_of_order"] == 1
+
+
+def test_netwait_record_round_trips_the_wire():
+    raw = wire.NETWAIT.pack(pid=7, tid=8, fd=3, conn_id=9, op=C["NW_HOLD"],
+                            cause=C["NW_CAUSE_NAGLE"], flags=C["NW_FLAG_ANCHORED"], ts=5,
+                            ref_ts=4, stream_off=126, aux=112)
+    assert len(raw) == wire.NETWAIT.size == 64
+    ev = schema.decode(raw)
+    assert (ev.op, ev.cause, ev.anchored, ev.first, ev.held_from) == ("hold", "nagle", True,
+                                                                      False, 112)
+    bad = wire.NETWAIT.pack(op=99)
+    try:
+        schema.decode(bad)
+    except schema.WireError:
+        pass
+    else:
+        raise AssertionError("an unknown op must not decode")

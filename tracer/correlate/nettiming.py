@@ -1,0 +1,290 @@
+"""Requests timed as the client sees them: from the arrival of their bytes at the
+server's socket to the departure of the response's bytes (bpf/netwait.c).
+
+The syscall probes time a request from the server's read to its writes. What the
+kernel held in between is added here, per connection, from ``NetWait`` records:
+
+- arrival: each read that began an arrival burst comes with the time its oldest bytes
+  reached the socket; a later read without a record drew from the same burst. A
+  request starts when the bytes of the read that carried its first byte arrived; the
+  gap is its ``socket_wait`` (listen backlog, receive queue, the server busy).
+- departure: a write's bytes left when it returned, unless a hold covers its last byte
+  (an ACK found them unsent): then when the hold ended. The longest such wait among a
+  response's writes is its ``send_hold``, with its cause (``nagle``, ...).
+
+A finished record is held until its last write can no longer be found held: a hold is
+only seen at the peer's next ACK, so a record waits ``wait_ns`` of capture time after
+its last write, and, if a hold covers one of its writes, until that hold ends (at most
+``hold_max_ns``). The capture's clock (the last event's time) drives the waiting, so a
+replay decides exactly as the live run did. Connections without records (timing off,
+opened before attach, a client socket) keep syscall times, and say so.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+from tracer.correlate.records import NetTiming, RequestRecord
+from tracer.events import schema
+from tracer.events.netwait import NetTimingMode, NetWait
+
+Emit = Callable[[RequestRecord], None]
+WAIT_NS = 250_000_000  # a peer ACKs within its delayed-ACK time (40-200 ms on Linux)
+HOLD_MAX_NS = 2_000_000_000
+MAX_LOG = 8192  # writes and arrivals remembered per connection
+KEEP_CLOSED_NS = 120 * 10**9  # a closed connection's log, for records still on their way
+KEEP_IDLE_NS = 15 * 60 * 10**9  # a connection whose close was lost
+
+
+@dataclass
+class Hold:
+    """Written bytes ``[start, end)`` an ACK found unsent at ``seen_ns``."""
+
+    start: int
+    end: int
+    seen_ns: int
+    cause: str | None
+    left_ns: int | None = None  # from the DEPARTURE record
+
+
+@dataclass
+class ConnLog:
+    """What one followed connection's socket did."""
+
+    anchored: bool = False  # departures measurable
+    estab_ns: int = 0
+    accept_ns: int = 0
+    first_read_ns: int = 0  # ref_ts of the owner's first ARRIVAL record
+    arrival_refs: list[int] = field(default_factory=list)  # reads (ts_exit), ascending
+    arrivals: list[int] = field(default_factory=list)  # their arrival (0: unseen)
+    writes: dict[int, int] = field(default_factory=dict)  # write ts_exit -> end offset
+    holds: list[Hold] = field(default_factory=list)
+    last_ns: int = 0  # its last record
+    closed_ns: int = 0
+
+
+class NetTimer:
+    """Finished records in, records with ``net`` timing out (through ``emit``)."""
+
+    def __init__(self, emit: Emit, stats: Counter[str], wait_ns: int = WAIT_NS,
+                 hold_max_ns: int = HOLD_MAX_NS) -> None:
+        self.emit = emit
+        self.stats = stats
+        self.wait_ns = wait_ns
+        self.hold_max_ns = hold_max_ns
+        self.mode: NetTimingMode | None = None
+        self.conns: dict[tuple[int, int, int], ConnLog] = {}
+        self.accepts: dict[tuple[int, int, int], int] = {}
+        self._pending: list[tuple[int, int, RequestRecord]] = []
+        self._seq = itertools.count()
+        self.now = 0
+        self._next_prune = 0
+
+    @property
+    def socket_mode(self) -> bool:
+        return self.mode is not None and self.mode.mode == "socket"
+
+    # ---- events ---------------------------------------------------------------------
+
+    def conn(self, ev: schema.ConnEvent) -> None:
+        from tracer.events import wire
+        if not self.socket_mode:
+            return
+        if ev.op == wire.CONSTANTS["CONN_ACCEPT"]:
+            self.accepts[ev.key] = ev.ts
+        elif ev.op == wire.CONSTANTS["CONN_CLOSE"]:
+            self.accepts.pop(ev.key, None)
+            c = self.conns.get(ev.key)
+            if c is not None:  # kept a while: its last records may still be on their way
+                c.closed_ns = ev.ts
+
+    def data(self, ev: schema.DataEvent) -> None:
+        """Remember where each write of a followed connection ended."""
+        if ev.inbound or not ev.last or ev.ret <= 0:
+            return
+        c = self.conns.get(ev.key)
+        if c is None or not c.anchored:
+            return
+        c.writes[ev.ts_exit] = ev.stream_off + ev.ret
+        c.last_ns = ev.ts_exit
+        if len(c.writes) > MAX_LOG:
+            del c.writes[next(iter(c.writes))]
+
+    def netwait(self, ev: NetWait) -> None:
+        self.stats[f"netwait_{ev.op}"] += 1
+        c = self.conns.get(ev.key)
+        if c is None:
+            if not ev.first or ev.op != "arrival":
+                self.stats["netwait_unowned"] += 1
+                return
+            c = self.conns[ev.key] = ConnLog(anchored=ev.anchored, estab_ns=ev.estab_ts,
+                                             accept_ns=self.accepts.pop(ev.key, 0),
+                                             first_read_ns=ev.ref_ts)
+        c.last_ns = max(c.last_ns, ev.ts, ev.ref_ts)
+        if ev.op == "arrival":
+            c.anchored = c.anchored or ev.anchored  # late: anchored after attach
+            if c.arrival_refs and ev.ref_ts < c.arrival_refs[-1]:
+                self.stats["netwait_out_of_order"] += 1
+                return
+            c.arrival_refs.append(ev.ref_ts)
+            c.arrivals.append(ev.ts)
+            if len(c.arrival_refs) > MAX_LOG:
+                del c.arrival_refs[0], c.arrivals[0]
+        elif ev.op == "hold":
+            c.holds.append(Hold(ev.held_from, ev.stream_off, ev.ts, ev.cause))
+            if len(c.holds) > MAX_LOG:
+                del c.holds[0]
+        else:
+            for h in reversed(c.holds):
+                if h.left_ns is None and h.start == ev.held_from:
+                    h.end, h.left_ns, h.cause = ev.stream_off, ev.ts, ev.cause
+                    break
+            else:  # its HOLD was lost: the departure alone says as much
+                c.holds.append(Hold(ev.held_from, ev.stream_off, ev.ts, ev.cause, ev.ts))
+            self._recheck(ev.key)
+
+    # ---- records ----------------------------------------------------------------------
+
+    def finished(self, rec: RequestRecord) -> None:
+        """A record from the correlator: timed now, or held until its writes are known."""
+        c = self.conns.get(rec.key[:3]) if self.socket_mode else None
+        if c is None or not c.anchored:
+            self._out(rec)
+            return
+        heapq.heappush(self._pending, (rec.end_ns + self.wait_ns, next(self._seq), rec))
+        self.advance(self.now)
+
+    def _recheck(self, key: tuple[int, int, int]) -> None:
+        """A hold ended: records of ``key`` waiting on one are due once past their
+        own wait."""
+        changed = False
+        for i, (due, seq, rec) in enumerate(self._pending):
+            if rec.key[:3] == key and due > rec.end_ns + self.wait_ns:
+                self._pending[i] = (rec.end_ns + self.wait_ns, seq, rec)
+                changed = True
+        if changed:
+            heapq.heapify(self._pending)
+
+    def advance(self, now: int) -> None:
+        """The capture's clock reached ``now``: time the records that are due."""
+        self.now = max(self.now, now)
+        if self.now >= self._next_prune:
+            self._prune()
+        while self._pending and self._pending[0][0] <= self.now:
+            due, _, rec = heapq.heappop(self._pending)
+            open_hold = self._open_hold(rec)
+            if open_hold is not None and self.now < open_hold.seen_ns + self.hold_max_ns:
+                heapq.heappush(self._pending, (open_hold.seen_ns + self.hold_max_ns,
+                                               next(self._seq), rec))
+                continue
+            self._out(rec)
+
+    def _prune(self) -> None:
+        """Forget connections closed long ago or idle past the tracker's timeout."""
+        self._next_prune = self.now + 10**10
+        busy = {r.key[:3] for _, _, r in self._pending}
+        for key in [k for k, c in self.conns.items() if k not in busy and (
+                (c.closed_ns and c.closed_ns + KEEP_CLOSED_NS < self.now)
+                or c.last_ns + KEEP_IDLE_NS < self.now)]:
+            del self.conns[key]
+        for key in [k for k, ts in self.accepts.items() if ts + KEEP_IDLE_NS < self.now]:
+            del self.accepts[key]
+
+    def close(self) -> None:
+        """End of the capture: time every held record with what is known."""
+        while self._pending:
+            self._out(heapq.heappop(self._pending)[2])
+
+    def _out(self, rec: RequestRecord) -> None:
+        try:
+            rec.net = self.timing(rec)
+        except Exception:  # never lose a record over its network timing
+            self.stats["netwait_timing_errors"] += 1
+            rec.net = NetTiming(timing="syscall", reason="tracer error")
+        self.stats[f"net_timing.{rec.net.timing}"] += 1
+        self.emit(rec)
+
+    def _open_hold(self, rec: RequestRecord) -> Hold | None:
+        c = self.conns.get(rec.key[:3])
+        if c is None:
+            return None
+        for ts in _write_times(rec):
+            h = _hold_of(c, c.writes.get(ts))
+            if h is not None and h.left_ns is None:
+                return h
+        return None
+
+    def timing(self, rec: RequestRecord) -> NetTiming:
+        """``rec``'s times at the socket, or why it keeps its syscall times."""
+        if self.mode is None:
+            return NetTiming(timing="syscall", reason="capture without socket timing")
+        if self.mode.mode != "socket":
+            return NetTiming(timing="syscall", reason=self.mode.reason or "off")
+        c = self.conns.get(rec.key[:3])
+        if c is None:
+            return NetTiming(timing="syscall", reason="connection not seen at its socket")
+        if not c.anchored:
+            return NetTiming(timing="syscall", reason="connection opened before attach")
+        arrival = _arrival(c, rec.start_ns)
+        if not arrival:
+            return NetTiming(timing="syscall", reason="arrival not seen")
+        llm_arrival = _arrival(c, rec.llm_start_ns) if rec.llm_start_ns else arrival
+        n = NetTiming(timing="socket", arrival_ns=arrival, llm_arrival_ns=llm_arrival or arrival)
+        i = bisect.bisect_right(c.arrival_refs, rec.start_ns) - 1
+        if c.estab_ns and c.arrival_refs and c.arrival_refs[i] == c.first_read_ns:
+            n.estab_ns = c.estab_ns  # the connection's first request: its setup counts
+            n.accept_ns = c.accept_ns or None
+        worst = (0, None)
+        for ts in _write_times(rec):
+            left, hold = self._departure(c, ts)
+            n.departures[ts] = left
+            if left - ts > worst[0]:
+                worst = (left - ts, hold.cause if hold else None)
+        n.send_hold_ns, n.send_hold_cause = worst
+        return n
+
+    def _departure(self, c: ConnLog, ts: int) -> tuple[int, Hold | None]:
+        """When the bytes of the write that returned at ``ts`` left."""
+        h = _hold_of(c, c.writes.get(ts))
+        if h is None:
+            return ts, None
+        left = h.left_ns if h.left_ns is not None else h.seen_ns
+        return max(left, ts), h
+
+
+def _arrival(c: ConnLog, read_ts: int) -> int:
+    """When the bytes of the read that returned at ``read_ts`` reached the socket
+    (0: not known): its own ARRIVAL record, or the burst of the last one before it."""
+    i = bisect.bisect_right(c.arrival_refs, read_ts) - 1
+    if i < 0:
+        return 0
+    ts = c.arrivals[i]
+    return ts if 0 < ts <= read_ts else 0
+
+
+def _hold_of(c: ConnLog, end: int | None) -> Hold | None:
+    """The hold that found the last byte of a write ending at ``end`` unsent."""
+    if end is None:
+        return None
+    for h in reversed(c.holds):
+        if h.start < end <= h.end:
+            return h
+        if h.end < end and h.left_ns is not None:
+            break  # holds are in stream order: older ones end before this
+    return None
+
+
+def _write_times(rec: RequestRecord) -> list[int]:
+    """The writes that a client's view of ``rec`` depends on: the response head, the
+    first chunk, every token, the last byte."""
+    out = [t for t in (rec.response_start_ns, rec.end_ns) if t]
+    r = rec.llm_response
+    if r is not None:
+        out += [t for t in (r.first_chunk_ts, r.first_token_ts) if t]
+        out += list(r.token_ts)
+    return sorted(set(out))
