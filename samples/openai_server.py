@@ -191,11 +191,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--token-rate", type=float, default=0.0,
                    help="max tokens/s per request (0: as fast as the model goes)")
     p.add_argument("--loop", default="auto", help="uvicorn event loop: auto, asyncio, uvloop")
+    p.add_argument("--keep-alive", type=float, default=30.0,
+                   help="seconds an idle keep-alive connection stays open (uvicorn's "
+                        "default, 5 s, is about what compiling the probes takes, and a "
+                        "tracer attaching to open connections needs them to outlive it)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     engine = Engine(args.device, args.token_rate)
     uvicorn.run(build_app(engine), host=args.host, port=args.port, log_level="warning",
-                http="httptools", loop=args.loop, access_log=False)
+                http="httptools", loop=args.loop, access_log=False,
+                timeout_keep_alive=args.keep_alive)
 
 
 if __name__ == "__main__":
