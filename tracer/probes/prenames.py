@@ -287,7 +287,7 @@ class PreNames:
         for path, maps in by_path.items():
             if not any("x" in m.perms for m in maps):
                 continue
-            opened = _open_path(pid, maps[0])
+            opened = procfs.open_mapped(pid, maps[0])
             try:
                 st = os.stat(opened)
             except OSError:
@@ -399,7 +399,7 @@ class PreNames:
                 break
         else:
             return None
-        ev = self.evidence(_open_path(pid, m), analyse)
+        ev = self.evidence(procfs.open_mapped(pid, m), analyse)
         if ev is None or ev.registration is None:
             return None
         vaddr = ev.registration.vaddr_of(stub - m.start + m.offset)
@@ -675,17 +675,6 @@ def _analyse(path: str, arch: int | None) -> LibraryEvidence | None:
         except OSError as e:
             ev.error = f"fatbin: {e}"
     return ev
-
-
-def _open_path(pid: int, m: procfs.Mapping) -> str:
-    """A path that opens the mapped file (through the process's root)."""
-    path = f"/proc/{pid}/root{m.path}"
-    try:
-        if os.stat(path).st_ino == m.inode:
-            return path
-    except OSError:
-        pass
-    return f"/proc/{pid}/map_files/{m.start:x}-{m.end:x}"
 
 
 class BackgroundPreNames:

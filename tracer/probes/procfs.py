@@ -254,6 +254,19 @@ def mappings(pid: int) -> list[Mapping]:
     return out
 
 
+def open_mapped(pid: int, m: Mapping) -> str:
+    """A path that opens the file ``pid`` maps at ``m``: through the process's root,
+    else (deleted or replaced since it was mapped) the kernel's handle on the mapping
+    itself."""
+    path = f"/proc/{pid}/root{m.path}"
+    try:
+        if os.stat(path).st_ino == m.inode:
+            return path
+    except OSError:
+        pass
+    return f"/proc/{pid}/map_files/{m.start:x}-{m.end:x}"
+
+
 def mapping_of(pid: int, addr: int) -> Mapping | None:
     """The file mapping of ``pid`` that holds ``addr``, or None."""
     for m in mappings(pid):

@@ -177,7 +177,7 @@ class Symbolizer:
                               "or code not from a file)")
         if "x" not in m.perms:
             raise SymbolError(f"pid {pid}: {addr:#x} is in {m.path}, not executable there")
-        path = _open_path(pid, m)
+        path = procfs.open_mapped(pid, m)
         elf = self.functions(path)
         file_offset = addr - m.start + m.offset
         vaddr = elf.vaddr_of(file_offset)
@@ -214,15 +214,3 @@ def _mapping(maps: list[procfs.Mapping], addr: int) -> procfs.Mapping | None:
         if m.start <= addr < m.end:
             return m
     return None
-
-
-def _open_path(pid: int, m: procfs.Mapping) -> str:
-    """A path that opens the mapped file: through the process's root, else (deleted or
-    replaced since it was mapped) the kernel's handle on the mapping itself."""
-    path = f"/proc/{pid}/root{m.path}"
-    try:
-        if os.stat(path).st_ino == m.inode:
-            return path
-    except OSError:
-        pass
-    return f"/proc/{pid}/map_files/{m.start:x}-{m.end:x}"
