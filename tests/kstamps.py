@@ -87,11 +87,15 @@ class StampedSocket:
         clock just before the send), both realtime ns."""
         user = time.time_ns()
         self.sock.sendall(data)
-        return self.sent(len(data)), user
+        stamp = self.sent(len(data))
+        assert stamp is not None, "nothing sent"
+        return stamp, user
 
-    def sent(self, n: int) -> int:
+    def sent(self, n: int) -> int | None:
         """``n`` more bytes were sent (by whoever owns the socket): the TX stamp of the
-        last of them. Older stamps still queued are passed over."""
+        last of them (None for no bytes). Older stamps still queued are passed over."""
+        if n <= 0:
+            return None
         self.sent_bytes += n
         want = self.sent_bytes - 1
         deadline = time.monotonic() + 2.0

@@ -92,17 +92,18 @@ class _TimedSocket(httpcore2.NetworkStream):
         self.stamped = StampedSocket(sock) if type(sock) is socket.socket else None
 
     def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        first = "sent" not in self.timing
+        first = "sent" not in self.timing and len(buffer) > 0
         if first and self.stamped is None:
             # stamped before the send: on loopback the send can wake the server, which
             # may then run before this thread gets the CPU back
             self.timing["sent"] = time.time()
         self.inner.write(buffer, timeout)
         if self.stamped is not None:
-            if first:
-                self.timing["sent"] = self.stamped.sent(len(buffer)) / 1e9
-            else:  # its stamp is passed over with the next request's first
-                self.stamped.sent_bytes += len(buffer)
+            # every write's stamp is taken off the error queue: a stamp left there
+            # makes the idle socket poll as broken, and the pool would not reuse it
+            stamp = self.stamped.sent(len(buffer))
+            if first and stamp is not None:
+                self.timing["sent"] = stamp / 1e9
 
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
         looking = "sent" in self.timing and "first_text" not in self.timing
