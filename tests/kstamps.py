@@ -20,9 +20,13 @@ user-clock stamps are kept beside the kernel's so those waits can be reported ap
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import select
+import selectors
 import socket
 import struct
+import threading
 import time
 
 SO_TIMESTAMPING = 37  # <asm-generic/socket.h>; SCM_TIMESTAMPING is the same number
@@ -46,17 +50,32 @@ def _stamp(ancdata: list[tuple[int, int, bytes]]) -> int | None:
 
 
 _keeper: socket.socket | None = None
+_keeper_lock = threading.Lock()
 
 
 def _keep_rx_stamping_on() -> None:
     """Received packets are stamped only while some socket asks for it, and the first
     such socket turns it on through a deferred work item: early segments of the first
-    connection would go unstamped. One socket kept open for the process keeps it on."""
+    connection would go unstamped. One socket kept open for the process keeps it on;
+    the first caller waits until a datagram to itself comes back stamped."""
     global _keeper
-    if _keeper is None:
-        _keeper = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        _keeper.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPING, SOF_RX_SOFTWARE | SOF_SOFTWARE)
-        time.sleep(0.05)
+    with _keeper_lock:
+        if _keeper is not None:
+            return
+        k = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        k.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPING, SOF_RX_SOFTWARE | SOF_SOFTWARE)
+        k.bind(("127.0.0.1", 0))
+        k.settimeout(1.0)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            k.sendto(b"x", k.getsockname())
+            _, anc, _, _ = k.recvmsg(1, _CMSG)
+            if _stamp(anc) is not None:
+                break
+            time.sleep(0.01)
+        else:
+            raise RuntimeError("the kernel does not stamp received packets")
+        _keeper = k
 
 
 def _key(ancdata: list[tuple[int, int, bytes]]) -> int | None:
@@ -131,3 +150,33 @@ class StampedSocket:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def drive(clients: list, begin: Callable[[int, int, Any], None], per_client: int) -> list[dict]:
+    """Run ``per_client`` calls on each client, all clients at once, from this one
+    thread: ``begin(i, k, client)`` starts client i's k-th call, and ``client.step()``
+    handles its socket when readable, returning the call's result once it ends. One
+    thread reads each socket as soon as it is readable: many client threads would make
+    each other wait for the GIL, and a late read lets TCP merge a token's segment into
+    a later one's buffer, whose stamp is then the later one's."""
+    sel = selectors.DefaultSelector()
+    done: list[dict] = []
+    left = {}
+    for i, c in enumerate(clients):
+        begin(i, 0, c)
+        left[c] = per_client - 1
+        sel.register(c.sock, selectors.EVENT_READ, (i, c))
+    while sel.get_map():
+        for key, _ in sel.select(timeout=30):
+            i, c = key.data
+            r = c.step()
+            if r is None:
+                continue
+            done.append(r)
+            if left[c]:
+                begin(i, per_client - left[c], c)
+                left[c] -= 1
+            else:
+                sel.unregister(c.sock)
+    sel.close()
+    return done
