@@ -17,7 +17,8 @@ from tracer.correlate.gpu import GpuLedger
 from tracer.correlate.ipc import IpcGraph
 from tracer.correlate.nettiming import NetTimer
 from tracer.correlate.records import RequestRecord
-from tracer.events import gpu, schema, wire
+from tracer.correlate.stacks import Flame, StackBook, resolve
+from tracer.events import gpu, schema, stacks, wire
 from tracer.events.netwait import NetTimingMode, NetWait
 from tracer.export.context import ExportContext
 
@@ -47,9 +48,11 @@ class Pipeline:
         self.pricing = pricing
         # after the GPU attribution (which times by syscalls): the client's view
         self.net = NetTimer(self._export_now, self.stats)
+        self.stacks = StackBook()
         self.attribution = GpuAttribution(self._export, self._open_records, self.stats,
                                           ipc=self.ipc, pricing=pricing,
-                                          kernel_name=self._kernel_name)
+                                          kernel_name=self._kernel_name, stacks=self.stacks)
+        self.ctx.flame_resolver = self.resolve_flame
 
     def _emit(self, rec: RequestRecord) -> None:
         """A finished record: held by the GPU attribution until its bursts are in."""
@@ -60,6 +63,10 @@ class Pipeline:
         from tracer.correlate.kernelnames import readable
         proc = self.gpu.processes.get(pid)
         return readable(proc.name_of(handle)) if proc is not None else f"unknown@{handle:#x}"
+
+    def resolve_flame(self, flame: Flame) -> list[Any]:
+        """A request's (or service's) stack weights as frames, kernels named."""
+        return resolve(flame, self.stacks, self._kernel_name)
 
     def _open_records(self, pid: int) -> Iterator[RequestRecord]:
         """The exchanges of ``pid`` still being assembled, with their responses so far."""
@@ -125,6 +132,10 @@ class Pipeline:
             self.last_ts = max(self.last_ts, ev.ts)
             if ev.op == C["PROC_EXIT"]:
                 t.process_exit(ev.pid, ev.ts)
+        elif isinstance(ev, stacks.StackCounts):
+            self.stacks.counts(ev)
+        elif isinstance(ev, stacks.StackFrames):
+            self.stacks.define(ev)
         elif isinstance(ev, schema.ProcessInfo):
             self.ctx.processes[ev.pid] = ev
         elif isinstance(ev, schema.ClockSync):
@@ -170,6 +181,7 @@ class Pipeline:
         for k, v in sorted(self.ctx.drops.items()):
             out[f"capture.{k}"] = v
         extra = getattr(self.ctx.identity, "stats", None) or {}
-        for k, v in sorted((self.tracker.stats + self.stats + Counter(extra)).items()):
+        for k, v in sorted((self.tracker.stats + self.stats + Counter(extra)
+                            + self.stacks.stats).items()):
             out[k] = v
         return out
