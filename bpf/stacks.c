@@ -25,6 +25,7 @@
 #define STK_CFG_EVERY 0  /* mean calls between samples of a thread (0 or 1: every call) */
 #define STK_CFG_JITTER 1 /* 1: random gaps of mean EVERY; 0: exactly every EVERY-th */
 #define STK_CFG_SLICE 2  /* bytes of user stack to send with a new stack (<= STACK_SLICE) */
+#define STK_CFG_ON 3     /* 0: sampling paused (a GPU call pays one array read) */
 #define STK_CFG_N 4
 BPF_ARRAY(stk_config, u64, STK_CFG_N); /* written by user space before attaching */
 
@@ -272,6 +273,8 @@ static __always_inline void stacks_thread_exit(u32 tid)
 static __always_inline void stacks_call(struct pt_regs *ctx, u64 id, u16 what, u64 handle,
                                         u64 burst_ts)
 {
+    if (!stk_cfg(STK_CFG_ON))
+        return;
     u32 pid = id >> 32, tid = (u32)id;
     u64 every = stk_cfg(STK_CFG_EVERY);
     if (every < 1)

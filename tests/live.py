@@ -53,7 +53,8 @@ def traced(pids: list[int] | None = None, ports: list[int] | None = None,
     record before the collector does."""
     c = Collected()
     ctx = ExportContext()
-    spans = SpanBuilder(ctx, [SimpleSpanProcessor(JsonlSpanExporter(c._jsonl))])
+    ctx.flames = {}  # spans carry their launch-site stacks (with stack_every=N)
+    spans = SpanBuilder(ctx, [SimpleSpanProcessor(JsonlSpanExporter(c._jsonl, ctx.flames))])
     keep = config.pop("keep_content", False)
     pricing = config.pop("pricing", None)
     run = TraceRun(CaptureConfig(pids=pids or [], ports=ports or [], **config),

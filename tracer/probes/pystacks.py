@@ -296,7 +296,7 @@ def _debug_offsets(mem: _Memory, runtime: int) -> dict[str, int] | None:
         ok = (1000 < rt[0] < 1 << 22 and 0 < rt[2] < rt[0]
               and 1000 < it[0] < 1 << 22 and it[2] < it[0] and 0 < it[3] < it[0]
               and 100 < ts[0] < 8192 and all(x < ts[0] for x in ts[1:7])
-              and 32 <= fr[0] <= 256 and all(x < fr[0] for x in fr[1:6])
+              and 32 <= fr[0] <= 256 and all(x <= fr[0] for x in fr[1:6])
               and 64 <= co[0] <= 1024 and all(16 <= x < co[0] for x in co[1:6]))
         if not ok:
             continue

@@ -47,11 +47,18 @@ class StackSampler:
         cfg[ctypes.c_int(1)] = ctypes.c_uint64(1 if jitter else 0)
         cfg[ctypes.c_int(2)] = ctypes.c_uint64(
             max(0, min(slice_bytes, wire.CONSTANTS["STACK_SLICE"])) // 1024 * 1024)
+        self.enable(True)
         self.every = every
         self.layouts: dict[int, PyLayout] = {}
         self.why_not: dict[int, str] = {}  # pid -> why it has no Python frames
         self._tries: Counter[int] = Counter()
         self.resolver = StackResolver(self.layouts)
+
+    def enable(self, on: bool) -> None:
+        """Pause or resume sampling (the benchmark's alternating windows); while paused
+        a GPU call pays one array read."""
+        self.bpf[b"stk_config"][ctypes.c_int(3)] = ctypes.c_uint64(1 if on else 0)
+        self.on = on
 
     # ---- processes ---------------------------------------------------------------------
 
