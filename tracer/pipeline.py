@@ -136,6 +136,8 @@ class Pipeline:
             self.stacks.counts(ev)
         elif isinstance(ev, stacks.StackFrames):
             self.stacks.define(ev)
+        elif isinstance(ev, stacks.StackSampling):
+            self.stacks.enabled = True
         elif isinstance(ev, schema.ProcessInfo):
             self.ctx.processes[ev.pid] = ev
         elif isinstance(ev, schema.ClockSync):

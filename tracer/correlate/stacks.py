@@ -94,11 +94,13 @@ class StackBook:
     stats: Counter[str] = field(default_factory=Counter)
 
     pids: set[int] = field(default_factory=set)  # processes stacks were sampled in
+    enabled: bool = False  # the capture said stack sampling runs (StackSampling)
 
     def sampled(self, pid: int) -> bool:
-        """Whether stacks were ever sampled in ``pid`` (then every step of it gets a
-        flame, its unsampled units split by the process's samples so far)."""
-        return pid in self.pids
+        """Whether ``pid``'s GPU work gets flames: once stack sampling runs, all of it
+        (a unit with no sample yet is ``[no stack sampled]``, later ones are split by
+        the process's samples so far)."""
+        return self.enabled or pid in self.pids
 
     def counts(self, ev: StackCounts) -> None:
         """A thread's sampled stacks: held for its next burst."""

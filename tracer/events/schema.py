@@ -269,3 +269,4 @@ from tracer.events import stacks as _stacks  # noqa: E402
 
 DECODERS.update(_stacks.DECODERS)
 USER_EVENTS[_stacks.StackFrames.__name__] = _stacks.StackFrames
+USER_EVENTS[_stacks.StackSampling.__name__] = _stacks.StackSampling

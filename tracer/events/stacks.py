@@ -87,6 +87,16 @@ class StackFrames:
     native_stop: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class StackSampling:
+    """Stack sampling was set up (a capture's user event, once at its start): from here
+    on every GPU call of a traced process belongs to some stack in the flame graphs,
+    sampled or, where no sample was taken yet, ``[no stack sampled]``."""
+
+    ts: int
+    every: int
+
+
 def _decode_counts(buf: bytes) -> StackCounts:
     f = wire.KSTACKS.unpack(buf)
     n = min(f["n"], C["STACK_SLOTS_N"])

@@ -121,8 +121,11 @@ class CaptureSession:
         if "stacks" in self.concerns:
             from tracer.probes.stacks import StackSampler
 
+            from tracer.events.stacks import StackSampling
+
             self.stacks = StackSampler(self.bpf, self.config.stack_every,
                                        self.config.stack_jitter, self.config.stack_slice)
+            self.sink(StackSampling(ts=time.monotonic_ns(), every=self.config.stack_every))
         config = self.bpf[b"config"]
         config[ctypes.c_int(C["CFG_CAPTURE_LIMIT"])] = ctypes.c_uint64(self.config.capture_limit)
         config[ctypes.c_int(C["CFG_BURST_NS"])] = ctypes.c_uint64(self.config.burst_ns)

@@ -12,12 +12,16 @@ memory never leaves this module: captures keep the ``StackFrames`` event.
 from __future__ import annotations
 
 import ctypes
+import os
 import queue
 import threading
 import time
 from bisect import bisect_right
 from collections import Counter
 from typing import Any
+
+from elftools.common.exceptions import ELFError
+from elftools.elf.elffile import ELFFile
 
 from tracer.events import schema
 from tracer.events.stacks import StackDef, StackFrames
@@ -152,6 +156,7 @@ class StackResolver:
         self._layouts: dict[int, PyLayout] = {}
         self._readers: dict[int, CodeReader] = {}
         self._regions: dict[int, list[Region]] = {}
+        self._load_cache: dict[tuple[int, int, int], list[tuple[int, int, int]]] = {}
         self._seen: set[tuple[int, int]] = set()
         self.unwinder = Unwinder()
         self.symbols = Symbolizer(max_files=64)
@@ -248,6 +253,8 @@ class StackResolver:
                            native_stop=why)
 
     def _regions_of(self, pid: int, fresh: bool = False) -> list[Region]:
+        """The executable file mappings of ``pid`` with their load bias (program headers
+        only: symbols are read for the libraries that show up in stacks)."""
         got = self._regions.get(pid)
         if got is not None and not fresh:
             return got
@@ -256,20 +263,33 @@ class StackResolver:
             if "x" not in m.perms:
                 continue
             path = procfs.open_mapped(pid, m)
-            try:
-                elf = self.symbols.functions(path)
-            except SymbolError:
-                continue
-            bias = None
-            for off, size, va in elf.loads:
+            loads = self._loads(path)
+            for off, size, va in loads:
                 if off <= m.offset < off + max(size, 1):
-                    bias = m.start - (va + (m.offset - off))
+                    out.append(Region(m.start, m.end, m.start - (va + (m.offset - off)),
+                                      m.path, path))
                     break
-            if bias is not None:
-                out.append(Region(m.start, m.end, bias, m.path, path))
         out.sort(key=lambda r: r.start)
         self._regions[pid] = out
         return out
+
+    def _loads(self, path: str) -> list[tuple[int, int, int]]:
+        """A file's PT_LOAD segments (offset, file size, vaddr), cached by inode."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return []
+        key = (st.st_dev, st.st_ino, st.st_mtime_ns)
+        got = self._load_cache.get(key)
+        if got is None:
+            try:
+                with open(path, "rb") as f:
+                    got = [(s["p_offset"], s["p_filesz"], s["p_vaddr"])
+                           for s in ELFFile(f).iter_segments() if s["p_type"] == "PT_LOAD"]
+            except (OSError, ELFError, ValueError):
+                got = []
+            self._load_cache[key] = got
+        return got
 
     def _native(self, d: StackDef, stop_at: set[str]) -> tuple[list[str], str]:
         regions = self._regions_of(d.pid)
