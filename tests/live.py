@@ -32,6 +32,7 @@ class Collected:
         self.gpu: dict[str, Any] = {}  # the GPU ledger's --summary part, after the stop
         self.reconciliation: dict[str, Any] = {}
         self.naming: dict[str, Any] | None = None  # stub naming and before-attach state
+        self.stacks: Any = None
         self._jsonl = io.StringIO()
 
     def on_record(self, rec: Any) -> None:
@@ -69,6 +70,7 @@ def traced(pids: list[int] | None = None, ports: list[int] | None = None,
         c.naming = gpu.stubs.state() if gpu is not None else None
         c.report = run.stop()
         c.gpu = run.pipeline.gpu.summary()
+        c.stacks = run.pipeline.stacks  # launch-site stacks the run saw (stack_every=N)
         c.reconciliation = run.pipeline.reconciliation()
 
 

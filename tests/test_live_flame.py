@@ -269,3 +269,45 @@ def test_cli_default_sampling_keeps_single_site_kernels_exact(paths, tmp_path):
         attrs = spans[rid]["attributes"]
         assert attrs["tokentrace.gpu.flame"].startswith("tokentrace flame ")
         assert any("Model.attention" in s for s in attrs["tokentrace.gpu.launch_sites"])
+
+
+def test_a_c_programs_calls_all_get_stacks_and_counts_stay_exact(paths, tmp_path):
+    """samples/gpu/workload.c (no Python; threads, a CUDA graph every 5 steps, copies and
+    NCCL calls): sampling changes no count, and every call of every kind lands in a stack
+    (kept with the process: no request was in these steps) whose native frames name the
+    workload's thread function."""
+    from tracer.correlate.stacks import COPY, GRAPH, KERNEL, NCCL
+    from tracer.events.stacks import COPY_NAMES
+
+    env = dict(os.environ, TT_STANDIN_COUNTS=str(tmp_path / "cuda.json"),
+               TT_STANDIN_NCCL_COUNTS=str(tmp_path / "nccl.json"))
+    w = subprocess.Popen([str(paths["workload"]), "--wait", "--steps", "60", "--kernels", "6",
+                          "--threads", "2", "--graph-every", "5", "--nccl"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    assert w.stdout.readline().strip() == "ready"
+    with traced(pids=[w.pid], stack_every=4, concerns=("cuda", "nccl", "process")) as got:
+        w.stdin.write("go\n")
+        w.stdin.flush()
+        assert w.stdout.readline().strip() == "done"
+        assert w.wait(30) == 0
+    truth = json.loads((tmp_path / "cuda.json").read_text())
+    nccl = json.loads((tmp_path / "nccl.json").read_text())
+    (proc,) = got.gpu["processes"]
+    assert proc["kernel_launches"] == truth["launches"] == 2 * 60 * 6
+    assert proc["graph_launches"] == truth["graph_launches"]
+    calls = Counter()
+    for (_pid, _sid, what, _h), (n, _t, _s) in got.stacks.unattributed[w.pid].items():
+        calls[what] += n
+    assert calls[KERNEL] == pytest.approx(truth["launches"])
+    assert calls[GRAPH] == pytest.approx(truth["graph_launches"])
+    names = {v: k for k, v in COPY_NAMES.items()}
+    assert calls[COPY + names["HtoD"]] == pytest.approx(truth["h2d_calls"])
+    assert calls[COPY + names["DtoH"]] == pytest.approx(truth["d2h_calls"])
+    assert calls[NCCL + 1] == pytest.approx(nccl["allreduce"][0])  # TT_NCCL_ALLREDUCE
+    frames = list(got.stacks.frames.values())
+    whats = {f.what for f in frames}
+    assert {KERNEL, GRAPH, NCCL + 1, COPY + names["HtoD"]} <= whats
+    for f in frames:
+        native = [x.split("\t")[0] for x in f.native]
+        assert not f.python and "run" in native, (f.what, native, f.native_stop)
+    assert got.report["capture.lost_gpu"] == 0

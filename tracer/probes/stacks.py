@@ -267,7 +267,7 @@ class StackResolver:
             for off, size, va in loads:
                 if off <= m.offset < off + max(size, 1):
                     out.append(Region(m.start, m.end, m.start - (va + (m.offset - off)),
-                                      m.path, path))
+                                      m.path, path, m.inode))
                     break
         out.sort(key=lambda r: r.start)
         self._regions[pid] = out
@@ -305,7 +305,8 @@ class StackResolver:
                 names.append(f"\t[{pc:#x}]")
                 continue
             lib = reg.path.rsplit("/", 1)[-1]
-            sym = function_containing(self.symbols, reg.open_path, pc - reg.bias)
+            usable = reg.usable_path()
+            sym = function_containing(self.symbols, usable, pc - reg.bias) if usable else None
             names.append(f"{native_name(sym)}\t{lib}" if sym
                          else f"\t{lib}+{pc - reg.bias:#x}")
         return names, got.stop

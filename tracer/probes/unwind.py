@@ -384,7 +384,20 @@ class Region:
     end: int
     bias: int  # process address - ELF virtual address
     path: str  # as mapped
-    open_path: str  # what to open
+    open_path: str  # what to open (through /proc/PID/root)
+    inode: int = 0  # the mapped file's inode: ``path`` may stand in once the process is gone
+
+    def usable_path(self) -> str | None:
+        """A path that opens the mapped file now: through the process while it lives,
+        else the same file by its own path (same inode), else None."""
+        if os.path.exists(self.open_path):
+            return self.open_path
+        try:
+            if self.inode and os.stat(self.path).st_ino == self.inode:
+                return self.path
+        except OSError:
+            pass
+        return None
 
 
 @dataclass
@@ -449,7 +462,8 @@ class Unwinder:
             if reg.path in stop_at:
                 return Unwound(pcs, "interpreter")
             pcs.append(pc)
-            eh = self.eh(reg.open_path)
+            usable = reg.usable_path()
+            eh = self.eh(usable) if usable else None
             rules = None
             if eh is not None:
                 try:
