@@ -281,14 +281,17 @@ def test_a_c_programs_calls_all_get_stacks_and_counts_stay_exact(paths, tmp_path
 
     env = dict(os.environ, TT_STANDIN_COUNTS=str(tmp_path / "cuda.json"),
                TT_STANDIN_NCCL_COUNTS=str(tmp_path / "nccl.json"))
-    w = subprocess.Popen([str(paths["workload"]), "--wait", "--steps", "60", "--kernels", "6",
-                          "--threads", "2", "--graph-every", "5", "--nccl"],
+    w = subprocess.Popen([str(paths["workload"]), "--wait", "--linger", "--steps", "60",
+                          "--kernels", "6", "--threads", "2", "--graph-every", "5", "--nccl"],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     assert w.stdout.readline().strip() == "ready"
     with traced(pids=[w.pid], stack_every=4, concerns=("cuda", "nccl", "process")) as got:
         w.stdin.write("go\n")
         w.stdin.flush()
         assert w.stdout.readline().strip() == "done"
+        time.sleep(2.0)  # its stacks are resolved while it lives (then it may exit)
+        w.stdin.write("quit\n")
+        w.stdin.flush()
         assert w.wait(30) == 0
     truth = json.loads((tmp_path / "cuda.json").read_text())
     nccl = json.loads((tmp_path / "nccl.json").read_text())
