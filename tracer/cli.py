@@ -519,6 +519,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         run.close()
         _say_detached(run.session)
+        if run.session.stacks is not None:  # --stacks: which processes had Python frames
+            for line in run.session.stacks.describe():
+                _say(f"stacks: {line}")
     if rc == 0:
         _write_summary(args.summary, run.pipeline)
         _report(run.pipeline, console)

@@ -10,18 +10,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-DESCRIPTION = (
-    "Draw the launch-site stacks of one request (--request TRACE_ID, or its span id) or of "
-    "every request of a service (--service NAME): Python frames (root first), the native "
-    "frames down to the CUDA/NCCL call, a '--' separator, and the kernel (or copy, NCCL "
-    "call, graph) on top, as wide as its GPU calls, or its estimated GPU time. A request "
-    "gets the stacks of exactly the GPU work it was charged for (its share of each "
-    "batched step), so a service's flame graph is the sum of its requests'. Input: the "
-    "span JSONL of a run or replay made with --stacks, or its capture (replayed here). "
-    "Writes NAME.folded (GPU calls), NAME.gpu_time.folded (ns), NAME.samples.folded "
-    "(Brendan Gregg's folded stacks), NAME.pb.gz (pprof: go tool pprof, Parca, "
-    "Pyroscope, Grafana), NAME.html (interactive: search, zoom) and NAME.json (totals "
-    "and the stacks). docs/flame.md.")
+DESCRIPTION = """\
+Draw the launch-site stacks of one request (--request TRACE_ID, or its span id) or of
+every request of a service (--service NAME): Python frames (root first), the native
+frames down to the CUDA or NCCL call, a '--' separator, and the kernel (or copy, NCCL
+call, CUDA graph) on top, as wide as its GPU calls or its estimated GPU time. A request
+gets the stacks of exactly the GPU work it was charged for (its share of each batched
+step), so a service's flame graph is the sum of its requests'.
+
+Input: the span JSONL of a run or replay made with --stacks, or its capture (replayed
+here). Output, in DIR: NAME.folded (GPU calls), NAME.gpu_time.folded (ns),
+NAME.samples.folded (Brendan Gregg's folded stacks), NAME.pb.gz (pprof: go tool pprof,
+Parca, Pyroscope, Grafana), NAME.html (interactive: search, click to zoom) and NAME.json
+(totals and stacks). See docs/flame.md.
+"""
 EPILOG = """\
 examples:
   sudo tokentrace run --port 8000 --stacks --jsonl spans.jsonl --record cap.ttcap

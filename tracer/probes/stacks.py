@@ -88,7 +88,7 @@ class StackSampler:
         self.layouts[pid] = lay
         self.resolver.layout(pid, lay)
 
-    def forget(self, pid: int, exec_: bool = False) -> None:
+    def forget(self, pid: int) -> None:
         """``pid`` exited (or exec'd another program: looked at afresh)."""
         self.layouts.pop(pid, None)
         self._tries.pop(pid, None)
