@@ -51,7 +51,7 @@ MAX_HOLD_NS = 5 * 10**9  # a trailing rank is not waited for longer than this
 # then counted in by the tokens it has written so far.
 MAX_SETTLE_LAG_NS = 60 * 10**9
 KEEP_SETTLED_NS = 10 * 10**9  # settled steps kept for requests that arrived before them
-MAX_PENDING_NS = 2 * 10**9  # decided steps wait at most this long for a fitted model
+MAX_PENDING_NS = 10 * 10**9  # decided steps wait at most this long for a usable model
 TOP_KERNELS = 5  # kernels named on a span, by its share of their launches
 
 
@@ -428,14 +428,17 @@ class GpuAttribution:
         self.pending[log.key].append((step, fsteps, members))
 
     def _allocate(self, log: StepLog, now: bool) -> None:
-        """Split the decided steps among their members, once the step-cost models have
-        seen enough steps to be fitted (or ``now``: the stream ends, a step is forced,
-        or the oldest waits too long)."""
+        """Split the decided steps among their members, once the step-cost models are
+        fitted and usable (or ``now``: the stream ends, a step is forced, or the oldest
+        waits too long)."""
         pending = self.pending[log.key]
         if not pending:
             return
         kernel, time = self.learners[log.key]
-        if not (now or kernel.fitted or
+        # a first fit on an engine's first steps can find them all alike (a cold start:
+        # all prefilling, or all decoding): those steps wait for a model that can tell
+        # their members apart, up to MAX_PENDING_NS
+        if not (now or (kernel.model.usable and time.model.usable) or
                 pending[0][0].end_ts + MAX_PENDING_NS <= self.now):
             return
         for step, fsteps, members in pending:
