@@ -20,7 +20,9 @@ One command, a few minutes:
    and counts the streamed tokens per window: tokens/s with / without sampling.
 4. Writes, from the spans the run exported: the service's flame graph and one request's
    (``flame-service.*``, ``flame-request.*``: folded, pprof, HTML, JSON), the spans
-   (``spans.jsonl``), the capture (``flame.ttcap``), and ``flame.json``: whether HF's
+   (``spans.jsonl``), the capture (``flame.ttcap``) and the server's log, all packed in
+   ``flame-files.tgz`` (a device tool brings back few files), the service's HTML page
+   beside it (``flame-service.html``, for a picture), and ``flame.json``: whether HF's
    Python functions that launch the model's kernels (``LlamaAttention.forward``,
    ``LlamaMLP.forward`` in ``modeling_llama.py``) appear with named kernels on top, the
    overhead, the interpreter found (and how its layout was checked), how far native
@@ -161,6 +163,27 @@ class Load:
             return sum(1 for t in self.chunks if a <= t < b)
 
 
+def load_process(url: str, model: str, threads: int, seconds: float, out: Path
+                 ) -> subprocess.Popen[str]:
+    """The load in a process of its own: in the tracer's process its client threads
+    would share the interpreter lock with the tracer's own Python, and tokens/s would
+    measure that, not the server."""
+    return subprocess.Popen([sys.executable, __file__, str(out), "--load-only", url, model,
+                             str(threads), str(seconds)], cwd=ROOT)
+
+
+def run_load_only(argv: list[str]) -> int:
+    """``flame.py OUT --load-only URL MODEL THREADS SECONDS``: drive, then write the
+    chunk times (CLOCK_MONOTONIC, comparable across processes) to OUT."""
+    out, _flag, url, model, threads, seconds = argv
+    load = Load(url, model, int(threads))
+    load.start(float(seconds))
+    load.join()
+    Path(out).write_text(json.dumps({"chunks": load.chunks, "requests": load.requests,
+                                     "errors": dict(load.errors)}))
+    return 0
+
+
 def hf_check(stacks: list[Any]) -> dict[str, Any]:
     """Which of HF's modeling functions the flame graph shows, with the GPU work on top
     of stacks through them (launches) and whether those kernels are named."""
@@ -241,26 +264,30 @@ def main() -> int:
                 os.kill(server.proc.pid, signal.SIGUSR2)  # the shim's GPU calls begin
             sampler = run.session.stacks
             sampler.enable(False)
-            load = Load(server.url, str(model), args.concurrency)
-            load.start(args.windows * args.window_s + 3.0)
+            load_file = work / "load.json"
+            loader = load_process(server.url, str(model), args.concurrency,
+                                  args.windows * args.window_s + 3.0, load_file)
             time.sleep(3.0)  # the load settles (first requests, batches filling up)
             for i in range(args.windows):
                 on = i % 2 == 1
                 sampler.enable(on)
-                a = time.monotonic()
+                a, cpu_a = time.monotonic(), time.process_time()
                 time.sleep(args.window_s)
-                b = time.monotonic()
+                b, cpu_b = time.monotonic(), time.process_time()
+                # this process is the tracer (the load runs in its own)
                 windows.append({"stacks": on, "start_s": round(a - t_attached, 2),
-                                "seconds": round(b - a, 3)})
+                                "seconds": round(b - a, 3),
+                                "tracer_cpu_share": round((cpu_b - cpu_a) / (b - a), 4)})
             sampler.enable(True)
-            load.join()
+            loader.wait(300)
+            load = json.loads(load_file.read_text())
             result["python"] = sampler.describe()
             time.sleep(1.5)  # the last steps' bursts and the hold window
         finally:
             run_report = run.stop()
         result["resolver_seconds"] = round(sampler.resolver.seconds, 3)
         for w, (a, b) in zip(windows, _bounds(windows, t_attached)):
-            w["tokens"] = load.tokens_between(a, b)
+            w["tokens"] = sum(1 for t in load["chunks"] if a <= t < b)
             w["tokens_per_s"] = round(w["tokens"] / w["seconds"], 2)
         on = [w["tokens_per_s"] for w in windows if w["stacks"]]
         off = [w["tokens_per_s"] for w in windows if not w["stacks"]]
@@ -270,9 +297,13 @@ def main() -> int:
             "tokens_per_s_without_median": statistics.median(off) if off else None,
             "ratio_with_over_without": (round(statistics.median(on) / statistics.median(off), 4)
                                         if on and off and statistics.median(off) else None),
-            "pairs": [round(a / b, 4) for a, b in zip(on, off) if b]}
-        result["requests"] = load.requests
-        result["client_errors"] = dict(load.errors)
+            "pairs": [round(a / b, 4) for a, b in zip(on, off) if b],
+            "tracer_cpu_share_with_stacks": [w["tracer_cpu_share"] for w in windows
+                                             if w["stacks"]],
+            "tracer_cpu_share_without": [w["tracer_cpu_share"] for w in windows
+                                         if not w["stacks"]]}
+        result["requests"] = load["requests"]
+        result["client_errors"] = load["errors"]
     finally:
         server.stop()
     spans = [json.loads(x) for x in spans_out.getvalue().splitlines() if x.strip()]
@@ -319,6 +350,7 @@ def main() -> int:
         problems.append("GPU reconciliation does not balance")
     result["seconds"] = round(time.monotonic() - t_start, 1)
     result["problems"] = problems
+    pack(out)
     (out / "flame.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
     return 1 if problems else 0
@@ -349,9 +381,27 @@ def start_tracer(pid: int, every: int, capture: Path) -> tuple[Any, Any]:
     return run, buf
 
 
+def pack(out: Path) -> None:
+    """Everything but flame.json and the service's page into flame-files.tgz."""
+    import shutil
+    import tarfile
+
+    keep = {"flame.json", "flame-service.html", "flame-files.tgz"}
+    files = [p for p in sorted(out.iterdir()) if p.is_file() and p.name not in keep]
+    with tarfile.open(out / "flame-files.tgz", "w:gz") as tar:
+        for p in files + ([out / "flame-service.html"] if (out / "flame-service.html").exists()
+                          else []):
+            tar.add(p, arcname=p.name)
+    for p in files:
+        p.unlink()
+    shutil.rmtree(out / "work", ignore_errors=True)
+
+
 def _bounds(windows: list[dict[str, Any]], t0: float) -> list[tuple[float, float]]:
     return [(t0 + w["start_s"], t0 + w["start_s"] + w["seconds"]) for w in windows]
 
 
 if __name__ == "__main__":
+    if "--load-only" in sys.argv:
+        sys.exit(run_load_only(sys.argv[1:]))
     sys.exit(main())
