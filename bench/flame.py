@@ -259,6 +259,12 @@ def main() -> int:
         windows = []
         run, spans_out = start_tracer(server.proc.pid, every, out / "flame.ttcap")
         try:
+            gpu = run.session.gpu
+            if gpu is not None and gpu.prenames is not None:
+                # kernels resolved before attach are named from the libraries (~10 s
+                # on an H100 host, on a thread of its own): wait, so that the first
+                # requests' flame graphs have their kernels' names too
+                result["naming_wait_s"] = _timed(lambda: gpu.prenames.wait_idle(90))
             t_attached = time.monotonic()
             if libcuda is not None:
                 os.kill(server.proc.pid, signal.SIGUSR2)  # the shim's GPU calls begin
@@ -395,6 +401,12 @@ def pack(out: Path) -> None:
     for p in files:
         p.unlink()
     shutil.rmtree(out / "work", ignore_errors=True)
+
+
+def _timed(fn: Any) -> float:
+    t0 = time.monotonic()
+    fn()
+    return round(time.monotonic() - t0, 2)
 
 
 def _bounds(windows: list[dict[str, Any]], t0: float) -> list[tuple[float, float]]:

@@ -119,9 +119,8 @@ class CaptureSession:
             cflags.append("-DTT_STACKS")
         self.bpf = loader.compile_program(self.concerns, self.config.ringbuf_mb, cflags)
         if "stacks" in self.concerns:
-            from tracer.probes.stacks import StackSampler
-
             from tracer.events.stacks import StackSampling
+            from tracer.probes.stacks import StackSampler
 
             self.stacks = StackSampler(self.bpf, self.config.stack_every,
                                        self.config.stack_jitter, self.config.stack_slice)
