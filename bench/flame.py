@@ -16,8 +16,10 @@ One command, a few minutes:
    capture, and drives the server with ``--concurrency`` threads of the official
    ``openai`` client (streamed chat completions, 16-64 tokens, prompts of 5-120 words).
 3. Alternates windows of ``--window-s`` seconds with stack sampling on and paused (a
-   paused call pays one array read in the probe), ``--windows`` in all, starting paused,
-   and counts the streamed tokens per window: tokens/s with / without sampling.
+   paused call pays one array read in the probe), ``--windows`` in all, in the order
+   off, on, on, off, ... (a drift in the load cancels out), after 8 s of load, and counts
+   the streamed tokens per window: tokens/s with / without sampling, and the tracer's
+   CPU per window.
 4. Writes, from the spans the run exported: the service's flame graph and one request's
    (``flame-service.*``, ``flame-request.*``: folded, pprof, HTML, JSON), the spans
    (``spans.jsonl``), the capture (``flame.ttcap``) and the server's log, all packed in
@@ -54,6 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 WORDS = "the model reads a prompt then writes one token at a time while others share".split()
+SETTLE_S = 8.0  # load before the first window
 HF_FUNCTIONS = ("LlamaAttention.forward", "LlamaMLP.forward", "LlamaDecoderLayer.forward",
                 "LlamaRMSNorm.forward", "LlamaModel.forward", "LlamaForCausalLM.forward")
 
@@ -272,10 +275,10 @@ def main() -> int:
             sampler.enable(False)
             load_file = work / "load.json"
             loader = load_process(server.url, str(model), args.concurrency,
-                                  args.windows * args.window_s + 3.0, load_file)
-            time.sleep(3.0)  # the load settles (first requests, batches filling up)
+                                  args.windows * args.window_s + SETTLE_S, load_file)
+            time.sleep(SETTLE_S)  # the load settles (first requests, batches filling up)
             for i in range(args.windows):
-                on = i % 2 == 1
+                on = i % 4 in (1, 2)  # off, on, on, off, ...: a drift cancels out
                 sampler.enable(on)
                 a, cpu_a = time.monotonic(), time.process_time()
                 time.sleep(args.window_s)
