@@ -35,6 +35,7 @@ class Collected:
         self.gpu: dict[str, Any] = {}  # the GPU ledger's --summary part, after the stop
         self.reconciliation: dict[str, Any] = {}
         self.naming: dict[str, Any] | None = None  # stub naming and before-attach state
+        self.stacks: Any = None
         self._jsonl = io.StringIO()
 
     def on_record(self, rec: Any) -> None:
@@ -56,7 +57,8 @@ def traced(pids: list[int] | None = None, ports: list[int] | None = None,
     record before the collector does."""
     c = Collected()
     ctx = ExportContext()
-    spans = SpanBuilder(ctx, [SimpleSpanProcessor(JsonlSpanExporter(c._jsonl))])
+    ctx.flames = {}  # spans carry their launch-site stacks (with stack_every=N)
+    spans = SpanBuilder(ctx, [SimpleSpanProcessor(JsonlSpanExporter(c._jsonl, ctx.flames))])
     keep = config.pop("keep_content", False)
     pricing = config.pop("pricing", None)
     run = TraceRun(CaptureConfig(pids=pids or [], ports=ports or [], **config),
@@ -71,6 +73,7 @@ def traced(pids: list[int] | None = None, ports: list[int] | None = None,
         c.naming = gpu.stubs.state() if gpu is not None else None
         c.report = run.stop()
         c.gpu = run.pipeline.gpu.summary()
+        c.stacks = run.pipeline.stacks  # launch-site stacks the run saw (stack_every=N)
         c.reconciliation = run.pipeline.reconciliation()
 
 
