@@ -7,7 +7,7 @@ produces exactly what the live run produced.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from typing import Any, Iterator, Protocol
 
 from tracer.correlate.attribution import GpuAttribution, Pricing
@@ -25,8 +25,9 @@ from tracer.export.context import ExportContext
 C = wire.CONSTANTS
 EXPIRE_EVERY_NS = 60 * 10**9
 # A record whose launch-site stacks are not all resolved yet (the agent unwinds and names
-# each new stack on a thread of its own) waits for them this long in stream time.
-FLAME_WAIT_NS = 3 * 10**9
+# each new stack on a thread of its own; a library's first stack reads its .eh_frame,
+# seconds for libtorch) waits for them this long in stream time.
+FLAME_WAIT_NS = 15 * 10**9
 
 
 class RecordSink(Protocol):
@@ -52,7 +53,9 @@ class Pipeline:
         # after the GPU attribution (which times by syscalls): the client's view
         self.net = NetTimer(self._export_now, self.stats)
         self.stacks = StackBook()
-        self._flame_wait: list[tuple[int, RequestRecord]] = []
+        # records waiting for their stacks' names, in deadline order
+        self._flame_wait: deque[tuple[int, RequestRecord]] = deque()
+        self._named = False  # a stack was named since the waiting records were checked
         self.attribution = GpuAttribution(self._export, self._open_records, self.stats,
                                           ipc=self.ipc, pricing=pricing,
                                           kernel_name=self._kernel_name, stacks=self.stacks)
@@ -100,15 +103,26 @@ class Pipeline:
         return any(sid and (pid, sid) not in frames for pid, sid, _w, _h in rec.flame)
 
     def _release_flames(self, final: bool = False) -> None:
-        keep = []
-        for deadline, rec in self._flame_wait:
-            if final or deadline <= self.last_ts or not self._unresolved(rec):
-                if self._unresolved(rec):
-                    self.stats["flame_stacks_unresolved_at_export"] += 1
-                self._sink_record(rec)
-            else:
-                keep.append((deadline, rec))
-        self._flame_wait = keep
+        """Export the waiting records whose stacks are all named now, or whose wait is
+        over. All of them are looked at only when a stack was named since the last
+        look; otherwise only those whose deadline passed (the oldest first)."""
+        if final or self._named:
+            self._named = False
+            keep: deque[tuple[int, RequestRecord]] = deque()
+            for deadline, rec in self._flame_wait:
+                if final or deadline <= self.last_ts or not self._unresolved(rec):
+                    self._release(rec)
+                else:
+                    keep.append((deadline, rec))
+            self._flame_wait = keep
+            return
+        while self._flame_wait and self._flame_wait[0][0] <= self.last_ts:
+            self._release(self._flame_wait.popleft()[1])
+
+    def _release(self, rec: RequestRecord) -> None:
+        if self._unresolved(rec):
+            self.stats["flame_stacks_unresolved_at_export"] += 1
+        self._sink_record(rec)
 
     def _sink_record(self, rec: RequestRecord) -> None:
         self.records += 1
@@ -163,6 +177,7 @@ class Pipeline:
             self.stacks.counts(ev)
         elif isinstance(ev, stacks.StackFrames):
             self.stacks.define(ev)
+            self._named = True
         elif isinstance(ev, stacks.StackSampling):
             self.stacks.enabled = True
         elif isinstance(ev, schema.ProcessInfo):
