@@ -103,16 +103,17 @@ class Pipeline:
 
     def handle(self, ev: Any) -> None:
         t = self.tracker
-        if isinstance(ev, gpu.GpuEvent):
+        if type(ev) is schema.DataEvent:  # most records: tested first, exactly
+            if ev.ts_exit > self.last_ts:
+                self.last_ts = ev.ts_exit
+            self.net.data(ev)
+            t.data_event(ev)
+        elif isinstance(ev, gpu.GpuEvent):
             self.gpu.handle(ev)
             if isinstance(ev, gpu.KernelBurst):
                 self.attribution.burst(ev)
             elif isinstance(ev, gpu.NcclEvent):
                 self.attribution.nccl(ev)
-        elif isinstance(ev, schema.DataEvent):
-            self.last_ts = max(self.last_ts, ev.ts_exit)
-            self.net.data(ev)
-            t.data_event(ev)
         elif isinstance(ev, NetWait):
             self.net.netwait(ev)
         elif isinstance(ev, schema.ConnEvent):
