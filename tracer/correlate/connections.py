@@ -30,6 +30,8 @@ from tracer.correlate.records import SAFE_HEADERS, RequestRecord, tenant_of
 from tracer.events import schema, wire
 
 C = wire.CONSTANTS
+_DIR_IN = C["DIR_IN"]
+_FLAG_LAST = C["FLAG_LAST"]
 Emit = Callable[[RequestRecord], None]
 
 SNIFF_MAX = 64  # client bytes looked at to recognise a protocol
@@ -177,6 +179,12 @@ class Connection:
         self.last_ts = 0
         self.close_reason: str | None = None
         self.ipc_seen = False  # its addresses were given to the process graph
+        # by inbound: the process graph has all it wants of this direction (and its
+        # addresses): no need to show it more bytes
+        self.ipc_quiet = {True: False, False: False}
+        # the wire direction of the server's bytes once HTTP/1 is parsed and the role
+        # known: where ``_stream_chunk`` may apply
+        self.stream_dir: int | None = None
         self.held = 0  # bytes it held for parsing after its last data event
 
     def buffered(self) -> int:
@@ -227,6 +235,7 @@ class ConnectionTracker:
             if c is not None:
                 c.family, c.peer_addr, c.peer_port = ev.family, ev.peer_addr, ev.peer_port
                 c.local_port = c.local_port or ev.ret
+                c.ipc_quiet = {True: False, False: False}  # addresses for the graph
         elif ev.op == C["CONN_CLOSE"]:
             c = self.conns.pop(ev.key, None)
             if c is not None:
@@ -245,6 +254,7 @@ class ConnectionTracker:
         c.local_addr, c.local_port = ev.local_addr, ev.local_port
         if ev.peer_addr or not c.peer_addr:
             c.peer_addr, c.peer_port = ev.peer_addr, ev.peer_port
+        c.ipc_quiet = {True: False, False: False}  # addresses for the process graph
 
     def process_exit(self, pid: int, ts: int) -> None:
         for key in [k for k in self.conns if k[0] == pid]:
@@ -300,6 +310,8 @@ class ConnectionTracker:
             self._admit(c)
             self.stats["connections_unannounced"] += 1
         try:
+            if c.stream_dir == ev.direction and self._stream_chunk(c, ev):
+                return  # what it holds did not change
             self._data_event(c, ev)
             held, c.held = c.held, c.buffered()
             self.buffered_estimate += c.held - held
@@ -324,6 +336,47 @@ class ConnectionTracker:
             self.stats["connections_over_buffer_budget"] += 1
             self._close_guarded(c, ts)
 
+    def _stream_chunk(self, c: Connection, ev: schema.DataEvent) -> bool:
+        """The common case of a streamed response, taken with fewer steps than
+        ``_data_event``: the server's next bytes, in one whole syscall, are exactly one
+        whole chunk of a chunked body (one token's SSE event, as LLM servers write them).
+        The same effects as the general path, which the tests prove on every capture:
+        offsets, the parser's framing (``take_chunk``), the exchange's thread and
+        bytes, the follower. True: taken, and the bytes the connection holds for parsing
+        did not change; False: nothing done, take the general path."""
+        payload = ev.payload
+        inbound = ev.direction == _DIR_IN
+        if (ev.flags != _FLAG_LAST or ev.offset or ev.ret != len(payload)
+                or ev.stream_off != c.expected[inbound] or not c.ipc_quiet[inbound]):
+            return False
+        http = c.http
+        d = http.direction(False) if http is not None else None
+        if d is None or d.msg is None:
+            return False
+        ex = c.exchanges.get(d.msg.exchange)
+        f = ex.follower if ex is not None else None
+        if ex is None or (f is not None and f.buffered):
+            return False
+        body = d.take_chunk(payload, ev.ts_exit)
+        if body is None:
+            return False
+        ts = ev.ts_exit
+        c.last_ts = ts
+        c.expected[inbound] = ev.stream_off + len(payload)
+        tid = ev.tid
+        rec = ex.rec
+        if tid and tid not in rec.tids:
+            rec.tids.append(tid)
+        rec.response_bytes += len(body)
+        if f is not None:
+            f.data(ts, body)
+            if f.buffered:  # not one whole event after all: account for it
+                self.buffered_estimate += f.buffered
+                c.held += f.buffered
+                if self.buffered_estimate > self.options.max_buffered:
+                    self._shed(ts)
+        return True
+
     def _data_event(self, c: Connection, ev: schema.DataEvent) -> None:
         ts = ev.ts_exit
         c.last_ts = ts
@@ -344,7 +397,10 @@ class ConnectionTracker:
                 self.ipc.connection(c.pid, (c.local_addr, c.local_port),
                                     (c.peer_addr, c.peer_port))
             if ev.payload:
-                self.ipc.data(c.pid, c.fd, c.conn_id, inbound, ev.payload, ts)
+                more = self.ipc.data(c.pid, c.fd, c.conn_id, inbound, ev.payload, ts,
+                                     start=c.synced and pos == 0)
+                c.ipc_quiet[inbound] = not more and (c.ipc_seen
+                                                     or not (c.peer_port and c.local_port))
         if ev.payload:
             self._feed(c, ev, inbound, ts)
         if missing > 0:
@@ -361,6 +417,8 @@ class ConnectionTracker:
         if c.proto != "http1" or c.http is None:
             self.stats[f"bytes_{c.proto or 'unsniffed'}"] += len(ev.payload)
             return
+        if c.role is not None and c.stream_dir is None:
+            c.stream_dir = C["DIR_OUT"] if c.role == "server" else C["DIR_IN"]
         events = c.http.receive(ev.payload, ts, c.from_client(inbound))
         self._dispatch(c, events, ev.tid)
 
@@ -491,6 +549,17 @@ class ConnectionTracker:
 
     def _dispatch(self, c: Connection, events: list[http1.Event], tid: int) -> None:
         for e in events:
+            if type(e) is http1.Data:  # the most frequent, first
+                ex = c.exchanges.get(e.exchange)
+                if ex is None:
+                    continue
+                if tid and tid not in ex.rec.tids:
+                    ex.rec.tids.append(tid)
+                if e.from_client:
+                    ex.request_data(e.data)
+                else:
+                    ex.response_data(e.ts, e.data)
+                continue
             if isinstance(e, http1.Request):
                 ex = Exchange(c, e, self.options)
                 c.exchanges[e.exchange] = ex
