@@ -22,6 +22,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from protocols import sse as sse_mod
 from protocols.sse import SSEParser
 
 MAX_BODY = 8 * 1024 * 1024  # request/response JSON kept for parsing, per message
@@ -366,6 +367,31 @@ class ResponseFollower:
             chunk = self._decomp.unconsumed_tail
             if self._decomp.eof:
                 return
+
+    def sse_write(self, ts: int, chunk: bytes) -> bool:
+        """The common case of ``data``, in one step: a streamed response's write that is
+        one whole SSE event (``SSEParser._one_data_event``) carrying a token chunk like
+        the last one parsed (``ChunkTemplate``), between events. True: taken, with the
+        same effects as ``data``; False: nothing done, call ``data``."""
+        sse = self._sse
+        t = self._template
+        if (t is None or sse is None or self._decomp is not None or sse._buf or sse._data
+                or sse._pending_cr or sse._dropping or not chunk.endswith(b"\n\n")
+                or not chunk.startswith(b"data: ")):
+            return False
+        line = chunk[6:-2]
+        if b"\n" in line or b"\r" in line or len(chunk) - 2 > sse_mod.MAX_PENDING:
+            return False
+        lit = t.text_of(line.decode("utf-8", "replace"))
+        if lit is None:
+            return False
+        sse._event = ""  # what ending the event does
+        r = self.r
+        r.chunks += 1
+        if lit != '""':
+            r.text_chunks += 1
+            r.token_at(ts)
+        return True
 
     def _plain(self, ts: int, chunk: bytes) -> None:
         if not chunk:

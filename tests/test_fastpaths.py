@@ -2,7 +2,8 @@
 
 A streamed LLM response is one write per token: the agent takes such a write with
 shortcuts (``SSEParser._one_data_event``, ``ResponseFollower``'s chunk templates,
-``http1._Direction.take_chunk``, ``ConnectionTracker._stream_chunk``; issue 16). Each
+``http1._Direction.take_chunk``, ``ConnectionTracker.stream_write`` and
+``Pipeline._stream_write``; issue 16). Each
 is checked here against the same input with the shortcut turned off: generated
 streams with the shapes that could fool one (escapes, control characters, empty
 texts, finish reasons, usage, duplicate keys, other text-carrying fields, split
@@ -44,8 +45,11 @@ def general_paths() -> Iterator[None]:
         stack.enter_context(patch.object(openai, "MAX_TEMPLATE_TRIES", 0))
         stack.enter_context(patch.object(http1._Direction, "take_chunk",
                                          lambda self, data, ts: None))
-        stack.enter_context(patch.object(ConnectionTracker, "_stream_chunk",
-                                         lambda self, c, ev: False))
+        stack.enter_context(patch.object(ConnectionTracker, "stream_write",
+                                         lambda self, c, *fields: False))
+        stack.enter_context(patch.object(Pipeline, "_stream_write", lambda self, buf: False))
+        stack.enter_context(patch.object(ResponseFollower, "sse_write",
+                                         lambda self, ts, chunk: False))
         yield
 
 
@@ -109,17 +113,23 @@ def chunk_docs(draw: st.DrawFn, chat: bool) -> str:
 
 
 def follow(payloads: list[str], operation: str, keep_text: bool = False):
+    """What a follower makes of these SSE data payloads, one write each (a payload
+    starting with ``event:`` is written as that line alone), offered to ``sse_write``
+    first as the tracker does."""
     f = ResponseFollower(operation, keep_text)
     f.head(0, 200, {"content-type": "text/event-stream"})
     for i, p in enumerate(payloads):
-        f.data(10 + i, b"data: " + p.encode("utf-8", "surrogatepass") + b"\n\n")
-    return dataclasses.asdict(f.end(999))
+        raw = p.encode("utf-8", "surrogatepass")
+        w = raw + b"\n" if p.startswith("event:") else b"data: " + raw + b"\n\n"
+        if not f.sse_write(10 + i, w):
+            f.data(10 + i, w)
+    return dataclasses.asdict(f.end(999)), f._sse._event if f._sse else None
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.booleans(), st.data())
 def test_chunk_templates_count_as_json_would(chat, data):
-    payloads = data.draw(st.lists(chunk_docs(chat), max_size=14))
+    payloads = data.draw(st.lists(chunk_docs(chat) | st.just("event: e"), max_size=14))
     op = "chat" if chat else "text_completion"
     fast = follow(payloads, op)
     with general_paths():
@@ -247,14 +257,14 @@ def test_synthetic_streams_replay_the_same_and_exactly():
 def test_the_stream_shortcut_is_taken(monkeypatch):
     items, truth = generate(rate=60, tokens=30, seconds=0.5, servers=1, gpu=False)
     taken = []
-    real = ConnectionTracker._stream_chunk
+    real = ConnectionTracker.stream_write
 
-    def spy(self, c, ev):
-        ok = real(self, c, ev)
+    def spy(self, c, *fields):
+        ok = real(self, c, *fields)
         taken.append(ok)
         return ok
 
-    monkeypatch.setattr(ConnectionTracker, "_stream_chunk", spy)
+    monkeypatch.setattr(ConnectionTracker, "stream_write", spy)
     _replay(items, {"tenant_salt": "x"})
     # every token, finish, usage and [DONE] write after a connection's first few
     assert sum(taken) >= 0.8 * len(truth) * 30

@@ -20,7 +20,7 @@ import traceback
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 from protocols import detect, http1, http2
 from protocols.openai import ResponseFollower, operation_for, parse_request
@@ -36,6 +36,7 @@ Emit = Callable[[RequestRecord], None]
 
 SNIFF_MAX = 64  # client bytes looked at to recognise a protocol
 HUNT_GIVE_UP = 64 * 1024  # bytes of an attached-to connection searched for a start line
+MAX_SOCKET_THREADS = 65_536  # threads remembered as having moved socket bytes
 
 log = logging.getLogger("tokentrace.connections")
 _ROOT = Path(__file__).resolve().parents[2]
@@ -206,6 +207,38 @@ class Connection:
         return (self.pid, self.fd, self.conn_id)
 
 
+class ConnTable(dict[tuple[int, int, int], Connection]):
+    """The followed connections by key, and by process (``by_pid``): the GPU
+    correlator asks for one process's open requests at every settling."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_pid: dict[int, dict[tuple[int, int, int], Connection]] = {}
+
+    def __setitem__(self, key: tuple[int, int, int], c: Connection) -> None:
+        super().__setitem__(key, c)
+        self.by_pid.setdefault(key[0], {})[key] = c
+
+    def __delitem__(self, key: tuple[int, int, int]) -> None:
+        super().__delitem__(key)
+        self._unindex(key)
+
+    def pop(self, key: tuple[int, int, int], *default: object) -> object:  # type: ignore[override]
+        if key in self:
+            self._unindex(key)
+        return super().pop(key, *default)
+
+    def _unindex(self, key: tuple[int, int, int]) -> None:
+        same = self.by_pid.get(key[0])
+        if same is not None:
+            same.pop(key, None)
+            if not same:
+                del self.by_pid[key[0]]
+
+    def of_pid(self, pid: int) -> Iterable[Connection]:
+        return self.by_pid.get(pid, {}).values()
+
+
 class ConnectionTracker:
     """Socket events in, finished ``RequestRecord``s out (through ``emit``)."""
 
@@ -216,7 +249,11 @@ class ConnectionTracker:
         self.ipc = ipc  # told every connection's first bytes and addresses
         self.options = options or TrackerOptions()
         self.processes = processes if processes is not None else {}
-        self.conns: dict[tuple[int, int, int], Connection] = {}
+        self.conns = ConnTable()
+        # (pid, tid) of every thread seen moving socket bytes: the only ones a request's
+        # ``tids`` can name (a thread that never did is no request's own); None: too
+        # many to keep (a thread per request), any thread may be one
+        self.socket_threads: set[tuple[int, int]] | None = set()
         self.buffered_estimate = 0  # sum of Connection.held, give or take the closed
         self.stats: Counter[str] = Counter()
 
@@ -257,6 +294,8 @@ class ConnectionTracker:
         c.ipc_quiet = {True: False, False: False}  # addresses for the process graph
 
     def process_exit(self, pid: int, ts: int) -> None:
+        if self.socket_threads is not None:
+            self.socket_threads = {t for t in self.socket_threads if t[0] != pid}
         for key in [k for k in self.conns if k[0] == pid]:
             c = self.conns.pop(key)
             c.close_reason = "process exited before the response completed"
@@ -302,6 +341,11 @@ class ConnectionTracker:
     # ---- data -------------------------------------------------------------------
 
     def data_event(self, ev: schema.DataEvent) -> None:
+        threads = self.socket_threads
+        if threads is not None:
+            threads.add((ev.pid, ev.tid))
+            if len(threads) > MAX_SOCKET_THREADS:
+                self.socket_threads = None  # too many to keep: every thread may serve
         c = self.conns.get(ev.key)
         if c is None:
             # its open record was lost, or it predates the capture: follow it unsynced
@@ -337,38 +381,44 @@ class ConnectionTracker:
             self._close_guarded(c, ts)
 
     def _stream_chunk(self, c: Connection, ev: schema.DataEvent) -> bool:
+        """``stream_write`` of a decoded event."""
+        return self.stream_write(c, ev.tid, ev.ts_exit, ev.direction, ev.flags, ev.offset,
+                                 ev.ret, ev.payload, ev.stream_off)
+
+    def stream_write(self, c: Connection, tid: int, ts: int, direction: int, flags: int,
+                     offset: int, ret: int, payload: bytes, stream_off: int) -> bool:
         """The common case of a streamed response, taken with fewer steps than
         ``_data_event``: the server's next bytes, in one whole syscall, are exactly one
         whole chunk of a chunked body (one token's SSE event, as LLM servers write them).
         The same effects as the general path, which the tests prove on every capture:
         offsets, the parser's framing (``take_chunk``), the exchange's thread and
         bytes, the follower. True: taken, and the bytes the connection holds for parsing
-        did not change; False: nothing done, take the general path."""
-        payload = ev.payload
-        inbound = ev.direction == _DIR_IN
-        if (ev.flags != _FLAG_LAST or ev.offset or ev.ret != len(payload)
-                or ev.stream_off != c.expected[inbound] or not c.ipc_quiet[inbound]):
+        did not change; False: nothing done, take the general path. The fields are a
+        DATA record's (``schema.DataEvent``): ``Pipeline.feed`` calls it with them."""
+        inbound = direction == _DIR_IN
+        if (flags != _FLAG_LAST or offset or ret != len(payload)
+                or stream_off != c.expected[inbound] or not c.ipc_quiet[inbound]):
             return False
         http = c.http
-        d = http.direction(False) if http is not None else None
+        d = http._server if http is not None else None
         if d is None or d.msg is None:
             return False
         ex = c.exchanges.get(d.msg.exchange)
-        f = ex.follower if ex is not None else None
-        if ex is None or (f is not None and f.buffered):
+        if ex is None:
             return False
-        body = d.take_chunk(payload, ev.ts_exit)
+        f = ex.follower
+        if f is not None and f.buffered:
+            return False
+        body = d.take_chunk(payload, ts)
         if body is None:
             return False
-        ts = ev.ts_exit
         c.last_ts = ts
-        c.expected[inbound] = ev.stream_off + len(payload)
-        tid = ev.tid
+        c.expected[inbound] = stream_off + len(payload)
         rec = ex.rec
         if tid and tid not in rec.tids:
             rec.tids.append(tid)
         rec.response_bytes += len(body)
-        if f is not None:
+        if f is not None and not f.sse_write(ts, body):
             f.data(ts, body)
             if f.buffered:  # not one whole event after all: account for it
                 self.buffered_estimate += f.buffered
@@ -506,6 +556,10 @@ class ConnectionTracker:
             self._contain(c, e, ts)
         if self.ipc is not None:
             self.ipc.closed(c.pid, c.fd, c.conn_id)
+
+    def contain(self, c: Connection, e: Exception, ts: int) -> None:
+        """What data_event does when a parser raised on ``c``'s bytes."""
+        self._contain(c, e, ts)
 
     def _contain(self, c: Connection, e: Exception, ts: int) -> None:
         """A parser raised on ``c``: count it, end its open requests in error, and let
