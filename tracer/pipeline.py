@@ -183,6 +183,10 @@ class Pipeline:
             self.ctx.clock_offset_ns = ev.offset_ns
         elif isinstance(ev, NetTimingMode):
             self.net.mode = ev
+        elif isinstance(ev, schema.TracingPaused):
+            self.last_ts = max(self.last_ts, ev.ts)
+            if ev.paused:
+                t.pause(ev.ts)
         elif isinstance(ev, schema.DropReport):
             self.last_ts = max(self.last_ts, ev.ts)
             self.ctx.drops = dict(ev.counters)

@@ -301,6 +301,26 @@ class ConnectionTracker:
             c.close_reason = "process exited before the response completed"
             self._close_guarded(c, ts)
 
+    def pause(self, ts: int) -> None:
+        """The agent took its probes out (``schema.TracingPaused``): every connection
+        is forgotten, its open requests end here, incomplete (what comes after the
+        resume is followed afresh, as at attach)."""
+        reason = "tracing paused before the response completed"
+        for key in list(self.conns):
+            c = self.conns.pop(key)
+            exchanges, c.exchanges = list(c.exchanges.values()), {}
+            for ex in exchanges:
+                self._emit_guarded(lambda ex=ex: self._finished(ex, ts, reason, True))
+            cut = len(exchanges)
+            if c.h2 is not None:
+                for rec in c.h2.abort(ts, reason):
+                    cut += 1
+                    self._emit_guarded(lambda rec=rec: rec)
+            if self.ipc is not None:
+                self.ipc.closed(c.pid, c.fd, c.conn_id)
+            self.stats["requests_cut_by_pause"] += cut
+        self.stats["pauses"] += 1
+
     def finish(self, ts: int) -> int:
         """End of capture: count exchanges still open (they are not emitted)."""
         open_exchanges = sum(len(c.exchanges) + (c.h2.open_calls if c.h2 else 0)

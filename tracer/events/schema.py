@@ -190,11 +190,25 @@ class ClockSync:
         return self.wall_ns - self.mono_ns
 
 
-Event = ConnEvent | DataEvent | ProcEvent | ProcessInfo | SocketInfo | DropReport | ClockSync
+@dataclass(frozen=True, slots=True)
+class TracingPaused:
+    """The agent took its probes out (``paused``) or put them back at ``ts``
+    (``tokentrace run``: SIGUSR1/SIGUSR2 or ``--control``). Nothing is captured in
+    between: requests open at a pause end there, incomplete; sockets are adopted
+    afresh at the resume, as at attach. ``switch_s``: how long taking the probes out
+    (or putting them back) took."""
+
+    ts: int
+    paused: bool
+    switch_s: float = 0.0
+
+
+Event = (ConnEvent | DataEvent | ProcEvent | ProcessInfo | SocketInfo | DropReport | ClockSync
+         | TracingPaused)
 
 # user-space event classes by name, for the capture file's JSON records
 USER_EVENTS: dict[str, type] = {
-    cls.__name__: cls for cls in (ProcessInfo, SocketInfo, DropReport, ClockSync)
+    cls.__name__: cls for cls in (ProcessInfo, SocketInfo, DropReport, ClockSync, TracingPaused)
 }
 
 
