@@ -103,6 +103,7 @@ class CaptureSession:
         self._parked_tps: list[bytes] = []  # tracepoints taken out by pause()
         self.analysis = True  # control "analysis off": records read and dropped
         self.dropped_unanalysed = 0
+        self.records_read = 0  # ring-buffer records, for `status`
 
     # ---- lifecycle --------------------------------------------------------------
 
@@ -313,7 +314,8 @@ class CaptureSession:
             if cmd == "status" and not args:
                 return (f"ok {'paused' if self.paused else 'tracing'} pids="
                         f"{','.join(map(str, sorted(self.pids)))} analysis="
-                        f"{'on' if self.analysis else 'off'} dropped={self.dropped_unanalysed}")
+                        f"{'on' if self.analysis else 'off'} dropped={self.dropped_unanalysed} "
+                        f"records={self.records_read}")
             if cmd == "capture-limit" and len(args) == 1 and cfg is not None:
                 n = int(args[0])
                 # 0 in the map means "default": one byte is the least that can be asked
@@ -472,6 +474,7 @@ class CaptureSession:
     def _on_record(self, _ctx: Any, data: Any, size: int) -> None:
         buf = ctypes.string_at(data, size)
         kind = wire.kind_of(buf) if size >= 4 else 0
+        self.records_read += 1
         if self.analysis:
             self.sink(buf)
         else:
