@@ -583,6 +583,8 @@ class GpuAttribution:
     def _prune_settled(self, log: StepLog) -> None:
         """Forget settled steps no request can still need: older than the earliest
         step a member still holds, and than ``KEEP_SETTLED_NS``."""
+        if not log.steps or log.steps[0].end_ts >= self.now - KEEP_SETTLED_NS:
+            return  # nothing old enough to go, whatever the members still hold
         ms = self.members[log.key]
         keep = min((o.start for o in ms.occupancies.values()), default=self.settled[log.key])
         keep = min(keep, self.settled[log.key])

@@ -63,13 +63,13 @@ class Occupancy:
     begin: int | None = None
     gaps: tuple[tuple[int, int], ...] = ()
 
+    def __post_init__(self) -> None:
+        self.by_tokens = not self.how.startswith("time")  # placed by its tokens (fixed)
+
     def holds(self, i: int) -> bool:
         """Its tokens place it in step ``i``."""
-        return self.first <= i <= self.last and not any(a <= i <= b for a, b in self.gaps)
-
-    @property
-    def by_tokens(self) -> bool:
-        return not self.how.startswith("time")
+        return self.first <= i <= self.last and not (
+            self.gaps and any(a <= i <= b for a, b in self.gaps))
 
     @property
     def start(self) -> int:
