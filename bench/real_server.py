@@ -460,9 +460,10 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
             client.window()  # the engine built, kernels loaded, caches warm
         agent = Agent(server, work, cpus["agent"], args.agent_args.split())
         pin(server.pid, cpus["server"])  # threads the server started since
-        gpu = "no GPU probes" not in agent.send(agent.sock, "stub-naming off")
-        # (the window kernel naming opens at attach closes by itself once naming is
-        # quiet; closed now, "full" is the steady state, and its cost a mode of its own)
+        gpu = int(agent.ctl("status").rsplit("gpu_libs=", 1)[1].split()[0]) > 0
+        if gpu:  # the window kernel naming opens at attach closes by itself once naming
+            agent.ctl("stub-naming off")  # is quiet: closed now, "full" is the steady
+            # state, and the window's cost a mode of its own
         modes = ["untraced", "full"]
         if args.breakdown:
             modes += ["no-payload", "no-analysis"]

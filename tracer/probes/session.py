@@ -315,7 +315,8 @@ class CaptureSession:
                 return (f"ok {'paused' if self.paused else 'tracing'} pids="
                         f"{','.join(map(str, sorted(self.pids)))} analysis="
                         f"{'on' if self.analysis else 'off'} dropped={self.dropped_unanalysed} "
-                        f"records={self.records_read}")
+                        f"records={self.records_read} "
+                        f"gpu_libs={len(self.gpu.attached) if self.gpu is not None else 0}")
             if cmd == "capture-limit" and len(args) == 1 and cfg is not None:
                 n = int(args[0])
                 # 0 in the map means "default": one byte is the least that can be asked
