@@ -8,7 +8,7 @@ produces exactly what the live run produced.
 from __future__ import annotations
 
 import struct
-from collections import Counter
+from collections import Counter, deque
 from typing import Any, Iterator, Protocol
 
 from tracer.correlate.attribution import GpuAttribution, Pricing
@@ -18,7 +18,8 @@ from tracer.correlate.gpu import GpuLedger
 from tracer.correlate.ipc import IpcGraph
 from tracer.correlate.nettiming import NetTimer
 from tracer.correlate.records import RequestRecord
-from tracer.events import gpu, schema, wire
+from tracer.correlate.stacks import Flame, StackBook, resolve
+from tracer.events import gpu, schema, stacks, wire
 from tracer.events.netwait import NetTimingMode, NetWait
 from tracer.export.context import ExportContext
 
@@ -27,6 +28,10 @@ EXPIRE_EVERY_NS = 60 * 10**9
 _DATA_KIND = struct.pack("<I", C["KIND_DATA"])
 _UNPACK_DATA = wire.DATA.header.unpack_from
 _DATA_HDR = wire.DATA.header_size
+# A record whose launch-site stacks are not all resolved yet (the agent unwinds and names
+# each new stack on a thread of its own; a library's first stack reads its .eh_frame,
+# seconds for libtorch) waits for them this long in stream time.
+FLAME_WAIT_NS = 15 * 10**9
 
 
 class RecordSink(Protocol):
@@ -51,11 +56,15 @@ class Pipeline:
         self.pricing = pricing
         # after the GPU attribution (which times by syscalls): the client's view
         self.net = NetTimer(self._export_now, self.stats)
+        self.stacks = StackBook()
+        # records waiting for their stacks' names, in deadline order
+        self._flame_wait: deque[tuple[int, RequestRecord]] = deque()
+        self._named = False  # a stack was named since the waiting records were checked
         self.attribution = GpuAttribution(self._export, self._open_records, self.stats,
                                           ipc=self.ipc, pricing=pricing,
-                                          kernel_name=self._kernel_name,
-                                          open_check=self._is_open,
-                                          serves=self._serves)
+                                          kernel_name=self._kernel_name, stacks=self.stacks,
+                                          open_check=self._is_open, serves=self._serves)
+        self.ctx.flame_resolver = self.resolve_flame
 
     def _emit(self, rec: RequestRecord) -> None:
         """A finished record: held by the GPU attribution until its bursts are in."""
@@ -66,6 +75,10 @@ class Pipeline:
         from tracer.correlate.kernelnames import readable
         proc = self.gpu.processes.get(pid)
         return readable(proc.name_of(handle)) if proc is not None else f"unknown@{handle:#x}"
+
+    def resolve_flame(self, flame: Flame) -> list[Any]:
+        """A request's (or service's) stack weights as frames, kernels named."""
+        return resolve(flame, self.stacks, self._kernel_name)
 
     def _open_records(self, pid: int) -> Iterator[RequestRecord]:
         """The exchanges of ``pid`` still being assembled, with their responses so far."""
@@ -96,6 +109,40 @@ class Pipeline:
         self.net.finished(rec)
 
     def _export_now(self, rec: RequestRecord) -> None:
+        """Export, once the record's stacks are named (or have waited FLAME_WAIT_NS):
+        driven by the stream's own order and time, so a replay waits alike."""
+        if rec.flame and self._unresolved(rec):
+            self._flame_wait.append((self.last_ts + FLAME_WAIT_NS, rec))
+            return
+        self._sink_record(rec)
+
+    def _unresolved(self, rec: RequestRecord) -> bool:
+        frames = self.stacks.frames
+        return any(sid and (pid, sid) not in frames for pid, sid, _w, _h in rec.flame)
+
+    def _release_flames(self, final: bool = False) -> None:
+        """Export the waiting records whose stacks are all named now, or whose wait is
+        over. All of them are looked at only when a stack was named since the last
+        look; otherwise only those whose deadline passed (the oldest first)."""
+        if final or self._named:
+            self._named = False
+            keep: deque[tuple[int, RequestRecord]] = deque()
+            for deadline, rec in self._flame_wait:
+                if final or deadline <= self.last_ts or not self._unresolved(rec):
+                    self._release(rec)
+                else:
+                    keep.append((deadline, rec))
+            self._flame_wait = keep
+            return
+        while self._flame_wait and self._flame_wait[0][0] <= self.last_ts:
+            self._release(self._flame_wait.popleft()[1])
+
+    def _release(self, rec: RequestRecord) -> None:
+        if self._unresolved(rec):
+            self.stats["flame_stacks_unresolved_at_export"] += 1
+        self._sink_record(rec)
+
+    def _sink_record(self, rec: RequestRecord) -> None:
         self.records += 1
         for s in self.sinks:
             s.on_record(rec)
@@ -177,6 +224,13 @@ class Pipeline:
             self.last_ts = max(self.last_ts, ev.ts)
             if ev.op == C["PROC_EXIT"]:
                 t.process_exit(ev.pid, ev.ts)
+        elif isinstance(ev, stacks.StackCounts):
+            self.stacks.counts(ev)
+        elif isinstance(ev, stacks.StackFrames):
+            self.stacks.define(ev)
+            self._named = True
+        elif isinstance(ev, stacks.StackSampling):
+            self.stacks.enabled = True
         elif isinstance(ev, schema.ProcessInfo):
             self.ctx.processes[ev.pid] = ev
         elif isinstance(ev, schema.ClockSync):
@@ -196,6 +250,8 @@ class Pipeline:
         """After every event: the stream's clock moves the correlators on."""
         self.attribution.advance(self.last_ts)
         self.net.advance(self.last_ts)
+        if self._flame_wait:
+            self._release_flames()
         if self.last_ts >= self._next_expire:
             if self._next_expire:
                 self.tracker.expire(self.last_ts)
@@ -206,6 +262,7 @@ class Pipeline:
         self.tracker.finish(self.last_ts)
         self.attribution.close()
         self.net.close()
+        self._release_flames(final=True)
         for s in self.sinks:
             s.close()
 
@@ -230,6 +287,7 @@ class Pipeline:
         for k, v in sorted(self.ctx.drops.items()):
             out[f"capture.{k}"] = v
         extra = getattr(self.ctx.identity, "stats", None) or {}
-        for k, v in sorted((self.tracker.stats + self.stats + Counter(extra)).items()):
+        for k, v in sorted((self.tracker.stats + self.stats + Counter(extra)
+                            + self.stacks.stats).items()):
             out[k] = v
         return out

@@ -128,6 +128,8 @@ class RequestRecord:
     gpu: dict[str, Any] = field(default_factory=dict)
     children: list["ChildSpan"] = field(default_factory=list)
     net: NetTiming | None = None  # the client's view (tracer.correlate.nettiming)
+    # its share of the launch-site stacks (tracer.correlate.stacks.Flame), if sampled
+    flame: Any = None
 
     @cached_property
     def key(self) -> tuple[int, int, int, int]:

@@ -300,3 +300,10 @@ from tracer.events import netwait as _netwait  # noqa: E402
 
 DECODERS.update(_netwait.DECODERS)
 USER_EVENTS[_netwait.NetTimingMode.__name__] = _netwait.NetTimingMode
+
+# Launch-site stacks (bpf/stacks.c): counts per burst, and stacks resolved in user space.
+from tracer.events import stacks as _stacks  # noqa: E402
+
+DECODERS.update(_stacks.DECODERS)
+USER_EVENTS[_stacks.StackFrames.__name__] = _stacks.StackFrames
+USER_EVENTS[_stacks.StackSampling.__name__] = _stacks.StackSampling

@@ -61,6 +61,12 @@ class CaptureConfig:
     net_timing: str = field(default_factory=lambda: os.environ.get("TOKENTRACE_NET_TIMING",
                                                                    "auto"))
     listen_scan_interval_s: float = 1.0  # look for ports traced servers started listening on
+    # launch-site stacks (bpf/stacks.c, docs/flame.md): a thread's GPU calls are sampled
+    # every this many on average (0: no stack sampling); jitter off samples exactly
+    # every N-th call (tests); stack_slice: bytes of user stack unwound per new stack
+    stack_every: int = 0
+    stack_jitter: bool = True
+    stack_slice: int = 16384
 
 
 def clock_sync(samples: int = 5) -> schema.ClockSync:
@@ -104,13 +110,26 @@ class CaptureSession:
         self.analysis = True  # control "analysis off": records read and dropped
         self.dropped_unanalysed = 0
         self.records_read = 0  # ring-buffer records, for `status`
+        self.stacks: Any = None  # tracer.probes.stacks.StackSampler with --stacks
 
     # ---- lifecycle --------------------------------------------------------------
 
     def start(self) -> None:
         """Compile, configure and attach; emit the clock sync and the first targets."""
         self.net_timing = self._choose_net_timing()
-        self.bpf = loader.compile_program(self.concerns, self.config.ringbuf_mb)
+        cflags = []
+        if self.config.stack_every and "cuda" in self.concerns:
+            i = self.concerns.index("cuda")  # cuda.c and nccl.c call into stacks.c
+            self.concerns = self.concerns[:i] + ("stacks",) + self.concerns[i:]
+            cflags.append("-DTT_STACKS")
+        self.bpf = loader.compile_program(self.concerns, self.config.ringbuf_mb, cflags)
+        if "stacks" in self.concerns:
+            from tracer.events.stacks import StackSampling
+            from tracer.probes.stacks import StackSampler
+
+            self.stacks = StackSampler(self.bpf, self.config.stack_every,
+                                       self.config.stack_jitter, self.config.stack_slice)
+            self.sink(StackSampling(ts=time.monotonic_ns(), every=self.config.stack_every))
         config = self.bpf[b"config"]
         config[ctypes.c_int(C["CFG_CAPTURE_LIMIT"])] = ctypes.c_uint64(self.config.capture_limit)
         config[ctypes.c_int(C["CFG_BURST_NS"])] = ctypes.c_uint64(self.config.burst_ns)
@@ -153,9 +172,14 @@ class CaptureSession:
             self._next_gpu_scan = now + self.config.gpu_rescan_interval_s
             for pid in sorted(self.pids):
                 self.gpu.scan(pid)
+                if self.stacks is not None:
+                    self.stacks.scan(pid)
         if (self.gpu is not None and self.config.gpu_sample < 1.0 and not self.paused
                 and now >= self._next_sample_toggle):
             self._toggle_launch_probes(now)
+        if self.stacks is not None:
+            for frames in self.stacks.take():  # stacks resolved since the last poll
+                self.sink(frames)
         if self.gpu is not None:
             for name in self.gpu.stubs.resolve():  # host stubs sent during this poll
                 self.sink(name)
@@ -227,6 +251,12 @@ class CaptureSession:
                                   fraction=self.config.gpu_sample))
         if self.gpu is not None:
             self.detach_s = self.gpu.close()  # before the drain: no launch after it
+            if self.stacks is not None:
+                self.bpf.ring_buffer_consume()  # the last STACKDEFs
+                for raw in self.stacks.drain():  # before the bursts they belong to
+                    self.sink(raw)
+                for frames in self.stacks.finish():
+                    self.sink(frames)
             for raw in self.gpu.drain():  # bursts not yet flushed: counts stay exact
                 self.sink(raw)
             self._collect_counters()  # the final per-kernel and ibverbs counts
@@ -375,6 +405,8 @@ class CaptureSession:
         self.sink(self._process_info(pid))
         if self.gpu is not None:
             self.gpu.scan(pid)
+        if self.stacks is not None:
+            self.stacks.scan(pid)
         if existing_sockets:
             self._adopt_sockets(pid)
         self._watch_listeners(pid)
@@ -476,6 +508,9 @@ class CaptureSession:
         buf = ctypes.string_at(data, size)
         kind = wire.kind_of(buf) if size >= 4 else 0
         self.records_read += 1
+        if kind == C["KIND_STACKDEF"] and self.stacks is not None:
+            self.stacks.on_def(buf)  # raw stack memory: resolved here, never captured
+            return
         if self.analysis:
             self.sink(buf)
         else:
@@ -528,11 +563,15 @@ class CaptureSession:
         elif ev.op == C["PROC_EXEC"]:
             self.pids.add(ev.pid)
             self.sink(self._process_info(ev.pid))
+            if self.stacks is not None:
+                self.stacks.forget(ev.pid)  # another program: its interpreter, if any
         elif ev.op == C["PROC_EXIT"]:
             self.pids.discard(ev.pid)
             self._forget_pid(ev.pid)
             if self.gpu is not None:
                 self.gpu.forget(ev.pid)
+            if self.stacks is not None:
+                self.stacks.forget(ev.pid)
 
     def _forget_pid(self, pid: int) -> None:
         """A dead process's sockets were closed by the kernel, not by close(2)."""
@@ -566,6 +605,8 @@ class CaptureSession:
         if self.gpu is not None:
             counters["gpu_attach_errors"] = len(self.gpu.errors)
             counters.update(self.gpu.stubs.counters())
+        if self.stacks is not None:
+            counters.update(self.stacks.counters())
         if force or counters != self._last_counters:
             self._last_counters = dict(counters)
             self.sink(schema.DropReport(ts=time.monotonic_ns(), counters=counters))
