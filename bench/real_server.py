@@ -610,8 +610,6 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tt-real-") as tmp:
-        if os.environ.get("TT_REAL_KEEP"):
-            tmp = tempfile.mkdtemp(prefix="tt-real-keep-")
         for kind in args.servers.split(","):
             work = Path(tmp, kind)
             work.mkdir()
