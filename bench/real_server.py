@@ -5,13 +5,14 @@ taken out and put back (`tokentrace run --control`, docs of `tokentrace ctl`).
     python bench/real_server.py [--servers hf-cb,hf-plain,batching,grpc] [--device cpu]
         [--requests 32] [--concurrency 8] [--max-tokens 16:48] [--min-pairs 8]
         [--max-pairs 40] [--target 0.01] [--budget-s 240] [--breakdown]
-        [--out bench/results/real_server.json]
+        [--breakdown-every N] [--out bench/results/real_server.json]
 
 On an H100/H200 host (after `eval "$(.gpu/setup-bcc.sh)"`, as bench/accuracy.py runs
 there), one command, under 7 minutes, writes OUT_DIR/real_server.json:
 
     python3 bench/real_server.py --servers hf-cb --device cuda --requests 96 \\
-        --concurrency 32 --max-tokens 24:150 --budget-s 300 --out OUT_DIR/real_server.json
+        --concurrency 32 --max-tokens 24:150 --min-pairs 6 --max-pairs 60 --budget-s 270 \\
+        --breakdown --breakdown-every 3 --out OUT_DIR/real_server-hf-cb-h100.json
 
 Servers: HF ``transformers serve`` with ``--continuous-batching`` (``hf-cb``) and
 without (``hf-plain``) on a tiny Llama built offline (a server nobody here wrote); the
@@ -476,7 +477,8 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
         while True:
             # one round: untraced and full in alternating order (ABBA), the parts after
             rnd = ["untraced", "full"] if order % 2 == 0 else ["full", "untraced"]
-            rnd += [m for m in modes if m not in ("untraced", "full")]
+            if order % args.breakdown_every == 0:
+                rnd += [m for m in modes if m not in ("untraced", "full")]
             order += 1
             for mode in rnd:
                 for cmd in MODES[mode]:
@@ -595,6 +597,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=240.0, help="seconds of windows per server")
     ap.add_argument("--settle-s", type=float, default=0.3, help="pause after each switch")
     ap.add_argument("--breakdown", action="store_true", help="also each part off in turn")
+    ap.add_argument("--breakdown-every", type=int, default=1, metavar="N",
+                    help="the parts' windows in every Nth round only (more pairs for the "
+                         "headline ratio in the same time)")
     ap.add_argument("--agent-args", default="", help="more `tokentrace run` options")
     ap.add_argument("--out", default=str(ROOT / "bench/results/real_server.json"))
     # the load generator's own process
