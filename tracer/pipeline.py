@@ -7,12 +7,13 @@ produces exactly what the live run produced.
 
 from __future__ import annotations
 
+import struct
 from collections import Counter, deque
 from typing import Any, Iterator, Protocol
 
 from tracer.correlate.attribution import GpuAttribution, Pricing
-from tracer.correlate.connections import (ConnectionTracker, TrackerOptions,
-                                          count_parser_error)
+from tracer.correlate.connections import (MAX_SOCKET_THREADS, ConnectionTracker,
+                                          TrackerOptions, count_parser_error)
 from tracer.correlate.gpu import GpuLedger
 from tracer.correlate.ipc import IpcGraph
 from tracer.correlate.nettiming import NetTimer
@@ -24,6 +25,9 @@ from tracer.export.context import ExportContext
 
 C = wire.CONSTANTS
 EXPIRE_EVERY_NS = 60 * 10**9
+_DATA_KIND = struct.pack("<I", C["KIND_DATA"])
+_UNPACK_DATA = wire.DATA.header.unpack_from
+_DATA_HDR = wire.DATA.header_size
 # A record whose launch-site stacks are not all resolved yet (the agent unwinds and names
 # each new stack on a thread of its own; a library's first stack reads its .eh_frame,
 # seconds for libtorch) waits for them this long in stream time.
@@ -58,7 +62,8 @@ class Pipeline:
         self._named = False  # a stack was named since the waiting records were checked
         self.attribution = GpuAttribution(self._export, self._open_records, self.stats,
                                           ipc=self.ipc, pricing=pricing,
-                                          kernel_name=self._kernel_name, stacks=self.stacks)
+                                          kernel_name=self._kernel_name, stacks=self.stacks,
+                                          open_check=self._is_open, serves=self._serves)
         self.ctx.flame_resolver = self.resolve_flame
 
     def _emit(self, rec: RequestRecord) -> None:
@@ -77,14 +82,27 @@ class Pipeline:
 
     def _open_records(self, pid: int) -> Iterator[RequestRecord]:
         """The exchanges of ``pid`` still being assembled, with their responses so far."""
-        for c in self.tracker.conns.values():
-            if c.pid == pid:
-                for ex in c.exchanges.values():
-                    if ex.follower is not None:
-                        ex.rec.llm_response = ex.follower.r
-                    yield ex.rec
-                if c.h2 is not None:
-                    yield from c.h2.records.values()
+        for c in list(self.tracker.conns.of_pid(pid)):
+            for ex in c.exchanges.values():
+                if ex.follower is not None:
+                    ex.rec.llm_response = ex.follower.r
+                yield ex.rec
+            if c.h2 is not None:
+                yield from c.h2.records.values()
+
+    def _serves(self, pid: int, tid: int) -> bool:
+        threads = self.tracker.socket_threads
+        return threads is None or (pid, tid) in threads
+
+    def _is_open(self, rec: RequestRecord) -> bool:
+        """Whether ``rec`` is still being assembled (one of ``_open_records``)."""
+        c = self.tracker.conns.get(rec.key[:3])
+        if c is None:
+            return False
+        ex = c.exchanges.get(rec.exchange)
+        if ex is not None and ex.rec is rec:
+            return True
+        return c.h2 is not None and any(r is rec for r in c.h2.records.values())
 
     def _export(self, rec: RequestRecord) -> None:
         """An attributed record: timed at the socket, then exported."""
@@ -132,6 +150,8 @@ class Pipeline:
     def feed(self, item: bytes | Any) -> None:
         """One capture item. Never raises on what the item holds: a failure is counted
         in ``parser_errors`` (the tracker contains its own per connection)."""
+        if type(item) is bytes and item[:4] == _DATA_KIND and self._stream_write(item):
+            return
         if isinstance(item, (bytes, bytearray)):
             try:
                 ev = schema.decode(bytes(item))
@@ -149,18 +169,49 @@ class Pipeline:
         except Exception as e:
             count_parser_error(self.stats, e)
 
+    def _stream_write(self, buf: bytes) -> bool:
+        """A DATA record that is one token's write of a streamed response, taken from
+        its fields without building the event (``ConnectionTracker.stream_write``), the
+        most frequent record of a busy server: exactly what ``handle`` does with it.
+        False: not that case, nothing done but what ``handle`` will do again."""
+        if len(buf) < _DATA_HDR:
+            return False
+        (_, pid, tid, fd, conn_id, _, ts, ret, offset, n, _, direction, flags, _,
+         stream_off) = _UNPACK_DATA(buf, 0)
+        t = self.tracker
+        c = t.conns.get((pid, fd, conn_id))
+        if c is None or c.stream_dir != direction or len(buf) < _DATA_HDR + n:
+            return False
+        if ts > self.last_ts:
+            self.last_ts = ts
+        self.net.write(pid, fd, conn_id, ts, direction, flags, ret, stream_off)
+        threads = t.socket_threads
+        if threads is not None:
+            threads.add((pid, tid))
+            if len(threads) > MAX_SOCKET_THREADS:
+                t.socket_threads = None
+        try:
+            if not t.stream_write(c, tid, ts, direction, flags, offset, ret,
+                                  buf[_DATA_HDR:_DATA_HDR + n], stream_off):
+                return False
+        except Exception as e:  # as data_event would: this connection only
+            t.contain(c, e, ts)
+        self._tick()
+        return True
+
     def handle(self, ev: Any) -> None:
         t = self.tracker
-        if isinstance(ev, gpu.GpuEvent):
+        if type(ev) is schema.DataEvent:  # most records: tested first, exactly
+            if ev.ts_exit > self.last_ts:
+                self.last_ts = ev.ts_exit
+            self.net.data(ev)
+            t.data_event(ev)
+        elif isinstance(ev, gpu.GpuEvent):
             self.gpu.handle(ev)
             if isinstance(ev, gpu.KernelBurst):
                 self.attribution.burst(ev)
             elif isinstance(ev, gpu.NcclEvent):
                 self.attribution.nccl(ev)
-        elif isinstance(ev, schema.DataEvent):
-            self.last_ts = max(self.last_ts, ev.ts_exit)
-            self.net.data(ev)
-            t.data_event(ev)
         elif isinstance(ev, NetWait):
             self.net.netwait(ev)
         elif isinstance(ev, schema.ConnEvent):
@@ -186,16 +237,24 @@ class Pipeline:
             self.ctx.clock_offset_ns = ev.offset_ns
         elif isinstance(ev, NetTimingMode):
             self.net.mode = ev
+        elif isinstance(ev, schema.TracingPaused):
+            self.last_ts = max(self.last_ts, ev.ts)
+            if ev.paused:
+                t.pause(ev.ts)
         elif isinstance(ev, schema.DropReport):
             self.last_ts = max(self.last_ts, ev.ts)
             self.ctx.drops = dict(ev.counters)
+        self._tick()
+
+    def _tick(self) -> None:
+        """After every event: the stream's clock moves the correlators on."""
         self.attribution.advance(self.last_ts)
         self.net.advance(self.last_ts)
         if self._flame_wait:
             self._release_flames()
         if self.last_ts >= self._next_expire:
             if self._next_expire:
-                t.expire(self.last_ts)
+                self.tracker.expire(self.last_ts)
             self._next_expire = self.last_ts + EXPIRE_EVERY_NS
 
     def close(self) -> None:

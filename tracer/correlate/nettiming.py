@@ -30,10 +30,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from tracer.correlate.records import NetTiming, RequestRecord
-from tracer.events import schema
+from tracer.events import schema, wire
 from tracer.events.netwait import NetTimingMode, NetWait
 
 Emit = Callable[[RequestRecord], None]
+_DIR_IN = wire.CONSTANTS["DIR_IN"]
+_FLAG_LAST = wire.CONSTANTS["FLAG_LAST"]
 WAIT_NS = 250_000_000  # a peer ACKs within its delayed-ACK time (40-200 ms on Linux)
 HOLD_MAX_NS = 2_000_000_000
 MAX_LOG = 8192  # writes and arrivals remembered per connection
@@ -105,13 +107,19 @@ class NetTimer:
 
     def data(self, ev: schema.DataEvent) -> None:
         """Remember where each write of a followed connection ended."""
-        if ev.inbound or not ev.last or ev.ret <= 0:
+        self.write(ev.pid, ev.fd, ev.conn_id, ev.ts_exit, ev.direction, ev.flags, ev.ret,
+                   ev.stream_off)
+
+    def write(self, pid: int, fd: int, conn_id: int, ts_exit: int, direction: int, flags: int,
+              ret: int, stream_off: int) -> None:
+        """``data`` of a DATA record's fields."""
+        if direction == _DIR_IN or not flags & _FLAG_LAST or ret <= 0 or not self.conns:
             return
-        c = self.conns.get(ev.key)
+        c = self.conns.get((pid, fd, conn_id))
         if c is None or not c.anchored:
             return
-        c.writes[ev.ts_exit] = ev.stream_off + ev.ret
-        c.last_ns = ev.ts_exit
+        c.writes[ts_exit] = stream_off + ret
+        c.last_ns = ts_exit
         if len(c.writes) > MAX_LOG:
             del c.writes[next(iter(c.writes))]
 
