@@ -627,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"host_cpus": len(os.sched_getaffinity(0)), "python": sys.version.split()[0],
            "seconds": round(time.monotonic() - t0, 1), "args": vars(args), "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    Path(args.out).write_text(json.dumps(doc, separators=(",", ":")) + "\n")
     for r in results:
         print(f"{r['server']}: tokens/s {r['tokens_per_s']}  TTFT p50 {r['ttft_p50']}  "
               f"p99 {r['ttft_p99']}  server CPU/token {r['server_cpu_per_token']}  "
