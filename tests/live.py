@@ -7,6 +7,7 @@ import io
 import json
 import re
 import socket
+import threading
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -87,14 +88,24 @@ class _TimedSocket(httpcore2.NetworkStream):
     after the bytes arrived does not count it; by the user clock around the calls on
     any other stream (TLS)."""
 
-    def __init__(self, inner: Any, timing: dict[str, float]) -> None:
+    def __init__(self, inner: Any, timings: "_TimingTransport") -> None:
         self.inner = inner
-        self.timing = timing
+        self.timings = timings
         self._tail = b""
+        self._reading = False
         sock = inner.get_extra_info("socket")
         self.stamped = StampedSocket(sock) if type(sock) is socket.socket else None
 
+    @property
+    def timing(self) -> dict[str, float]:
+        """The timing of the request the calling thread is making (a pooled
+        connection serves one thread's request at a time, but many threads in turn)."""
+        return self.timings.timing
+
     def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        if self._reading:  # a new request on a kept-alive connection: a fresh search
+            self._tail = b""
+            self._reading = False
         first = "sent" not in self.timing and len(buffer) > 0
         if first and self.stamped is None:
             # stamped before the send: on loopback the send can wake the server, which
@@ -109,11 +120,12 @@ class _TimedSocket(httpcore2.NetworkStream):
                 self.timing["sent"] = stamp / 1e9
 
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        self._reading = True
         looking = "sent" in self.timing and "first_text" not in self.timing
         if looking and self.stamped is not None:
             peeked, _ = self.stamped.peek(max_bytes)
             m = FIRST_TEXT.search(self._tail + peeked)
-            if m:  # the segment that holds the text's first bytes
+            if m and m.end() > len(self._tail):  # the segment holding the text's first bytes
                 _, at = self.stamped.peek(m.end() - len(self._tail))
                 assert at is not None, "the kernel did not stamp the segment"
                 self.timing["first_text"] = at / 1e9
@@ -133,31 +145,39 @@ class _TimedSocket(httpcore2.NetworkStream):
 
     def start_tls(self, *a: Any, **kw: Any) -> Any:
         # ciphertext from here on: timed by the user clock (the wrapper's fallback)
-        return _TimedSocket(self.inner.start_tls(*a, **kw), self.timing)
+        return _TimedSocket(self.inner.start_tls(*a, **kw), self.timings)
 
     def get_extra_info(self, info: str) -> Any:
         return self.inner.get_extra_info(info)
 
 
 class _TimedBackend(httpcore2.NetworkBackend):
-    def __init__(self, timing: dict[str, float]) -> None:
+    def __init__(self, timings: "_TimingTransport") -> None:
         self.inner = httpcore2.SyncBackend()
-        self.timing = timing
+        self.timings = timings
 
     def connect_tcp(self, *a: Any, **kw: Any) -> httpcore2.NetworkStream:
-        return _TimedSocket(self.inner.connect_tcp(*a, **kw), self.timing)
+        return _TimedSocket(self.inner.connect_tcp(*a, **kw), self.timings)
 
     def sleep(self, seconds: float) -> None:
         self.inner.sleep(seconds)
 
 
 class _TimingTransport(httpx2.HTTPTransport):
-    """One request at a time: ``timing`` is reset for each."""
+    """``timing`` is the calling thread's last request's (the sync client does its
+    I/O on the thread that asks), reset for each request."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.timing: dict[str, float] = {}
-        self._pool._network_backend = _TimedBackend(self.timing)
+        self._local = threading.local()
+        self._pool._network_backend = _TimedBackend(self)
+
+    @property
+    def timing(self) -> dict[str, float]:
+        t = getattr(self._local, "timing", None)
+        if t is None:
+            t = self._local.timing = {}
+        return t
 
     def handle_request(self, request: Any) -> Any:
         self.timing.clear()
