@@ -19,6 +19,7 @@ from tracer.correlate.nettiming import NetTimer
 from tracer.correlate.records import RequestRecord
 from tracer.events import gpu, schema, wire
 from tracer.events.netwait import NetTimingMode, NetWait
+from tracer.events.tls import TlsEvent, TlsLibrary
 from tracer.export.context import ExportContext
 
 C = wire.CONSTANTS
@@ -50,6 +51,8 @@ class Pipeline:
         self.attribution = GpuAttribution(self._export, self._open_records, self.stats,
                                           ipc=self.ipc, pricing=pricing,
                                           kernel_name=self._kernel_name)
+        self.tls_libraries: list[TlsLibrary] = []  # found in traced processes
+        self._tls_paths: dict[int, set[str]] = {}
 
     def _emit(self, rec: RequestRecord) -> None:
         """A finished record: held by the GPU attribution until its bursts are in."""
@@ -115,6 +118,11 @@ class Pipeline:
             t.data_event(ev)
         elif isinstance(ev, NetWait):
             self.net.netwait(ev)
+        elif isinstance(ev, TlsEvent):
+            self.last_ts = max(self.last_ts, ev.ts)
+            t.tls_event(ev)
+        elif isinstance(ev, TlsLibrary):
+            self._tls_library(ev)
         elif isinstance(ev, schema.ConnEvent):
             self.last_ts = max(self.last_ts, ev.ts)
             self.net.conn(ev)
@@ -140,6 +148,19 @@ class Pipeline:
             if self._next_expire:
                 t.expire(self.last_ts)
             self._next_expire = self.last_ts + EXPIRE_EVERY_NS
+
+    def _tls_library(self, lib: TlsLibrary) -> None:
+        """A TLS library found in a traced process: counted by what it is."""
+        self.tls_libraries.append(lib)
+        if lib.status == "probed":
+            self.stats["tls_libraries_probed"] += 1
+        else:
+            self.stats["tls_libraries_not_probed"] += 1
+            self.stats[f"tls_libraries_not_probed.{lib.status}"] += 1
+        paths = self._tls_paths.setdefault(lib.pid, set())
+        paths.add(lib.path)
+        if len(paths) == 2:
+            self.stats["tls_processes_with_two_libraries"] += 1
 
     def close(self) -> None:
         """End of the event stream: count what is still open and flush the sinks."""

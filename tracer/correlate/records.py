@@ -20,6 +20,7 @@ from typing import Any
 
 from protocols.grpc import SERVER_ERROR_CODES, Call
 from protocols.openai import LLMRequest, LLMResponse
+from protocols.tls import TlsSession
 from tracer.events.schema import ProcessInfo
 from tracer.privacy import mask_token, token_span
 
@@ -127,6 +128,7 @@ class RequestRecord:
     gpu: dict[str, Any] = field(default_factory=dict)
     children: list["ChildSpan"] = field(default_factory=list)
     net: NetTiming | None = None  # the client's view (tracer.correlate.nettiming)
+    tls: TlsSession | None = None  # came over TLS, read through the TLS library's probes
 
     @property
     def key(self) -> tuple[int, int, int, int]:

@@ -38,8 +38,9 @@ class CaptureConfig:
     ringbuf_mb: int = 32
     rescan_interval_s: float = 2.0  # look for new --comm/--port processes this often
     counters_interval_s: float = 1.0
-    # cuda must precede process: process.c flushes a thread's GPU burst at its exit
-    concerns: tuple[str, ...] = ("cuda", "nccl", "ibverbs", "process", "sockets")
+    # cuda must precede process: process.c flushes a thread's GPU burst at its exit;
+    # tls follows sockets (and netwait), whose structures it uses
+    concerns: tuple[str, ...] = ("cuda", "nccl", "ibverbs", "process", "sockets", "tls")
     burst_ns: int = 10_000_000  # a thread's GPU burst is flushed at least this often
     burst_min_ns: int = 0  # ...and at a sync only if it is at least this old
     gpu_rescan_interval_s: float = 1.0  # look for newly loaded GPU libraries
@@ -99,6 +100,8 @@ class CaptureSession:
         self.net_timing = NetTimingMode(ts=0, mode="syscall", reason="not started")
         self._nw_ports: set[int] = set()
         self._next_listen_scan = 0.0
+        self.tls: Any = None  # tracer.probes.tls.TlsProbes when the TLS probes load
+        self._next_tls_scan = 0.0
 
     # ---- lifecycle --------------------------------------------------------------
 
@@ -113,6 +116,8 @@ class CaptureSession:
         if "cuda" in self.config.concerns:
             self.gpu = GpuProbes(self.bpf, self.config.stub_names_quiet_s,
                                  self.config.stub_names_max_s, self.config.uprobe_links)
+        if "tls" in self.concerns:
+            self._start_tls()
             if self.config.gpu_sample < 1.0:
                 # the first period starts "on" (so libraries found now attach their
                 # launch probes) and says so
@@ -159,6 +164,11 @@ class CaptureSession:
             if now >= self._next_counter_maps:
                 self._next_counter_maps = now + self.config.counter_maps_interval_s
                 self._collect_counters()
+        if self.tls is not None and now >= self._next_tls_scan:
+            # TLS libraries loaded after attach (Python imports ssl lazily)
+            self._next_tls_scan = now + self.config.gpu_rescan_interval_s
+            for pid in sorted(self.pids):
+                self._tls_scan(pid)
         if "netwait" in self.concerns and now >= self._next_listen_scan:
             self._next_listen_scan = now + self.config.listen_scan_interval_s
             for pid in sorted(self.pids):
@@ -219,6 +229,8 @@ class CaptureSession:
             self.bpf[b"config"][ctypes.c_int(C["CFG_LAUNCH_GATE_CLOSED"])] = ctypes.c_uint64(1)
             self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=False,
                                   fraction=self.config.gpu_sample))
+        if self.tls is not None:
+            self.tls.close()
         if self.gpu is not None:
             self.detach_s = self.gpu.close()  # before the drain: no launch after it
             for raw in self.gpu.drain():  # bursts not yet flushed: counts stay exact
@@ -255,9 +267,30 @@ class CaptureSession:
         self.sink(self._process_info(pid))
         if self.gpu is not None:
             self.gpu.scan(pid)
+        self._tls_scan(pid)
         if existing_sockets:
             self._adopt_sockets(pid)
         self._watch_listeners(pid)
+
+    # ---- TLS (bpf/tls.c) ----------------------------------------------------------
+
+    def _start_tls(self) -> None:
+        """The TLS probes share the GPU probes' uprobe attacher (one choice of links or
+        perf events per BPF object, one lock for BCC's bookkeeping)."""
+        import threading
+
+        from tracer.probes.tls import TlsProbes
+        from tracer.probes.uprobes import Uprobes
+        uprobes = (self.gpu.uprobes if self.gpu is not None
+                   else Uprobes(self.bpf, threading.Lock(), self.config.uprobe_links))
+        self.tls = TlsProbes(self.bpf, uprobes)
+
+    def _tls_scan(self, pid: int) -> None:
+        """Probe the TLS libraries ``pid`` maps that are new; say what was found."""
+        if self.tls is None:
+            return
+        for lib in self.tls.scan(pid):
+            self.sink(lib)
 
     # ---- socket-level timing (bpf/netwait.c) -------------------------------------
 
@@ -400,15 +433,21 @@ class CaptureSession:
                 return  # a new thread, not a process
             self.pids.add(ev.pid)
             self.sink(self._process_info(ev.pid))
+            self._tls_scan(ev.pid)  # its probes are its parent's no more (per-pid links)
             self._adopt_sockets(ev.pid)
         elif ev.op == C["PROC_EXEC"]:
             self.pids.add(ev.pid)
             self.sink(self._process_info(ev.pid))
+            if self.tls is not None:
+                self.tls.forget(ev.pid)  # a new program: new libraries
+                self._tls_scan(ev.pid)
         elif ev.op == C["PROC_EXIT"]:
             self.pids.discard(ev.pid)
             self._forget_pid(ev.pid)
             if self.gpu is not None:
                 self.gpu.forget(ev.pid)
+            if self.tls is not None:
+                self.tls.forget(ev.pid)
 
     def _forget_pid(self, pid: int) -> None:
         """A dead process's sockets were closed by the kernel, not by close(2)."""
@@ -440,6 +479,8 @@ class CaptureSession:
         if self.gpu is not None:
             counters["gpu_attach_errors"] = len(self.gpu.errors)
             counters.update(self.gpu.stubs.counters())
+        if self.tls is not None:
+            counters.update(self.tls.counters())
         if force or counters != self._last_counters:
             self._last_counters = dict(counters)
             self.sink(schema.DropReport(ts=time.monotonic_ns(), counters=counters))
