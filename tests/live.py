@@ -103,7 +103,9 @@ class _TimedSocket(httpcore2.NetworkStream):
         self.inner.close()
 
     def start_tls(self, *a: Any, **kw: Any) -> Any:
-        return self.inner.start_tls(*a, **kw)
+        # HTTPS: the handshake happens inside; what is timed is the TLS stream's own
+        # send and recv (plaintext in, ciphertext on the socket within the same call)
+        return _TimedSocket(self.inner.start_tls(*a, **kw), self.timing)
 
     def get_extra_info(self, info: str) -> Any:
         return self.inner.get_extra_info(info)
@@ -124,8 +126,8 @@ class _TimedBackend(httpcore2.NetworkBackend):
 class _TimingTransport(httpx2.HTTPTransport):
     """One request at a time: ``timing`` is reset for each."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, verify: Any = True) -> None:
+        super().__init__(verify=verify)
         self.timing: dict[str, float] = {}
         self._pool._network_backend = _TimedBackend(self.timing)
 
@@ -142,8 +144,10 @@ class TimedClient:
     without the SDK's request building and response parsing (``ttft_sdk`` includes
     them)."""
 
-    def __init__(self, base_url: str, **kw: Any) -> None:
-        self.transport = _TimingTransport()
+    def __init__(self, base_url: str, verify: Any = True, **kw: Any) -> None:
+        """``verify``: an ``ssl.SSLContext`` (or CA file) for an HTTPS server's
+        certificate."""
+        self.transport = _TimingTransport(verify)
         self._last_sent = 0.0
         self.http = httpx2.Client(transport=self.transport, timeout=httpx2.Timeout(60.0),
                                   event_hooks={"request": [self._hook]})
@@ -158,13 +162,14 @@ class TimedClient:
         return t["first_text"] - t["sent"] if "first_text" in t and "sent" in t else None
 
     def chat(self, stream: bool, max_tokens: int, usage: bool = True,
-             content: str = "Hello there, tiny model") -> dict[str, Any]:
+             content: str = "Hello there, tiny model", model: str = "tiny-gpt"
+             ) -> dict[str, Any]:
         """One chat request; returns id, usage, chunk count and client-side TTFT."""
         kw: dict[str, Any] = {}
         if stream and usage:
             kw["stream_options"] = {"include_usage": True}
         resp = self.client.chat.completions.create(
-            model="tiny-gpt", messages=[{"role": "user", "content": content}],
+            model=model, messages=[{"role": "user", "content": content}],
             max_tokens=max_tokens, stream=stream, **kw)
         if not stream:
             done = time.monotonic()
