@@ -190,6 +190,15 @@ static __always_inline void tls_established(u64 id, u64 ssl, struct tls_ssl *s)
     tls_record(id, ssl, s, TT_TLS_ESTABLISHED, 0);
 }
 
+/* A call that completed no handshake and moved nothing. Only an object seen from its
+ * setup is then known to be mid-handshake: one met later (a connection from before
+ * attach) was most likely established long ago, and just found nothing to read. */
+static __always_inline void tls_started(struct tls_ssl *s)
+{
+    if ((s->flags & TT_TLS_F_FRESH) && !(s->flags & TT_TLS_F_ESTABLISHED))
+        s->flags |= TLS_S_STARTED;
+}
+
 /* ---- SSL calls ------------------------------------------------------------------ */
 
 static __always_inline int tls_enter(struct pt_regs *ctx, u32 op)
@@ -313,8 +322,8 @@ int tt_tls_return(struct pt_regs *ctx)
     if (c.op == TLS_OP_HANDSHAKE) {
         if (ret == 1)
             tls_established(id, c.ssl, s);
-        else if (!(s->flags & TT_TLS_F_ESTABLISHED))
-            s->flags |= TLS_S_STARTED;
+        else
+            tls_started(s);
         return 0;
     }
     u64 n = 0;
@@ -325,8 +334,7 @@ int tt_tls_return(struct pt_regs *ctx)
         n = ret;
     }
     if (n == 0) {
-        if (!(s->flags & TT_TLS_F_ESTABLISHED))
-            s->flags |= TLS_S_STARTED;
+        tls_started(s);
         return 0;
     }
     tls_established(id, c.ssl, s);

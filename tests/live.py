@@ -126,8 +126,8 @@ class _TimedBackend(httpcore2.NetworkBackend):
 class _TimingTransport(httpx2.HTTPTransport):
     """One request at a time: ``timing`` is reset for each."""
 
-    def __init__(self, verify: Any = True) -> None:
-        super().__init__(verify=verify)
+    def __init__(self, verify: Any = True, keepalive_s: float = 5.0) -> None:
+        super().__init__(verify=verify, limits=httpx2.Limits(keepalive_expiry=keepalive_s))
         self.timing: dict[str, float] = {}
         self._pool._network_backend = _TimedBackend(self.timing)
 
@@ -144,10 +144,12 @@ class TimedClient:
     without the SDK's request building and response parsing (``ttft_sdk`` includes
     them)."""
 
-    def __init__(self, base_url: str, verify: Any = True, **kw: Any) -> None:
+    def __init__(self, base_url: str, verify: Any = True, keepalive_s: float = 5.0,
+                 **kw: Any) -> None:
         """``verify``: an ``ssl.SSLContext`` (or CA file) for an HTTPS server's
-        certificate."""
-        self.transport = _TimingTransport(verify)
+        certificate; ``keepalive_s``: how long an idle connection is kept (httpx's 5 s
+        by default)."""
+        self.transport = _TimingTransport(verify, keepalive_s)
         self._last_sent = 0.0
         self.http = httpx2.Client(transport=self.transport, timeout=httpx2.Timeout(60.0),
                                   event_hooks={"request": [self._hook]})

@@ -280,7 +280,19 @@ class TlsProbes:
         if failed:
             reason = (reason + "; " if reason else "") + f"{failed} of {len(sites)} probes not attached"
         status = "probed" if any(s.name in REQUIRED for s in got.sites) else "error"
+        if status == "probed":
+            self._mark(pid)
         return self._found(pid, path, name, status, reason, crypto)
+
+    def _mark(self, pid: int) -> None:
+        """Tell the socket probes ``pid`` does TLS now, not at its first SSL call after
+        attach: the socket read that comes before that call (a connection from before
+        attach: ciphertext read, then fed to the SSL object) must be remembered too."""
+        import ctypes
+        try:
+            self.bpf[b"tls_procs"][ctypes.c_uint32(pid)] = ctypes.c_uint32(1)
+        except Exception as e:  # a full map: the kernel marks it at its first SSL call
+            self.errors[f"pid {pid}"] = f"tls_procs: {e}"
 
     def _crypto_path(self, mapped: tuple[str, ...], soname: str) -> str:
         """The libcrypto the process maps for a libssl that needs ``soname``."""
@@ -308,6 +320,11 @@ class TlsProbes:
     def forget(self, pid: int) -> None:
         """``pid`` exited: drop its links (on a thread: each close waits a grace period)."""
         self._seen.pop(pid, None)
+        import ctypes
+        try:
+            del self.bpf[b"tls_procs"][ctypes.c_uint32(pid)]
+        except KeyError:
+            pass
         groups = self.attached.pop(pid, [])
         if groups:
             self._detachers.append(self.uprobes.detach_in_background(groups, self.errors,
