@@ -446,3 +446,24 @@ def test_grpcio_boringssl_is_said_not_probed():
     assert tlsprobes.LIBSSL.search("/x/psycopg2_binary.libs/libssl-1a2b3c4d.so.1.1")
     assert not tlsprobes.LIBSSL.search("/usr/lib/x86_64-linux-gnu/libssl3.so")  # NSS's
     assert not tlsprobes.LIBSSL.search("/usr/lib/libgnutls-openssl.so.27")
+
+
+def test_a_plaintext_write_no_ciphertext_carried_keeps_its_time_and_is_said():
+    MS = 1_000_000
+    out: list[RequestRecord] = []
+    t = NetTimer(out.append, Counter())
+    t.mode = NetTimingMode(ts=0, mode="socket")
+    t.netwait(NetWait(pid=10, tid=11, fd=5, conn_id=99, op="arrival", cause=None, first=True,
+                      anchored=True, ts=100 * MS, ref_ts=102 * MS, stream_off=0, aux=0))
+    t.data(schema.DataEvent(pid=10, tid=11, fd=5, conn_id=99, ts_enter=104 * MS,
+                            ts_exit=105 * MS, ret=50, offset=0, syscall=C["SYS_SSL_WRITE"],
+                            direction=C["DIR_OUT"], flags=C["FLAG_LAST"] | C["FLAG_TLS"],
+                            payload=b"", stream_off=0))
+    t.finished(RequestRecord(pid=10, fd=5, conn_id=99, exchange=0, role="server",
+                             start_ns=103 * MS, response_start_ns=105 * MS, end_ns=105 * MS))
+    t.advance(2000 * MS)
+    (r,) = out
+    assert r.net.timing == "socket" and r.net.departures[105 * MS] == 105 * MS
+    assert r.net.tls_unmapped == 1 and t.stats["netwait_tls_unmapped"] >= 1
+    from tracer.export.spans import network_attributes
+    assert network_attributes(r)["tokentrace.network.tls_unmapped_writes"] == 1

@@ -486,13 +486,13 @@ def _drive(args: argparse.Namespace, open_: Callable[[], Any], poll: Callable[[]
     if args.sched_idle:
         _sched_idle()
     _say_gpu(gpu())
-    _say_tls(tls())
     mode = net()
     timing = ("" if mode is None else "requests timed at the socket; " if mode.mode == "socket"
               else f"requests timed by syscalls only ({mode.reason}); ")
     desc = ", ".join(str(p) for p in sorted(pids())) or "none yet"
     _say(f"attached to {len(pids())} process(es) (pids: {desc}); {timing}"
          + (f"tracing for {args.duration:g}s" if args.duration else "Ctrl-C to stop"))
+    _say_tls(tls())  # after the 'attached' line: scripts wait for that one first
     stop.arm()
     while not stop:
         poll()

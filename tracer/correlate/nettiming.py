@@ -265,6 +265,9 @@ class NetTimer:
             n.accept_ns = c.accept_ns or None
         worst = (0, None)
         for ts in _write_times(rec):
+            if ts not in c.writes and ts in c.tls_writes and \
+                    _tls_carrier(c, c.tls_writes[ts], ts) is None:
+                n.tls_unmapped += 1
             left, hold = self._departure(c, ts)
             n.departures[ts] = left
             if left - ts > worst[0]:

@@ -81,6 +81,9 @@ class NetTiming:
     departures: dict[int, int] = field(default_factory=dict)
     send_hold_ns: int = 0  # the longest wait of a response write's bytes in the kernel
     send_hold_cause: str | None = None  # nagle, cwnd, rwnd, cork
+    # TLS: plaintext writes with no ciphertext write found to carry them (their own
+    # times kept as their departure)
+    tls_unmapped: int = 0
 
     def left(self, ts: int | None) -> int | None:
         """When the bytes of the write that returned at ``ts`` left (``ts`` if unknown)."""

@@ -253,6 +253,8 @@ def network_attributes(rec: RequestRecord) -> dict[str, Any]:
     a["tokentrace.network.send_hold"] = _seconds(n.send_hold_ns)
     if n.send_hold_ns:
         a["tokentrace.network.send_hold.cause"] = n.send_hold_cause
+    if n.tls_unmapped:  # their departure is the TLS library's return, not the socket's
+        a["tokentrace.network.tls_unmapped_writes"] = n.tls_unmapped
     return a
 
 
