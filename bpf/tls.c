@@ -13,17 +13,24 @@
  *   - a memory BIO (Python's ssl.SSLObject under asyncio and uvloop, gRPC's BIO pairs):
  *     there is no fd and the SSL calls make no syscall. The event loop reads ciphertext
  *     from the socket and feeds it to the read BIO (BIO_write) on the same thread, and
- *     sends what the SSL object wrote to its write BIO. So: a BIO_write outside SSL
- *     calls of exactly the bytes the thread's last socket read returned ties that BIO
- *     to the socket (length and first TT_TLS_HEAD bytes equal), and a BIO_read inside an
- *     SSL call ties the SSL to its read BIO's socket; and the first TT_TLS_HEAD bytes of
- *     each record an unbound SSL object writes to its BIO (5-byte record header, then
- *     the hello's random or the ciphertext) are remembered, and the socket whose next
- *     send starts with them is its socket. Both handshake directions write and read
- *     before any application data, so a new connection is tied before its first
- *     request; one opened before attach, at its first read or write.
+ *     sends what the SSL object wrote to its write BIO. So: SSL_set_bio names the
+ *     object's read BIO, and a BIO_write to it outside SSL calls of exactly the bytes the
+ *     thread's last socket read returned (length and first TT_TLS_HEAD bytes equal) ties
+ *     the object to that socket; and the first TT_TLS_HEAD bytes of each record an
+ *     unbound object writes to its BIO (5-byte record header, then the hello's random
+ *     or the ciphertext) are remembered, and the socket whose next send starts with them
+ *     is its socket. Both handshake directions read and write before any application
+ *     data, so a new connection is tied before its first request; one opened before
+ *     attach (its SSL_set_bio unseen), at its first write: the request read before that
+ *     is counted, not sent.
  * Every match compares bytes, never guesses by time; an SSL object never tied to a
  * socket moves plaintext that is counted (tls_counters), not sent.
+ *
+ * Cost: a uprobe on an instruction the kernel cannot emulate (`sub $n,%rsp`, the first
+ * instruction of most of these functions in Debian's build) is single-stepped, ~10 us a
+ * hit on the development VM. BIO_read is therefore not probed (OpenSSL calls it twice
+ * per record read); BIO_write is, once per record written and once per socket read a
+ * memory BIO is fed (bench/tls.py, docs/tls.md).
  *
  * The ciphertext syscalls of a socket whose SSL object completed its handshake are
  * still recorded (stream offsets and times: socket-level timing), without payload
@@ -53,18 +60,14 @@ struct tls_ssl {
     u64 conn_id; /* the socket it is tied to; 0: none yet */
     u64 pt_in;   /* plaintext read through it: its DATA records' stream offset */
     u64 pt_out;
+    u64 rbio;    /* its read BIO (SSL_set_bio), 0 if unseen */
     s32 fd;
     u32 flags;   /* TT_TLS_F_* and TLS_S_* */
 };
 BPF_TABLE("lru_hash", struct tls_key, struct tls_ssl, tls_ssls, 65536);
 
-/* a memory BIO fed the bytes of a socket read: that socket */
-struct tls_bio {
-    u64 conn_id;
-    s32 fd;
-    u32 pad;
-};
-BPF_TABLE("lru_hash", struct tls_key, struct tls_bio, tls_bios, 65536);
+/* (tgid, BIO*) -> the SSL object that reads from it (SSL_set_bio) */
+BPF_TABLE("lru_hash", struct tls_key, u64, tls_rbios, 65536);
 
 /* (tgid << 32 | fd) -> the SSL object of that socket; ciphertext goes without payload
  * once it is established */
@@ -366,18 +369,25 @@ int tt_tls_set_fd(struct pt_regs *ctx)
 }
 
 /* SSL_set_bio(ssl, rbio, wbio): a new object on BIOs of the application's (memory BIOs);
- * SSL_set_fd calls it too, after its own probe tied the object: that is kept. */
+ * its read BIO is remembered. SSL_set_fd calls it too, after its own probe tied the
+ * object: that is kept. */
 int tt_tls_set_bio(struct pt_regs *ctx)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32;
     if (!is_traced(tgid))
         return 0;
-    struct tls_key k = {.tgid = tgid, .ptr = PT_REGS_PARM1(ctx)};
+    u64 ssl = PT_REGS_PARM1(ctx);
+    struct tls_key bk = {.tgid = tgid, .ptr = PT_REGS_PARM2(ctx)};
+    if (bk.ptr && tls_rbios.update(&bk, &ssl) != 0)
+        tls_count(TT_TLS_CNT_STATE_FULL, 1);
+    struct tls_key k = {.tgid = tgid, .ptr = ssl};
     struct tls_ssl *s = tls_ssls.lookup(&k);
-    if (s && (s->flags & TT_TLS_F_FRESH) && !s->pt_in && !s->pt_out)
+    if (s && (s->flags & TT_TLS_F_FRESH) && !s->pt_in && !s->pt_out) {
+        s->rbio = bk.ptr;
         return 0;
-    struct tls_ssl fresh = {.fd = -1, .flags = TT_TLS_F_FRESH};
+    }
+    struct tls_ssl fresh = {.fd = -1, .flags = TT_TLS_F_FRESH, .rbio = bk.ptr};
     if (tls_ssls.update(&k, &fresh) != 0)
         tls_count(TT_TLS_CNT_STATE_FULL, 1);
     return 0;
@@ -401,6 +411,12 @@ int tt_tls_free(struct pt_regs *ctx)
         tls_record(id, ssl, s, TT_TLS_FREE, 0);
     else if (s->flags & TT_TLS_F_FAILED)
         tls_count(TT_TLS_CNT_FAILED_UNBOUND, 1);
+    if (s->rbio) {
+        struct tls_key bk = {.tgid = tgid, .ptr = s->rbio};
+        u64 *owner = tls_rbios.lookup(&bk);
+        if (owner && *owner == ssl)
+            tls_rbios.delete(&bk);
+    }
     tls_ssls.delete(&k);
     return 0;
 }
@@ -452,6 +468,13 @@ int tt_tls_bio_write(struct pt_regs *ctx)
     struct tls_in *in = tls_last_in.lookup(&id);
     if (!in)
         return 0;
+    struct tls_key bk = {.tgid = tgid, .ptr = bio};
+    u64 *owner = tls_rbios.lookup(&bk);
+    if (!owner) {
+        tls_last_in.delete(&id);
+        return 0; /* not the read BIO of an object seen from its setup */
+    }
+    u64 ssl = *owner;
     if (in->len != (u32)len) {
         tls_last_in.delete(&id);
         return 0;
@@ -464,38 +487,18 @@ int tt_tls_bio_write(struct pt_regs *ctx)
     __builtin_memcpy(&a1, head + 8, 8);
     __builtin_memcpy(&b0, in->head, 8);
     __builtin_memcpy(&b1, in->head + 8, 8);
-    if (a0 == b0 && a1 == b1) {
-        struct tls_key bk = {.tgid = tgid, .ptr = bio};
-        struct tls_bio b = {.conn_id = in->conn_id, .fd = in->fd};
-        if (tls_bios.update(&bk, &b) != 0)
-            tls_count(TT_TLS_CNT_STATE_FULL, 1);
-    }
+    struct tls_in got = *in;
     tls_last_in.delete(&id);
-    return 0;
-}
-
-/* BIO_read(bio, ...) / BIO_read_ex(bio, ...) inside an SSL call: ``bio`` is that
- * object's read BIO; if its socket is known, so is the object's. */
-int tt_tls_bio_read(struct pt_regs *ctx)
-{
-    u64 id = bpf_get_current_pid_tgid();
-    u32 tgid = id >> 32;
-    struct tls_call *c = tls_calls.lookup(&id);
-    if (!c)
+    if (a0 != b0 || a1 != b1)
         return 0;
-    struct tls_key k = {.tgid = tgid, .ptr = c->ssl};
+    struct tls_key k = {.tgid = tgid, .ptr = ssl};
     struct tls_ssl *s = tls_ssls.lookup(&k);
     if (!s || s->conn_id)
         return 0;
-    struct tls_key bk = {.tgid = tgid, .ptr = PT_REGS_PARM1(ctx)};
-    struct tls_bio *b = tls_bios.lookup(&bk);
-    if (!b)
-        return 0;
-    u64 key = conn_key(tgid, b->fd);
+    u64 key = conn_key(tgid, got.fd);
     struct conn_state *st = conns.lookup(&key);
-    if (!st || st->conn_id != b->conn_id)
-        return 0; /* that socket closed since */
-    tls_bind(id, c->ssl, s, b->fd, b->conn_id, TT_TLS_VIA_BIO_IN);
+    if (st && st->conn_id == got.conn_id)
+        tls_bind(id, ssl, s, got.fd, got.conn_id, TT_TLS_VIA_BIO_IN);
     return 0;
 }
 

@@ -56,13 +56,12 @@ SSL_PROBES: list[Probe] = [
 # Without these the plaintext or an object's end would be missed: not probed at all.
 REQUIRED = frozenset({"SSL_read", "SSL_write", "SSL_do_handshake", "SSL_free"})
 
-# libcrypto: the BIO calls OpenSSL's record layer makes for every record (1.1 and 3.x
-# alike) and Python's ssl.MemoryBIO makes to feed and drain memory BIOs.
+# libcrypto: BIO_write, which OpenSSL's record layer calls for each record it writes
+# (1.1 and 3.x alike) and Python's ssl.MemoryBIO calls to feed a read BIO. BIO_read is
+# not probed: a single-stepped uprobe costs ~10 us and OpenSSL reads each record twice.
 CRYPTO_PROBES: list[Probe] = [
     Probe("BIO_write", "tt_tls_bio_write"),
     Probe("BIO_write_ex", "tt_tls_bio_write"),
-    Probe("BIO_read", "tt_tls_bio_read"),
-    Probe("BIO_read_ex", "tt_tls_bio_read"),
 ]
 
 LIBSSL = re.compile(r"/libssl(?:-[0-9a-f]{8})?\.so(?:\.[0-9][0-9a-z.]*)?$")
