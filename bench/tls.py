@@ -10,6 +10,11 @@ Two servers, the two ways a Python server does TLS:
 - ``openai``: the sample OpenAI server (uvicorn on uvloop: ssl.SSLObject on memory
   BIOs), a tiny GPT on the CPU, 4 tokens per request, streamed and not.
 
+And the probes' cost per call, apart from any server (``echo``): a process echoing
+64-byte messages to itself over a TLS connection on loopback (ssl.SSLSocket both ends:
+per round trip 4 SSL calls, 2 SSL_write records through BIO_write), its CPU per round
+trip in the same three modes.
+
 Per phase: requests/s, the server's CPU per request (the probes' traps and BPF run in
 the traced process: this is what the TLS probes cost the service), the tracer's CPU
 and, traced with TLS, the SSL calls seen and whether every request became a span. On a
@@ -77,6 +82,73 @@ print(json.dumps({"requests": sum(done), "seconds": time.monotonic() - t0}))
 """
 
 MODES = ("untraced", "tls_off", "tls")
+
+ECHO = r"""
+import resource, socket, ssl, sys, threading
+cert, key, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(1)
+sctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER); sctx.load_cert_chain(cert, key)
+def serve():
+    s = sctx.wrap_socket(srv.accept()[0], server_side=True)
+    while (d := s.recv(1024)):
+        s.sendall(d)
+threading.Thread(target=serve, daemon=True).start()
+cl = ssl.create_default_context(cafile=cert).wrap_socket(
+    socket.create_connection(srv.getsockname()), server_hostname="localhost")
+print("ready", flush=True)
+while sys.stdin.readline().strip() == "go":
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    for _ in range(n):
+        cl.sendall(b"x" * 64); cl.recv(1024)
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime
+    print(cpu / n * 1e6, flush=True)
+"""
+
+
+def bench_echo(cert: tuple[Path, Path], args: argparse.Namespace, tmp: Path) -> dict:
+    """CPU per TLS round trip of the echo process, untraced / --tls off / TLS probes."""
+    echo = subprocess.Popen([sys.executable, "-c", ECHO, str(cert[0]), str(cert[1]),
+                             str(args.echo_round_trips)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert echo.stdin is not None and echo.stdout is not None
+    assert echo.stdout.readline().strip() == "ready"
+
+    def measure() -> float:
+        echo.stdin.write("go\n")
+        echo.stdin.flush()
+        return float(echo.stdout.readline())
+
+    phases = []
+    try:
+        measure()  # warm up
+        for r in range(args.rounds):
+            for mode in MODES:
+                tracer = None
+                if mode != "untraced":
+                    tracer = subprocess.Popen(
+                        [sys.executable, "-m", "tracer", "run", "--pid", str(echo.pid),
+                         "--quiet", "--tls", "off" if mode == "tls_off" else "auto"],
+                        stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                    assert tracer.stderr is not None
+                    if "attached" not in tracer.stderr.readline():
+                        raise SystemExit(f"tracer did not attach: {tracer.stderr.read()}")
+                phases.append({"mode": mode, "round": r, "cpu_us_per_round_trip": measure()})
+                if tracer is not None:
+                    tracer.send_signal(signal.SIGINT)
+                    tracer.communicate(timeout=120)
+                print(json.dumps({"server": "echo", **phases[-1]}), flush=True)
+    finally:
+        echo.stdin.close()
+        echo.wait(timeout=30)
+    med = {m: statistics.median(p["cpu_us_per_round_trip"] for p in phases if p["mode"] == m)
+           for m in MODES}
+    return {"server": "echo", "round_trips_per_phase": args.echo_round_trips,
+            "cpu_us_per_round_trip_median": med,
+            "tls_probes_us_per_round_trip": med["tls"] - med["tls_off"],
+            # 4 SSL calls (2 SSL_write, 2 SSL_read) and 2 BIO_write records per round trip
+            "tls_probes_us_per_ssl_call": (med["tls"] - med["tls_off"]) / 4,
+            "phases": phases}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -182,14 +254,16 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=6.0)
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--servers", default="stdlib,openai")
+    p.add_argument("--servers", default="echo,stdlib,openai")
+    p.add_argument("--echo-round-trips", type=int, default=20000)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "tls.json"))
     args = p.parse_args()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         cert = make_cert(Path(tmp) / "cert")
         for name in args.servers.split(","):
-            results.append(bench_server(name, cert, args, Path(tmp)))
+            results.append(bench_echo(cert, args, Path(tmp)) if name == "echo"
+                           else bench_server(name, cert, args, Path(tmp)))
     doc = {
         "benchmark": "HTTPS servers, keep-alive TLS clients (Python ssl), alternate streamed/"
                      "plain chat, closed loop; phases untraced / traced --tls off / traced "
@@ -201,6 +275,11 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     for r in results:
         print(f"\n{r['server']}:")
+        if r["server"] == "echo":
+            for k in ("cpu_us_per_round_trip_median", "tls_probes_us_per_round_trip",
+                      "tls_probes_us_per_ssl_call"):
+                print(f"  {k}: {r[k]}")
+            continue
         for k in ("rps_median", "tls_over_tls_off_rps", "tls_over_untraced_rps",
                   "per_round_tls_over_tls_off", "per_round_tls_over_untraced",
                   "server_cpu_ms_per_request", "server_cpu_tls_over_tls_off",

@@ -45,6 +45,7 @@
 #define TLS_OP_WRITE 2
 #define TLS_OP_HANDSHAKE 3
 #define TLS_OP_EX 0x10     /* SSL_*_ex: the byte count is written through the 4th arg */
+#define TLS_OP_EX2 0x20    /* SSL_write_ex2 (OpenSSL 3.3+): ...through the 5th */
 #define TLS_S_STARTED 0x100 /* a handshake call, or a data call that moved nothing, came
                              * before the object was established: a failure if freed so */
 #define TLS_EGRESS_MAX_NS 1000000000ULL /* a record is sent within microseconds of its
@@ -220,7 +221,7 @@ static __always_inline int tls_enter(struct pt_regs *ctx, u32 op)
     struct tls_call c = {};
     c.ssl = PT_REGS_PARM1(ctx);
     c.buf = PT_REGS_PARM2(ctx);
-    c.out = (op & TLS_OP_EX) ? PT_REGS_PARM4(ctx) : 0;
+    c.out = (op & TLS_OP_EX2) ? PT_REGS_PARM5(ctx) : (op & TLS_OP_EX) ? PT_REGS_PARM4(ctx) : 0;
     c.ts = bpf_ktime_get_ns();
     c.sp = sp;
     c.op = op;
@@ -241,6 +242,10 @@ int tt_tls_read(struct pt_regs *ctx) { return tls_enter(ctx, TLS_OP_READ); }
 int tt_tls_read_ex(struct pt_regs *ctx) { return tls_enter(ctx, TLS_OP_READ | TLS_OP_EX); }
 int tt_tls_write(struct pt_regs *ctx) { return tls_enter(ctx, TLS_OP_WRITE); }
 int tt_tls_write_ex(struct pt_regs *ctx) { return tls_enter(ctx, TLS_OP_WRITE | TLS_OP_EX); }
+int tt_tls_write_ex2(struct pt_regs *ctx)
+{
+    return tls_enter(ctx, TLS_OP_WRITE | TLS_OP_EX | TLS_OP_EX2);
+}
 int tt_tls_handshake(struct pt_regs *ctx) { return tls_enter(ctx, TLS_OP_HANDSHAKE); }
 
 /* The plaintext an SSL call moved, as DATA records of its socket (TT_FLAG_TLS). */

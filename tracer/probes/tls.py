@@ -48,6 +48,8 @@ SSL_PROBES: list[Probe] = [
     Probe("SSL_read_ex", "tt_tls_read_ex", "tt_tls_return"),
     Probe("SSL_write", "tt_tls_write", "tt_tls_return"),
     Probe("SSL_write_ex", "tt_tls_write_ex", "tt_tls_return"),
+    # OpenSSL 3.3+ (SSL_write_ex calls it there: the outer call is the one counted)
+    Probe("SSL_write_ex2", "tt_tls_write_ex2", "tt_tls_return"),
     Probe("SSL_do_handshake", "tt_tls_handshake", "tt_tls_return"),
     Probe("SSL_set_fd", "tt_tls_set_fd"),
     Probe("SSL_set_bio", "tt_tls_set_bio"),
