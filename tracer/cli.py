@@ -282,8 +282,10 @@ def _write_summary(path: str | None, pipeline: Pipeline) -> None:
         return
     from tracer.privacy import open_private
 
+    import dataclasses
     doc = {"gpu": pipeline.gpu.summary(), "report": pipeline.report(),
-           "reconciliation": pipeline.reconciliation()}
+           "reconciliation": pipeline.reconciliation(),
+           "tls": {"libraries": [dataclasses.asdict(lib) for lib in pipeline.tls_libraries]}}
     with open_private(path, "w") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")
@@ -297,7 +299,8 @@ def _report(pipeline: Pipeline, console: Any) -> None:
             if v and (k.startswith("capture.lost") or k in (
                 "bytes_lost", "capture.truncated", "capture.iov_cut", "capture.inflight_full",
                 "capture.conns_full", "capture.verbs_cut", "capture.verbs_full",
-                "capture.kcounts_full", "capture.bursts_full",
+                "capture.kcounts_full", "capture.bursts_full", "capture.tls.lost",
+                "capture.tls.inflight_full", "capture.tls.state_full", "capture.tls.stale",
                 "http_protocol_errors", "undecodable_records",
                 "in_flight_at_exit", "identity.k8s_errors")
                 or k.startswith("parser_errors") or k.endswith("_evicted")
