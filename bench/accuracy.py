@@ -109,11 +109,11 @@ def run_case(layout: str, concurrency: int, requests: int, device: str,
     finally:
         stop_server(p)
     lines = truth_path.read_text().splitlines()
-    # on the CPU the stand-in's modelled kernel time leaves out the CPU forward pass
-    # each step runs: its wall time is the truth the tracer's step span is scored on
+    # GPU time: CUDA events on a GPU; on the CPU the stand-in's modelled kernel time
+    # (each member's known part of it: tokens x launches x TT_STANDIN_KERNEL_NS)
     out = {"layout": layout, "concurrency": concurrency, "device": device,
            "step_cost": step_cost,
-           **score(lines, got.spans, got.report, time="gpu_ns" if device == "cuda" else "wall"),
+           **score(lines, got.spans, got.report, time="gpu_ns"),
            **ttft_errors(lines, got.spans, json.loads(client_out.read_text()))}
     if keep_spans:
         out["spans"] = got.spans

@@ -58,6 +58,9 @@ static __always_inline struct tt_kburst *burst_of(u64 id, u64 now)
 static __always_inline void flush(u32 tid, struct tt_kburst *b, u16 reason)
 {
     b->reason = reason;
+#ifdef TT_STACKS
+    stacks_flush(tid); /* the burst's sampled stacks go right before it (bpf/stacks.c) */
+#endif
     submit(b, sizeof(*b), TT_CNT_LOST_GPU);
     bursts.delete(&tid);
 }
@@ -198,6 +201,9 @@ static __always_inline int on_launch(struct pt_regs *ctx, u64 handle, int graph)
     if (!b)
         return 0;
     b->last_ts = now;
+#ifdef TT_STACKS
+    stacks_call(ctx, id, graph ? TT_STK_GRAPH : TT_STK_KERNEL, handle, b->first_ts);
+#endif
     if (graph) {
         b->graph_launches++;
         return 0;
@@ -244,9 +250,9 @@ int tt_launch_arg1(struct pt_regs *ctx) { return on_launch(ctx, PT_REGS_PARM1(ct
 /* cuLaunchKernelEx(config, f, params, extra) */
 int tt_launch_arg2(struct pt_regs *ctx) { return on_launch(ctx, PT_REGS_PARM2(ctx), 0); }
 /* cuGraphLaunch(exec, stream) */
-int tt_graph_launch(struct pt_regs *ctx) { return on_launch(ctx, 0, 1); }
+int tt_graph_launch(struct pt_regs *ctx) { return on_launch(ctx, PT_REGS_PARM1(ctx), 1); }
 
-static __always_inline int on_copy(u32 kind, u64 bytes)
+static __always_inline int on_copy(struct pt_regs *ctx, u32 kind, u64 bytes)
 {
     u64 id = bpf_get_current_pid_tgid();
     u64 now = bpf_ktime_get_ns();
@@ -254,6 +260,9 @@ static __always_inline int on_copy(u32 kind, u64 bytes)
     if (!b)
         return 0;
     b->last_ts = now;
+#ifdef TT_STACKS
+    stacks_call(ctx, id, TT_STK_COPY + kind, 0, b->first_ts);
+#endif
     if (kind < TT_COPY_KINDS) {
         b->copy_bytes[kind] += bytes;
         b->copy_calls[kind]++;
@@ -262,12 +271,12 @@ static __always_inline int on_copy(u32 kind, u64 bytes)
 }
 
 /* cuMemcpy{HtoD,DtoH,DtoD}[Async]_v2(dst, src, bytes[, stream]), cuMemcpy[Async] */
-int tt_copy_h2d_arg3(struct pt_regs *ctx) { return on_copy(TT_COPY_H2D, PT_REGS_PARM3(ctx)); }
-int tt_copy_d2h_arg3(struct pt_regs *ctx) { return on_copy(TT_COPY_D2H, PT_REGS_PARM3(ctx)); }
-int tt_copy_d2d_arg3(struct pt_regs *ctx) { return on_copy(TT_COPY_D2D, PT_REGS_PARM3(ctx)); }
-int tt_copy_other_arg3(struct pt_regs *ctx) { return on_copy(TT_COPY_OTHER, PT_REGS_PARM3(ctx)); }
+int tt_copy_h2d_arg3(struct pt_regs *ctx) { return on_copy(ctx, TT_COPY_H2D, PT_REGS_PARM3(ctx)); }
+int tt_copy_d2h_arg3(struct pt_regs *ctx) { return on_copy(ctx, TT_COPY_D2H, PT_REGS_PARM3(ctx)); }
+int tt_copy_d2d_arg3(struct pt_regs *ctx) { return on_copy(ctx, TT_COPY_D2D, PT_REGS_PARM3(ctx)); }
+int tt_copy_other_arg3(struct pt_regs *ctx) { return on_copy(ctx, TT_COPY_OTHER, PT_REGS_PARM3(ctx)); }
 /* cuMemcpyPeer[Async](dst, dstCtx, src, srcCtx, bytes[, stream]) */
-int tt_copy_d2d_arg5(struct pt_regs *ctx) { return on_copy(TT_COPY_D2D, PT_REGS_PARM5(ctx)); }
+int tt_copy_d2d_arg5(struct pt_regs *ctx) { return on_copy(ctx, TT_COPY_D2D, PT_REGS_PARM5(ctx)); }
 
 static __always_inline int on_memset(u64 elems, u64 elem_size)
 {
@@ -538,5 +547,8 @@ static __always_inline void gpu_thread_exit(u32 tid)
     if (b)
         flush(tid, b, TT_BURST_EXIT);
     stub_pending.delete(&tid);
+#ifdef TT_STACKS
+    stacks_thread_exit(tid);
+#endif
 }
 #define TT_HAVE_GPU_THREAD_EXIT 1

@@ -41,61 +41,70 @@ static __always_inline struct tt_nccl *nccl_begin(u16 op, u64 elems, u64 dtype, 
     return nccl_inflight.lookup(&id);
 }
 
-static __always_inline int nccl_enter(u16 op, u64 elems, u64 dtype, u64 comm, u64 stream,
-                                      s32 peer)
+static __always_inline int nccl_enter(struct pt_regs *ctx, u16 op, u64 elems, u64 dtype,
+                                      u64 comm, u64 stream, s32 peer)
 {
+#ifdef TT_STACKS
+    if (nccl_begin(op, elems, dtype, comm, stream, peer)) {
+        u64 id = bpf_get_current_pid_tgid();
+        u32 tid = (u32)id;
+        struct tt_kburst *b = bursts.lookup(&tid); /* its samples ride with this burst */
+        stacks_call(ctx, id, TT_STK_NCCL + op, 0, b ? b->first_ts : 0);
+    }
+#else
     nccl_begin(op, elems, dtype, comm, stream, peer);
+#endif
     return 0;
 }
 
 /* ncclAllReduce(send, recv, count, dtype, op, comm, stream) */
 int tt_nccl_allreduce(struct pt_regs *ctx)
 {
-    return nccl_enter(TT_NCCL_ALLREDUCE, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx),
-                      PT_REGS_PARM6(ctx), stack_arg(ctx, 7), -1);
+    return nccl_enter(ctx, TT_NCCL_ALLREDUCE, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx),
+                           PT_REGS_PARM6(ctx), stack_arg(ctx, 7), -1);
 }
 /* ncclAllGather(send, recv, sendcount, dtype, comm, stream) */
 int tt_nccl_allgather(struct pt_regs *ctx)
 {
-    return nccl_enter(TT_NCCL_ALLGATHER, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx),
-                      PT_REGS_PARM5(ctx), PT_REGS_PARM6(ctx), -1);
+    return nccl_enter(ctx, TT_NCCL_ALLGATHER, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx),
+                           PT_REGS_PARM5(ctx), PT_REGS_PARM6(ctx), -1);
 }
 /* ncclReduceScatter(send, recv, recvcount, dtype, op, comm, stream) */
 int tt_nccl_reducescatter(struct pt_regs *ctx)
 {
-    return nccl_enter(TT_NCCL_REDUCESCATTER, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx),
-                      PT_REGS_PARM6(ctx), stack_arg(ctx, 7), -1);
+    return nccl_enter(ctx, TT_NCCL_REDUCESCATTER, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx),
+                           PT_REGS_PARM6(ctx), stack_arg(ctx, 7), -1);
 }
 /* ncclBroadcast(send, recv, count, dtype, root, comm, stream) */
 int tt_nccl_broadcast(struct pt_regs *ctx)
 {
-    return nccl_enter(TT_NCCL_BROADCAST, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx),
-                      PT_REGS_PARM6(ctx), stack_arg(ctx, 7), (s32)PT_REGS_PARM5(ctx));
+    return nccl_enter(ctx, TT_NCCL_BROADCAST, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx),
+                           PT_REGS_PARM6(ctx), stack_arg(ctx, 7), (s32)PT_REGS_PARM5(ctx));
 }
 /* ncclReduce(send, recv, count, dtype, op, root, comm, stream) */
 int tt_nccl_reduce(struct pt_regs *ctx)
 {
-    return nccl_enter(TT_NCCL_REDUCE, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx),
-                      stack_arg(ctx, 7), stack_arg(ctx, 8), (s32)PT_REGS_PARM6(ctx));
+    return nccl_enter(ctx, TT_NCCL_REDUCE, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx),
+                           stack_arg(ctx, 7), stack_arg(ctx, 8), (s32)PT_REGS_PARM6(ctx));
 }
 /* ncclSend / ncclRecv(buf, count, dtype, peer, comm, stream) */
 int tt_nccl_send(struct pt_regs *ctx)
 {
-    return nccl_enter(TT_NCCL_SEND, PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx),
-                      PT_REGS_PARM5(ctx), PT_REGS_PARM6(ctx), (s32)PT_REGS_PARM4(ctx));
+    return nccl_enter(ctx, TT_NCCL_SEND, PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx),
+                           PT_REGS_PARM5(ctx), PT_REGS_PARM6(ctx), (s32)PT_REGS_PARM4(ctx));
 }
 int tt_nccl_recv(struct pt_regs *ctx)
 {
-    return nccl_enter(TT_NCCL_RECV, PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx),
-                      PT_REGS_PARM5(ctx), PT_REGS_PARM6(ctx), (s32)PT_REGS_PARM4(ctx));
+    return nccl_enter(ctx, TT_NCCL_RECV, PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx),
+                           PT_REGS_PARM5(ctx), PT_REGS_PARM6(ctx), (s32)PT_REGS_PARM4(ctx));
 }
 int tt_nccl_group_start(struct pt_regs *ctx)
 {
-    return nccl_enter(TT_NCCL_GROUP_START, 0, 0, 0, 0, -1);
+    return nccl_enter(ctx, TT_NCCL_GROUP_START, 0, 0, 0, 0, -1);
 }
 int tt_nccl_group_end(struct pt_regs *ctx)
 {
-    return nccl_enter(TT_NCCL_GROUP_END, 0, 0, 0, 0, -1);
+    return nccl_enter(ctx, TT_NCCL_GROUP_END, 0, 0, 0, 0, -1);
 }
 
 /* ncclCommInitRank(ncclComm_t *out, int nranks, ncclUniqueId id, int rank): the

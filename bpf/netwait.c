@@ -43,6 +43,7 @@ struct nw_sock {
     u64 rx_since;    /* arrival of the oldest bytes not yet read; 0: none known */
     u64 rx_bytes;    /* payload bytes that arrived (tcp_probe data_len) */
     u64 rx_read;     /* bytes the owner read */
+    u64 rx_last_ts;  /* arrival of the latest data segment */
     u64 tx_end;      /* stream offset after the owner's last written byte */
     u64 tx_end_ts;   /* exit of that write */
     u64 tx_held_ts;  /* last ACK that found written bytes unsent; 0: no hold open */
@@ -184,6 +185,7 @@ TRACEPOINT_PROBE(tcp, tcp_probe)
             s->rx_reported = 0;
         }
         __sync_fetch_and_add(&s->rx_bytes, args->data_len);
+        s->rx_last_ts = now;
     }
     u32 snd_nxt = args->snd_nxt, snd_una = args->snd_una;
     if (s->anchor_next) {
@@ -250,6 +252,25 @@ static __always_inline void nw_rcv_space(u64 id, struct io_args *a, u16 lport, u
     nw_fds.update(&ck, &nf);
 }
 
+/* The bytes an iovec array has room for (its first TT_MAX_IOV entries; 0 if one of
+ * them cannot be read). */
+static __always_inline u64 nw_iov_room(u64 iov, u32 iovcnt)
+{
+    u64 room = 0;
+    for (int i = 0; i < TT_MAX_IOV; i++) {
+        if (i >= iovcnt)
+            break;
+        struct {
+            u64 base;
+            u64 len;
+        } v = {};
+        if (bpf_probe_read_user(&v, sizeof(v), (void *)(iov + (u64)i * 16)) != 0)
+            return 0;
+        room += v.len;
+    }
+    return room;
+}
+
 /* A traced data syscall on a socket returned ret > 0 bytes: `d` is its DATA header. */
 static __always_inline void nw_io_exit(struct io_args *a, struct tt_data *d, long ret)
 {
@@ -289,13 +310,30 @@ static __always_inline void nw_io_exit(struct io_args *a, struct tt_data *d, lon
                 (flags & TT_NW_FLAG_FIRST) ? s->estab_ts : 0, flags);
         s->rx_reported = 1;
     }
-    /* Drained: the reader took every byte that arrived, or asked a plain buffer for
-     * more than it got (sockets.c keeps a plain read's size in iovcnt). The next
-     * arrival starts a new burst. */
-    u32 asked = a->shape == SHAPE_BUF ? a->iovcnt : 0;
-    if (s->rx_read >= s->rx_bytes || (asked && (u64)ret < asked)) {
+    /* Drained: the reader took every byte that arrived, or asked for more than it got
+     * (sockets.c keeps a plain read's size in iovcnt; an iovec reader's room is summed
+     * only when the byte counts disagree). The next arrival starts a new burst.
+     * A TCP read comes back short only with the queue empty, so a short read also
+     * resynchronises the counts after a duplicate segment (a tail-loss probe, a
+     * spurious retransmission on a busy host) was counted as new bytes: without it the
+     * burst would never end, and every later request on the connection would get the
+     * first one's arrival. Bytes counted past a short read that came while it ran are
+     * taken as real and unread (the copy was done before they came): their burst
+     * starts at the latest segment's arrival instead. */
+    u64 asked = a->shape == SHAPE_BUF ? a->iovcnt : 0;
+    if (s->rx_read < s->rx_bytes && a->shape == SHAPE_IOV)
+        asked = nw_iov_room(a->buf, a->iovcnt);
+    if (s->rx_read >= s->rx_bytes) {
         s->rx_since = 0;
         s->rx_reported = 0;
         s->rx_read = s->rx_bytes;
+    } else if (asked && (u64)ret < asked) {
+        if (s->rx_last_ts > a->ts_enter) {
+            s->rx_since = s->rx_last_ts;
+        } else {
+            s->rx_since = 0;
+            s->rx_read = s->rx_bytes;
+        }
+        s->rx_reported = 0;
     }
 }

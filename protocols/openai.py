@@ -64,6 +64,10 @@ class LLMRequest:
     top_p: float | None = None
     n: int | None = None
     prompt: str | None = None  # kept only when the caller asks for content
+    # the prompt's size, always (no text kept): characters of its text, or the number
+    # of token ids when the prompt is given as ids
+    prompt_chars: int | None = None
+    prompt_token_ids: int | None = None
     parsed: bool = False  # the JSON body was complete and valid
     error: str | None = None
 
@@ -133,6 +137,40 @@ def _prompt_text(operation: str, body: dict[str, Any]) -> str | None:
     return p if isinstance(p, str) else None
 
 
+def _token_ids(operation: str, body: dict[str, Any]) -> int | None:
+    """How many token ids a prompt given as ids holds (a list of ints, or of lists of
+    ints), else None."""
+    p = body.get("prompt") if operation == "text_completion" else body.get("input")
+    if not isinstance(p, list) or not p:
+        return None
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+        return len(p)
+    if all(isinstance(x, list) and all(isinstance(y, int) and not isinstance(y, bool)
+                                       for y in x) for x in p):
+        return sum(len(x) for x in p)
+    return None
+
+
+def _prompt_size(operation: str, body: dict[str, Any]) -> int | None:
+    """Characters of the prompt's text (message contents, without roles)."""
+    if operation == "chat":
+        msgs = body.get("messages")
+        if not isinstance(msgs, list):
+            return None
+        n = 0
+        for m in msgs:
+            if isinstance(m, dict):
+                c = m.get("content")
+                if isinstance(c, list):
+                    n += sum(len(t) for t in (text_of(p.get("text")) for p in c
+                                              if isinstance(p, dict)) if t)
+                else:
+                    n += len(text_of(c) or "")
+        return n
+    text = _prompt_text(operation, body)
+    return len(text) if text is not None else None
+
+
 def _items_text(x: Any) -> str:
     if isinstance(x, list):
         return " ".join(t for t in (text_of(y) for y in x) if t is not None)
@@ -160,6 +198,9 @@ def parse_request(operation: str, body: bytes, complete: bool, keep_prompt: bool
         req.temperature = as_float(doc.get("temperature"))
         req.top_p = as_float(doc.get("top_p"))
         req.n = as_count(doc.get("n"))
+        req.prompt_token_ids = _token_ids(operation, doc)
+        if req.prompt_token_ids is None:
+            req.prompt_chars = _prompt_size(operation, doc)
         if keep_prompt:
             req.prompt = _prompt_text(operation, doc)
         return req

@@ -3,8 +3,10 @@
 The truth is the JSON lines a server wrote about itself (``samples/batching`` engines,
 or ``samples/hf/truth`` inside HF ``transformers serve``): per engine step its members
 (request id, phase, query tokens), its kernel launches and its GPU time. A request's
-true share of a step is what it made the step cost: the engine's own marginal count
-where it knows it (``members[].cost``), otherwise the step-cost model of
+true share of a step is what it made the step cost: the engine's own marginal launches
+and GPU time where it knows them (``members[].cost``, ``members[].time_ns``: the
+stand-in engine's, whose modelled kernel time grows with each member's query tokens),
+otherwise the step-cost model of
 ``tracer.correlate.costmodel`` fitted to the truth's steps with their exact membership
 and token counts. The tracer has to infer membership and tokens from the outside, so
 the difference measures what it got wrong.
@@ -85,10 +87,11 @@ def truth_shares(steps: list[dict[str, Any]], time: str = TIME) -> dict[str, dic
             total = step_time(s, time) if q == "time" else s.get("launches")
             if total is None:
                 continue
-            if all("cost" in m for m in ms) and q == "launches":
+            own = "cost" if q == "launches" else "time_ns"
+            if all(own in m for m in ms) and (q == "launches" or time == "gpu_ns"):
                 # the engine knows what each member added: fixed part shared equally
-                fixed = total - sum(m["cost"] for m in ms)
-                costs = [fixed / len(ms) + m["cost"] for m in ms]
+                fixed = total - sum(m[own] for m in ms)
+                costs = [fixed / len(ms) + m[own] for m in ms]
             else:
                 costs = member_costs(models[q], members)
             tot = sum(costs) or 1.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import socket
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -22,6 +23,8 @@ from tracer.export.spans import SpanBuilder
 from tracer.probes.session import CaptureConfig
 from tracer.runner import TraceRun
 
+from tests.kstamps import StampedSocket
+
 
 class Collected:
     """Records and JSONL spans of one traced stretch, plus the loss report."""
@@ -32,6 +35,7 @@ class Collected:
         self.gpu: dict[str, Any] = {}  # the GPU ledger's --summary part, after the stop
         self.reconciliation: dict[str, Any] = {}
         self.naming: dict[str, Any] | None = None  # stub naming and before-attach state
+        self.stacks: Any = None
         self._jsonl = io.StringIO()
 
     def on_record(self, rec: Any) -> None:
@@ -53,7 +57,8 @@ def traced(pids: list[int] | None = None, ports: list[int] | None = None,
     record before the collector does."""
     c = Collected()
     ctx = ExportContext()
-    spans = SpanBuilder(ctx, [SimpleSpanProcessor(JsonlSpanExporter(c._jsonl))])
+    ctx.flames = {}  # spans carry their launch-site stacks (with stack_every=N)
+    spans = SpanBuilder(ctx, [SimpleSpanProcessor(JsonlSpanExporter(c._jsonl, ctx.flames))])
     keep = config.pop("keep_content", False)
     pricing = config.pop("pricing", None)
     run = TraceRun(CaptureConfig(pids=pids or [], ports=ports or [], **config),
@@ -68,6 +73,7 @@ def traced(pids: list[int] | None = None, ports: list[int] | None = None,
         c.naming = gpu.stubs.state() if gpu is not None else None
         c.report = run.stop()
         c.gpu = run.pipeline.gpu.summary()
+        c.stacks = run.pipeline.stacks  # launch-site stacks the run saw (stack_every=N)
         c.reconciliation = run.pipeline.reconciliation()
 
 
@@ -75,24 +81,47 @@ FIRST_TEXT = re.compile(rb'"(?:content|text)": ?"(?:[^"\\]|\\.)')
 
 
 class _TimedSocket(httpcore2.NetworkStream):
-    """Stamps the client's own socket calls: the first send of a request (the server
-    starts reading at its first byte) and the recv that brought the first text."""
+    """Stamps a request's wire times at the client's socket: the departure of its first
+    send and the arrival of the segment that brought the first text, by the kernel's
+    own stamps (``tests/kstamps.py``) on a plain socket, so a client waiting for a CPU
+    after the bytes arrived does not count it; by the user clock around the calls on
+    any other stream (TLS)."""
 
     def __init__(self, inner: Any, timing: dict[str, float]) -> None:
         self.inner = inner
         self.timing = timing
         self._tail = b""
+        sock = inner.get_extra_info("socket")
+        self.stamped = StampedSocket(sock) if type(sock) is socket.socket else None
 
     def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        # stamped before the send: on loopback the send can wake the server, which may
-        # then run before this thread gets the CPU back
-        self.timing.setdefault("sent", time.monotonic())
+        first = "sent" not in self.timing and len(buffer) > 0
+        if first and self.stamped is None:
+            # stamped before the send: on loopback the send can wake the server, which
+            # may then run before this thread gets the CPU back
+            self.timing["sent"] = time.time()
         self.inner.write(buffer, timeout)
+        if self.stamped is not None:
+            # every write's stamp is taken off the error queue: a stamp left there
+            # makes the idle socket poll as broken, and the pool would not reuse it
+            stamp = self.stamped.sent(len(buffer))
+            if first and stamp is not None:
+                self.timing["sent"] = stamp / 1e9
 
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        looking = "sent" in self.timing and "first_text" not in self.timing
+        if looking and self.stamped is not None:
+            peeked, _ = self.stamped.peek(max_bytes)
+            m = FIRST_TEXT.search(self._tail + peeked)
+            if m:  # the segment that holds the text's first bytes
+                _, at = self.stamped.peek(m.end() - len(self._tail))
+                assert at is not None, "the kernel did not stamp the segment"
+                self.timing["first_text"] = at / 1e9
+            self._tail = (self._tail + peeked)[-64:]
+            return self.inner.read(len(peeked), timeout) if peeked else b""
         data = self.inner.read(max_bytes, timeout)
-        now = time.monotonic()
-        if "sent" in self.timing and "first_text" not in self.timing:
+        now = time.time()
+        if looking:
             window = self._tail + data
             if FIRST_TEXT.search(window):
                 self.timing["first_text"] = now
@@ -103,8 +132,7 @@ class _TimedSocket(httpcore2.NetworkStream):
         self.inner.close()
 
     def start_tls(self, *a: Any, **kw: Any) -> Any:
-        # HTTPS: the handshake happens inside; what is timed is the TLS stream's own
-        # send and recv (plaintext in, ciphertext on the socket within the same call)
+        # ciphertext from here on: timed by the user clock (the wrapper's fallback)
         return _TimedSocket(self.inner.start_tls(*a, **kw), self.timing)
 
     def get_extra_info(self, info: str) -> Any:
@@ -127,7 +155,8 @@ class _TimingTransport(httpx2.HTTPTransport):
     """One request at a time: ``timing`` is reset for each."""
 
     def __init__(self, verify: Any = True, keepalive_s: float = 5.0) -> None:
-        super().__init__(verify=verify, limits=httpx2.Limits(keepalive_expiry=keepalive_s))
+        super().__init__(verify=verify, limits=httpx2.Limits(
+            max_connections=100, max_keepalive_connections=20, keepalive_expiry=keepalive_s))
         self.timing: dict[str, float] = {}
         self._pool._network_backend = _TimedBackend(self.timing)
 
@@ -139,10 +168,11 @@ class _TimingTransport(httpx2.HTTPTransport):
 class TimedClient:
     """The official openai client, timing its requests at its own sockets.
 
-    ``ttft`` is from the return of the request's first send() to the return of the
-    recv() that brought the first generated text: the client's view of the wire,
-    without the SDK's request building and response parsing (``ttft_sdk`` includes
-    them)."""
+    ``ttft`` is from the departure of the request's first bytes to the arrival of the
+    segment that brought the first generated text, by the kernel's stamps on the
+    client's socket: the client's view of the wire, without the SDK's request building
+    and response parsing (``ttft_sdk`` includes them) and without the client's own
+    waits for a CPU."""
 
     def __init__(self, base_url: str, verify: Any = True, keepalive_s: float = 5.0,
                  **kw: Any) -> None:

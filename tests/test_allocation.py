@@ -162,3 +162,69 @@ def test_each_member_pays_its_own_prefill_and_its_share_of_the_fixed_part():
     assert e.attribution.ledger.balanced()
     # the steps nobody was in (none here) and everything else balance
     assert e.stats["gpu_step_launches_charged"] == e.stats["gpu_step_launches"]
+
+
+def chunked_steps(n: int, seed: int = 5) -> list[list[Member]]:
+    """Steps whose prefill chunks are mostly the engine's chunk (32 tokens): the last
+    chunk of a prompt is shorter, so a few are 1-31."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        members = [Member() for _ in range(int(rng.integers(4, 16)))]
+        for _ in range(int(rng.integers(0, 3))):
+            members.append(Member(True, 32.0 if rng.random() < 0.8 else float(rng.integers(1, 32))))
+        out.append(members)
+    return out
+
+
+def test_prefill_that_grows_with_tokens_is_read_per_token_even_when_chunks_are_alike():
+    """When every prefill chunk so far was the engine's chunk (32 tokens), "per
+    prefilling sequence" and "per prefill token" are one column: either reading fits.
+    The per-sequence one would charge a 3-token prompt what a 32-token chunk costs;
+    prefill time grows with the tokens, so the token reading is kept."""
+    rng = np.random.default_rng(6)
+    steps = [[Member() for _ in range(int(rng.integers(4, 16)))]
+             + [Member(True, 32.0) for _ in range(int(rng.integers(0, 3)))]
+             for _ in range(300)]
+    model = fit(rows_of(steps, lambda m: 1000 + 200 * len(m) + 600 * sum(
+        x.tokens for x in m if x.prefill)))
+    assert model.usable and model.per_prefill == 0
+    assert model.per_token == pytest.approx(600)
+    three, chunk = member_costs(model, [Member(True, 3.0), Member(True, 32.0)])
+    assert chunk - three == pytest.approx(29 * 600)
+    # launches do not grow with tokens: a token reading fits them far worse, and their
+    # per-sequence prefill term stays
+    launches = fit(rows_of(chunked_steps(300), stand_in_cost))
+    assert launches.per_prefill == pytest.approx(PER_PREFILL) and launches.per_token == 0
+
+
+def test_a_host_that_stretches_steps_at_random_still_gets_shares_by_the_members():
+    """A busy host adds time no member caused: r2 falls under MIN_R2, but over enough
+    steps what each member adds is still measured (F test), and used."""
+    rng = np.random.default_rng(9)
+    steps = chunked_steps(400)
+    model = fit(rows_of(steps, lambda m: 1000 + 200 * len(m) + 600 * sum(
+        x.tokens for x in m if x.prefill) + rng.exponential(30000)))
+    assert model.r2 < 0.5 and model.usable and model.reason == "fitted"
+    assert model.per_token == pytest.approx(600, rel=0.25)
+
+
+def test_prompt_tokens_from_usage_ids_or_characters_at_the_learned_rate():
+    from protocols.openai import LLMRequest
+    from tracer.correlate.membership import PromptTokens
+
+    def rec(chars=None, ids=None, usage=None, body=400):
+        r = RequestRecord(pid=1, fd=3, conn_id=1, exchange=0, role="server")
+        r.request_bytes = body
+        r.llm_request = LLMRequest(operation="chat", prompt_chars=chars, prompt_token_ids=ids)
+        if usage is not None:
+            r.llm_response = LLMResponse(input_tokens=usage)
+        return r
+
+    p = PromptTokens()
+    assert p.of(rec(chars=100)) == 100 * PromptTokens.DEFAULT  # nothing learned yet
+    assert p.of(rec(ids=17)) == 17 and p.of(rec(usage=9, chars=100)) == 9
+    assert p.of(rec()) == 100  # no prompt seen: body bytes / 4
+    for n in range(PromptTokens.MIN_SAMPLES):
+        p.learn(rec(chars=600 + n, usage=100))  # a word-level tokenizer: ~6 chars a token
+    assert p.of(rec(chars=60)) == pytest.approx(10, rel=0.02)

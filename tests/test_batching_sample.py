@@ -114,7 +114,11 @@ def test_truth_matches_clients_and_standin_counts(layout, standins, tmp_path):
             assert 1 <= len(m) <= MAX_BATCH and len({x["id"] for x in m}) == len(m)
             pre = sum(x["phase"] == "prefill" for x in m)
             assert s["launches"] == 6 + 3 * pre + (len(m) - pre)
-            assert s["gpu_ns"] == s["launches"] * KERNEL_NS
+            # a block per query token: a prefill's kernels cost its chunk's tokens
+            for x in m:
+                assert x["time_ns"] == x["cost"] * (x["tokens"] if x["phase"] == "prefill"
+                                                    else 1) * KERNEL_NS
+            assert s["gpu_ns"] == (6 * KERNEL_NS + sum(x["time_ns"] for x in m))
             assert prev_end < s["t_start_ns"] < s["t_end_ns"]
             assert s["t_end_ns"] - s["t_start_ns"] >= s["gpu_ns"]  # the stand-in waited
             prev_end = s["t_end_ns"]

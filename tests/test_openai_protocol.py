@@ -120,3 +120,20 @@ def test_garbage_stream_counts_parse_errors():
     f.data(1, b"data: {oops\n\ndata: 3\n\n")
     r = f.end(2)
     assert r.parse_errors == 1 and r.output_tokens is None
+
+
+def test_the_prompts_size_is_read_without_keeping_its_text():
+    """Prefill work is weighed by prompt size: characters of the message contents (not
+    roles, not JSON), or the count of token ids; the text itself is not kept."""
+    chat = json.dumps({"model": "m", "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "image_url"},
+                                     {"type": "text", "text": 5}]}]}).encode()
+    r = parse_request("chat", chat, complete=True)
+    assert r.prompt_chars == len("be brief") + len("hello") + len("5") and r.prompt is None
+    ids = parse_request("text_completion", b'{"prompt": [[1, 2, 3], [4, 5]]}', complete=True)
+    assert ids.prompt_token_ids == 5 and ids.prompt_chars is None
+    text = parse_request("text_completion", b'{"prompt": "abc def"}', complete=True)
+    assert text.prompt_chars == 7 and text.prompt_token_ids is None
+    odd = parse_request("chat", b'{"messages": {"not": "a list"}}', complete=True)
+    assert odd.prompt_chars is None

@@ -24,6 +24,7 @@ commands:
   doctor    check privileges, kernel and BCC; say how to fix what is missing
   demo      trace a sample inference server end to end
   report    per-request cost report (CSV, JSON, HTML) from a span JSONL file
+  flame     flame graphs of the code that launched a request's or a service's GPU work
 
 examples:
   sudo tokentrace run --port 8000
@@ -32,6 +33,8 @@ examples:
   sudo tokentrace record --port 8000 -o cap.ttcap --duration 30
   tokentrace replay cap.ttcap --jsonl spans.jsonl
   tokentrace report spans.jsonl -o report
+  sudo tokentrace run --port 8000 --stacks --jsonl spans.jsonl
+  tokentrace flame spans.jsonl --service myserver -o flame
 """
 
 
@@ -92,6 +95,16 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                          "detaching them all takes well under a second) or as one perf "
                          "event each (~0.1 s apiece to detach); auto picks links where the "
                          "kernel has them (default: auto)")
+    g2.add_argument("--stacks", action="store_true",
+                    help="sample the code paths that launch GPU work: at the kernel-launch, "
+                         "graph-launch, memcpy and NCCL probes, a thread's Python frames "
+                         "(CPython 3.10-3.13) and native frames, counted per stack in the "
+                         "kernel and joined to requests like their launches; `tokentrace "
+                         "flame` draws them (docs/flame.md)")
+    g2.add_argument("--stack-every", type=_positive_int, default=None, metavar="N",
+                    help="with --stacks: sample a thread's GPU calls every N on average "
+                         "(randomised gaps), and always the first call of each kernel "
+                         "(default: 64)")
     g2.add_argument("--capture-secrets", action="store_true",
                     help="write Authorization, Proxy-Authorization, api-key, x-api-key, "
                          "Cookie and Set-Cookie values and command-line keys into the "
@@ -238,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tracer.report.cli import add_parser as add_report_parser
 
     add_report_parser(sub)
+    from tracer.flame.cli import add_parser as add_flame_parser
+
+    add_flame_parser(sub)
     return parser
 
 
@@ -262,7 +278,11 @@ def build_sinks(args: argparse.Namespace, ctx: ExportContext) -> tuple[list[Any]
     if args.jsonl:
         from tracer.export.jsonl import JsonlSpanExporter
 
-        processors.append(SimpleSpanProcessor(JsonlSpanExporter(args.jsonl)))
+        ctx.flames = {}  # request spans carry their launch-site stacks into the file
+        processors.append(SimpleSpanProcessor(JsonlSpanExporter(args.jsonl, ctx.flames)))
+    # what a span's `tokentrace flame` command reads: the spans file, else the capture
+    ctx.flame_source = (args.jsonl or getattr(args, "record", None)
+                        or getattr(args, "capture", None))
     if args.otlp:
         from tracer.export.otlp import otlp_processor
 
@@ -414,9 +434,19 @@ def _targets(args: argparse.Namespace) -> Any:
                          gpu_sample_period_s=max(0.01, args.gpu_sample_period),
                          stub_names_quiet_s=max(0.0, args.stub_names_quiet),
                          uprobe_links=args.uprobe_links,
+                         stack_every=_stack_every(args),
                          **({"concerns": tuple(c for c in CaptureConfig.concerns if c != "tls")}
                             if args.tls == "off" else {}),
                          **({"net_timing": args.net_timing} if args.net_timing else {}))
+
+
+def _stack_every(args: argparse.Namespace) -> int:
+    """--stacks' mean sampling interval (0: no stack sampling)."""
+    from tracer.probes.stacks import DEFAULT_EVERY
+
+    if args.stack_every is not None and not args.stacks:
+        raise SystemExit("error: --stack-every needs --stacks")
+    return (args.stack_every or DEFAULT_EVERY) if args.stacks else 0
 
 
 def _sample_fraction(f: float) -> float:
@@ -541,6 +571,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         run.close()
         _say_detached(run.session)
+        if run.session.stacks is not None:  # --stacks: which processes had Python frames
+            for line in run.session.stacks.describe():
+                _say(f"stacks: {line}")
     if rc == 0:
         _write_summary(args.summary, run.pipeline)
         _report(run.pipeline, console)

@@ -17,13 +17,17 @@ from tracer.correlate.gpu import GpuLedger
 from tracer.correlate.ipc import IpcGraph
 from tracer.correlate.nettiming import NetTimer
 from tracer.correlate.records import RequestRecord
-from tracer.events import gpu, schema, wire
+from tracer.correlate.stacks import Flame, StackBook, resolve
+from tracer.events import gpu, schema, stacks, wire
 from tracer.events.netwait import NetTimingMode, NetWait
 from tracer.events.tls import TlsEvent, TlsLibrary
 from tracer.export.context import ExportContext
 
 C = wire.CONSTANTS
 EXPIRE_EVERY_NS = 60 * 10**9
+# A record whose launch-site stacks are not all resolved yet (the agent unwinds and names
+# each new stack on a thread of its own) waits for them this long in stream time.
+FLAME_WAIT_NS = 3 * 10**9
 
 
 class RecordSink(Protocol):
@@ -48,9 +52,12 @@ class Pipeline:
         self.pricing = pricing
         # after the GPU attribution (which times by syscalls): the client's view
         self.net = NetTimer(self._export_now, self.stats)
+        self.stacks = StackBook()
+        self._flame_wait: list[tuple[int, RequestRecord]] = []
         self.attribution = GpuAttribution(self._export, self._open_records, self.stats,
                                           ipc=self.ipc, pricing=pricing,
-                                          kernel_name=self._kernel_name)
+                                          kernel_name=self._kernel_name, stacks=self.stacks)
+        self.ctx.flame_resolver = self.resolve_flame
         self.tls_libraries: list[TlsLibrary] = []  # found in traced processes
         self._tls_paths: dict[int, set[str]] = {}
 
@@ -63,6 +70,10 @@ class Pipeline:
         from tracer.correlate.kernelnames import readable
         proc = self.gpu.processes.get(pid)
         return readable(proc.name_of(handle)) if proc is not None else f"unknown@{handle:#x}"
+
+    def resolve_flame(self, flame: Flame) -> list[Any]:
+        """A request's (or service's) stack weights as frames, kernels named."""
+        return resolve(flame, self.stacks, self._kernel_name)
 
     def _open_records(self, pid: int) -> Iterator[RequestRecord]:
         """The exchanges of ``pid`` still being assembled, with their responses so far."""
@@ -80,6 +91,29 @@ class Pipeline:
         self.net.finished(rec)
 
     def _export_now(self, rec: RequestRecord) -> None:
+        """Export, once the record's stacks are named (or have waited FLAME_WAIT_NS):
+        driven by the stream's own order and time, so a replay waits alike."""
+        if rec.flame and self._unresolved(rec):
+            self._flame_wait.append((self.last_ts + FLAME_WAIT_NS, rec))
+            return
+        self._sink_record(rec)
+
+    def _unresolved(self, rec: RequestRecord) -> bool:
+        frames = self.stacks.frames
+        return any(sid and (pid, sid) not in frames for pid, sid, _w, _h in rec.flame)
+
+    def _release_flames(self, final: bool = False) -> None:
+        keep = []
+        for deadline, rec in self._flame_wait:
+            if final or deadline <= self.last_ts or not self._unresolved(rec):
+                if self._unresolved(rec):
+                    self.stats["flame_stacks_unresolved_at_export"] += 1
+                self._sink_record(rec)
+            else:
+                keep.append((deadline, rec))
+        self._flame_wait = keep
+
+    def _sink_record(self, rec: RequestRecord) -> None:
         self.records += 1
         for s in self.sinks:
             s.on_record(rec)
@@ -133,6 +167,12 @@ class Pipeline:
             self.last_ts = max(self.last_ts, ev.ts)
             if ev.op == C["PROC_EXIT"]:
                 t.process_exit(ev.pid, ev.ts)
+        elif isinstance(ev, stacks.StackCounts):
+            self.stacks.counts(ev)
+        elif isinstance(ev, stacks.StackFrames):
+            self.stacks.define(ev)
+        elif isinstance(ev, stacks.StackSampling):
+            self.stacks.enabled = True
         elif isinstance(ev, schema.ProcessInfo):
             self.ctx.processes[ev.pid] = ev
         elif isinstance(ev, schema.ClockSync):
@@ -144,6 +184,8 @@ class Pipeline:
             self.ctx.drops = dict(ev.counters)
         self.attribution.advance(self.last_ts)
         self.net.advance(self.last_ts)
+        if self._flame_wait:
+            self._release_flames()
         if self.last_ts >= self._next_expire:
             if self._next_expire:
                 t.expire(self.last_ts)
@@ -167,6 +209,7 @@ class Pipeline:
         self.tracker.finish(self.last_ts)
         self.attribution.close()
         self.net.close()
+        self._release_flames(final=True)
         for s in self.sinks:
             s.close()
 
@@ -191,6 +234,7 @@ class Pipeline:
         for k, v in sorted(self.ctx.drops.items()):
             out[f"capture.{k}"] = v
         extra = getattr(self.ctx.identity, "stats", None) or {}
-        for k, v in sorted((self.tracker.stats + self.stats + Counter(extra)).items()):
+        for k, v in sorted((self.tracker.stats + self.stats + Counter(extra)
+                            + self.stacks.stats).items()):
             out[k] = v
         return out

@@ -159,9 +159,15 @@ def step_cost() -> tuple[int, int, int]:
 
 class CpuExecutor:
     """The forward on the CPU; with the stand-in libcuda (and libnccl), the driver calls
-    a GPU step would make: H2D of the input ids, launches by ``step_cost()`` (a fixed
-    part, a part per member, more per prefilling member), [all-reduce,] D2H of the
-    sampled ids, one stream sync. Each member's own launches go into the truth."""
+    a GPU step would make around it: H2D of the input ids, launches by ``step_cost()``
+    (a fixed part, a part per member, more per prefilling member), [all-reduce,] D2H
+    of the sampled ids, one stream sync. A member's kernels have a block per query
+    token (one for a decode, the chunk's tokens for a prefill); the stand-in models a
+    kernel's GPU time per block and runs it while the host goes on (the sync waits for
+    what is left). Each member's own launches and modelled GPU time go into the truth
+    (``cost``, ``time_ns``); the rest of the step's GPU time (the fixed launches) is
+    shared. A host slower than the kernels (a loaded machine) stretches the step the
+    tracer sees, not its GPU time."""
 
     def __init__(self, model: tinygpt.TinyGPT, gpu: StandinGpu | None,
                  nccl: StandinNccl | None, max_batch: int, seed: int = 0) -> None:
@@ -178,13 +184,17 @@ class CpuExecutor:
         fixed, per_member, per_prefill = self.cost
         for m in members:  # what each member adds: the truth's shares
             m["cost"] = per_member + per_prefill * (m["phase"] == "prefill")
+            m["blocks"] = m["tokens"] if m["phase"] == "prefill" else 1
+            m["time_ns"] = m["cost"] * m["blocks"] * self.kernel_ns
         launches = fixed + sum(m["cost"] for m in members) if self.gpu else 0
         idx, last = padded(plan["rows"])
         temps = torch.tensor(plan["temps"], dtype=torch.float32)
         t_start = time.monotonic_ns()
         if self.gpu:
             self.gpu.copy_in(plan["new_ids"])
-            self.gpu.launch(launches)
+            self.gpu.launch(fixed)
+            for m in members:
+                self.gpu.launch(m["cost"], grid=m["blocks"])
         with torch.no_grad():
             sampled = pick(last_logits(self.model, idx, last), temps, self.gen).tolist()
         if self.nccl:
@@ -193,8 +203,11 @@ class CpuExecutor:
             self.gpu.copy_out(len(members))
             self.gpu.sync()
         t_end = time.monotonic_ns()
+        # the step's GPU time: its kernels' modelled time (they run back to back while
+        # the host's forward goes on), what CUDA events around them would measure
+        blocks = fixed + sum(m["cost"] * m["blocks"] for m in members)
         return sampled, StepTiming(t_start, t_end, launches if self.gpu else None,
-                                   launches * self.kernel_ns)
+                                   blocks * self.kernel_ns if self.gpu else 0)
 
 
 class CudaExecutor:

@@ -20,9 +20,13 @@ NCCL_FLOAT32 = 7
 NCCL_SUM = 0
 
 
+DEFAULT_KERNEL_NS = 200_000  # a block's GPU time in the batching samples
+
+
 def kernel_ns() -> int:
-    """GPU time per launch the stand-in sleeps for (its TT_STANDIN_KERNEL_NS)."""
-    return int(os.environ.get("TT_STANDIN_KERNEL_NS", "20000"))
+    """GPU time per block of a launch's grid the stand-in models (its
+    TT_STANDIN_KERNEL_NS)."""
+    return int(os.environ.get("TT_STANDIN_KERNEL_NS", str(DEFAULT_KERNEL_NS)))
 
 
 def _check(what: str, rc: int) -> None:
@@ -34,6 +38,11 @@ class StandinGpu:
     """One context, one function handle per kernel name, device buffers for ids."""
 
     def __init__(self, path: str, max_ids: int) -> None:
+        # the stand-in's kernels run while the host goes on, as a GPU's do, and take
+        # longer than this host's forward of the tiny model: a step's GPU time is
+        # its kernels' modelled time, whatever the (shared, noisy) host did meanwhile
+        os.environ.setdefault("TT_STANDIN_ASYNC", "1")
+        os.environ.setdefault("TT_STANDIN_KERNEL_NS", str(DEFAULT_KERNEL_NS))
         self.lib = lib = ctypes.CDLL(path)
         u, vp, ull = ctypes.c_uint, ctypes.c_void_p, ctypes.c_ulonglong
         lib.cuLaunchKernel.argtypes = [vp, u, u, u, u, u, u, u, vp, vp, vp]
@@ -66,12 +75,13 @@ class StandinGpu:
         buf = (ctypes.c_int32 * len(ids))(*ids)
         _check("cuMemcpyHtoD_v2", self.lib.cuMemcpyHtoD_v2(self.d_in, buf, 4 * len(ids)))
 
-    def launch(self, n: int) -> int:
-        """n cuLaunchKernel calls on the default stream; returns n."""
+    def launch(self, n: int, grid: int = 1) -> int:
+        """n cuLaunchKernel calls of ``grid`` blocks on the default stream (the stand-in
+        models a kernel's GPU time per block); returns n."""
         for i in range(n):
             fn = self.fns[i % len(self.fns)]
             _check("cuLaunchKernel",
-                   self.lib.cuLaunchKernel(fn, 1, 1, 1, 128, 1, 1, 0, None, None, None))
+                   self.lib.cuLaunchKernel(fn, grid, 1, 1, 128, 1, 1, 0, None, None, None))
         return n
 
     def copy_out(self, n: int) -> None:

@@ -291,3 +291,27 @@ if __name__ == "__main__":
         print(k, v)
     for k, v in build_verbs(where).items():
         print(f"verbs {k}", v)
+
+
+PATHS_SOURCES = [HERE / "flame_paths.c"]
+
+
+def build_paths(out_dir: str | os.PathLike[str]) -> dict[str, Path]:
+    """``build``'s stand-ins and ``libttpaths.so`` (flame_paths.c): known native call
+    paths to the driver for the flame graph tests, built as CUDA's and PyTorch's
+    libraries are, optimised and without frame pointers (only .eh_frame unwinds them)."""
+    paths = build(out_dir)
+    out = Path(out_dir)
+    cc = _compiler()
+    flags = ["-O2", "-g", "-fPIC", "-fomit-frame-pointer", "-fcf-protection=full", "-Wall"]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in PATHS_SOURCES)
+                            + " ".join(flags).encode()).hexdigest()[:16]
+    paths = {**paths, "libttpaths": out / "libttpaths.so"}
+    stamp = out / ".built-paths"
+    if stamp.exists() and stamp.read_text() == digest and paths["libttpaths"].exists():
+        return paths
+    _runner(cc)(*flags, "-shared", "-Wl,-soname,libttpaths.so", "-o", str(paths["libttpaths"]),
+                str(PATHS_SOURCES[0]), f"-L{out}", f"-Wl,-rpath,{out}",
+                "-Wl,--disable-new-dtags", "-lcuda")
+    stamp.write_text(digest)
+    return paths

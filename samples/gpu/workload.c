@@ -111,7 +111,7 @@ static void *run(void *arg)
 
 int main(int argc, char **argv)
 {
-    int wait = 0;
+    int wait = 0, linger = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--steps") && i + 1 < argc) steps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--kernels") && i + 1 < argc) kernels = atoi(argv[++i]);
@@ -119,6 +119,7 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--graph-every") && i + 1 < argc) graph_every = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--nccl")) use_nccl = 1;
         else if (!strcmp(argv[i], "--wait")) wait = 1;
+        else if (!strcmp(argv[i], "--linger")) linger = 1; /* exit at the next line */
         else { fprintf(stderr, "workload: unknown argument %s\n", argv[i]); return 2; }
     }
     if (wait) {
@@ -141,5 +142,11 @@ int main(int argc, char **argv)
     for (int t = 0; t < threads; t++)
         pthread_join(th[t], NULL);
     printf("done\n");
+    fflush(stdout);
+    if (linger) {
+        char line[16];
+        if (!fgets(line, sizeof(line), stdin))
+            return 0;
+    }
     return 0;
 }

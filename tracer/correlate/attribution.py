@@ -35,6 +35,7 @@ from tracer.correlate.ipc import IpcGraph
 from tracer.correlate.ledger import EVICTED, NO_REQUEST, UNJOINED_RANK, Ledger
 from tracer.correlate.membership import Membership, Occupancy, arrival_ns, request_range
 from tracer.correlate.records import ChildSpan, RequestRecord
+from tracer.correlate.stacks import Flame, StackBook, burst_units, step_units
 from tracer.correlate.steps import MAX_STEPS, Step, StepLog, collective_offset
 from tracer.correlate.work import KERNEL_QUANTITIES, Work
 from tracer.events.gpu import COPY_KINDS, KernelBurst, NcclEvent
@@ -50,7 +51,7 @@ MAX_HOLD_NS = 5 * 10**9  # a trailing rank is not waited for longer than this
 # then counted in by the tokens it has written so far.
 MAX_SETTLE_LAG_NS = 60 * 10**9
 KEEP_SETTLED_NS = 10 * 10**9  # settled steps kept for requests that arrived before them
-MAX_PENDING_NS = 2 * 10**9  # decided steps wait at most this long for a fitted model
+MAX_PENDING_NS = 10 * 10**9  # decided steps wait at most this long for a usable model
 TOP_KERNELS = 5  # kernels named on a span, by its share of their launches
 
 
@@ -73,6 +74,12 @@ class GpuShare:
     methods: set[str] = field(default_factory=set)
     models: set[str] = field(default_factory=set)
     kernels: dict[tuple[int, int], float] = field(default_factory=dict)  # (pid, handle)
+    flame: Flame | None = None  # its share of the launch-site stacks (stacks.py)
+
+    def add_flame(self, flame: Flame, calls: float, time: float) -> None:
+        if self.flame is None:
+            self.flame = Flame()
+        self.flame.add(flame, calls, time)
 
     def add_burst(self, work: Work, pid: int, kernels: dict[int, int]) -> None:
         """A burst of its own thread, whole (same-thread work)."""
@@ -164,8 +171,10 @@ class GpuAttribution:
                  open_records: Callable[[int], Iterable[RequestRecord]],
                  stats: Counter[str] | None = None, hold_ns: int = DEFAULT_HOLD_NS,
                  ipc: IpcGraph | None = None, pricing: Pricing | None = None,
-                 kernel_name: Callable[[int, int], str] | None = None) -> None:
+                 kernel_name: Callable[[int, int], str] | None = None,
+                 stacks: StackBook | None = None) -> None:
         self.emit = emit
+        self.stacks = stacks  # launch-site stacks, joined to bursts and steps
         self.kernel_name = kernel_name
         self.open_records = open_records
         self.stats: Counter[str] = stats if stats is not None else Counter()
@@ -200,16 +209,22 @@ class GpuAttribution:
         self.gpu_pids.add(b.pid)
         if self.released_end.get(b.pid, -1) >= b.first_ts:
             self.stats["gpu_bursts_late"] += 1
+        book = self.stacks
+        samples = book.take(b) if book is not None and book.pending else None
         mine = [r for r in self._in_flight(b.pid, b.first_ts, b.last_ts) if b.tid in r.tids]
         if len(mine) == 1:
             work = Work.of_burst(b)
             self.ledger.observe(b.pid, work)
             self.ledger.charge(b.pid, work)
-            self._share(mine[0]).add_burst(work, b.pid, b.handle_counts)
+            share = self._share(mine[0])
+            share.add_burst(work, b.pid, b.handle_counts)
+            if book is not None and (samples or book.sampled(b.pid)):
+                share.add_flame(book.weights(b.pid, burst_units(b), samples or Counter(),
+                                             work.get("gpu_time_ns", 0.0)), 1.0, 1.0)
             self.stats["gpu_bursts_same_thread"] += 1
         else:
             log = self._log(b.pid, b.tid)
-            step = log.add_burst(b)
+            step = log.add_burst(b, samples)
             if step is not None:
                 self._closed(log, step)
         # work its own thread did is complete once its process launches after its end
@@ -247,6 +262,7 @@ class GpuAttribution:
             share = self.shares.pop(rec.key, None)
             if share is not None:
                 rec.gpu.update(share.attributes(self.pricing, self.kernel_name))
+                rec.flame = share.flame
             self.emit(rec)
             return
         self.held.setdefault(rec.pid, {})[rec.key] = rec
@@ -317,6 +333,7 @@ class GpuAttribution:
             if st.settled:
                 continue
             st.settled = True
+            self._left_flame(st)
             reason = UNJOINED_RANK if follower else EVICTED
             self.ledger.leave(st.pid, reason, st.work)
             self.stats["gpu_steps_unattributed"] += 1
@@ -411,14 +428,17 @@ class GpuAttribution:
         self.pending[log.key].append((step, fsteps, members))
 
     def _allocate(self, log: StepLog, now: bool) -> None:
-        """Split the decided steps among their members, once the step-cost models have
-        seen enough steps to be fitted (or ``now``: the stream ends, a step is forced,
-        or the oldest waits too long)."""
+        """Split the decided steps among their members, once the step-cost models are
+        fitted and usable (or ``now``: the stream ends, a step is forced, or the oldest
+        waits too long)."""
         pending = self.pending[log.key]
         if not pending:
             return
         kernel, time = self.learners[log.key]
-        if not (now or kernel.fitted or
+        # a first fit on an engine's first steps can find them all alike (a cold start:
+        # all prefilling, or all decoding): those steps wait for a model that can tell
+        # their members apart, up to MAX_PENDING_NS
+        if not (now or (kernel.model.usable and time.model.usable) or
                 pending[0][0].end_ts + MAX_PENDING_NS <= self.now):
             return
         for step, fsteps, members in pending:
@@ -434,6 +454,7 @@ class GpuAttribution:
         if not members:
             for st, _ in steps:
                 st.settled = True
+                self._left_flame(st)
                 self.ledger.leave(st.pid, NO_REQUEST, st.work)
                 self.stats["gpu_steps_unattributed"] += 1
                 self.stats["gpu_launches_unattributed"] += st.launches
@@ -446,16 +467,36 @@ class GpuAttribution:
         described = f"launches: {kmodel.describe()}; time: {tmodel.describe()}"
         for st, rank in steps:
             st.settled = True
+            flame = self._step_flame(st)
             for o, m, fk, ft in zip(occs, feats, kf, tf):
                 part = Work({q: v * (fk if q in KERNEL_QUANTITIES else ft)
                              for q, v in st.work.items()})
                 self.ledger.charge(st.pid, part)
                 share = self._share(o.rec)
+                if flame is not None:
+                    share.add_flame(flame, fk, ft)
                 share.add_step(st, part, whole=len(occs) == 1, prefill=m.prefill,
                                method=method if o.by_tokens else "time_share", rank=rank)
                 if method == "step_model":
                     share.models.add(described)
             self.stats["gpu_step_launches_charged"] += st.launches
+
+    def _step_flame(self, st: Step) -> Flame | None:
+        """The step's calls split among the stacks sampled in it (once; None without
+        stack sampling for its process)."""
+        book = self.stacks
+        if book is None or not (st.stack_samples or book.sampled(st.pid)):
+            return None
+        if st.flame is None:
+            st.flame = book.weights(st.pid, step_units(st), st.stack_samples or Counter(),
+                                    st.work.get("gpu_time_ns", 0.0))
+        return st.flame  # type: ignore[return-value]
+
+    def _left_flame(self, st: Step) -> None:
+        """A step no request was charged: its stacks stay with the process."""
+        flame = self._step_flame(st)
+        if flame is not None and self.stacks is not None:
+            self.stacks.unattributed[st.pid].add(flame)
 
     @staticmethod
     def _known_up_to(log: StepLog, h: int, frontier: int | None) -> bool:
@@ -565,6 +606,7 @@ class GpuAttribution:
         share = self.shares.pop(rec.key, None)
         if share is not None:
             rec.gpu.update(share.attributes(self.pricing, self.kernel_name))
+            rec.flame = share.flame
             if primary is not None:
                 self._phases(rec, *primary, share)
         self.released_end[rec.pid] = max(self.released_end.get(rec.pid, 0), rec.end_ns)

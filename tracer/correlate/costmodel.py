@@ -24,7 +24,10 @@ from typing import Sequence
 import numpy as np
 
 MIN_STEPS = 32  # fewer steps than this: equal shares
-MIN_R2 = 0.5  # a model explaining less of the variance than this is not trusted
+# per_prefill alone is kept over per_token only if it fits this much better (see fit)
+TOKEN_PREFERENCE = 0.05
+MIN_R2 = 0.5  # a model explaining less of the variance than this is not trusted...
+MIN_F = 10.0  # ...unless its per-member terms are this significant together (F statistic)
 HUBER_K = 1.345  # Huber's constant, in robust standard deviations
 IRLS_ROUNDS = 3
 COEFFICIENTS = ("fixed", "per_seq", "per_prefill", "per_token")
@@ -102,6 +105,50 @@ def _nnls(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
     return best
 
 
+def _sse(x: np.ndarray, y: np.ndarray, w: np.ndarray, coef: np.ndarray) -> float:
+    r = y - x @ coef
+    return float(np.sum(w * r * r))
+
+
+def _prefer_per_token(x: np.ndarray, y: np.ndarray, w: np.ndarray, coef: np.ndarray
+                      ) -> np.ndarray:
+    """Prefill work grows with the prompt tokens a step processes. When most prefill
+    chunks have one size (the engine's chunk), "a cost per prefilling sequence" and "a
+    cost per prefill token" are nearly the same column and noise decides between them;
+    the per-sequence reading then charges a 5-token prompt what a 32-token chunk costs.
+    So a fit that uses per_prefill and not per_token is replaced by the best fit without
+    per_prefill unless it is ``TOKEN_PREFERENCE`` better (launch counts, which do not
+    grow with tokens, keep their per-sequence term: the token fit is far worse there)."""
+    if coef[2] <= 0 or coef[3] > 0:
+        return coef
+    keep = [0, 1, 3]
+    alt = np.zeros_like(coef)
+    alt[keep] = _nnls(x[:, keep], y, w)
+    tiny = 1e-12 * float(np.sum(w * y * y))  # exact fits differ by rounding only
+    if alt[3] > 0 and _sse(x, y, w, alt) <= (1 + TOKEN_PREFERENCE) * _sse(x, y, w, coef) + tiny:
+        return alt
+    return coef
+
+
+def _members_matter(x: np.ndarray, y: np.ndarray, w: np.ndarray, coef: np.ndarray) -> bool:
+    """The per-member terms together explain the steps far beyond chance: the F
+    statistic of the fit against a fixed cost alone is at least ``MIN_F``. Steps can
+    vary for reasons no member caused (a host busy with other work stretches some of
+    them): r2 is then low, yet with enough steps what the members add is measured, and
+    shares by it beat equal shares."""
+    active = [i for i in range(len(coef)) if coef[i] > 0]
+    k = sum(1 for i in active if i > 0)
+    df = len(y) - len(active)
+    if k == 0 or df <= 0:
+        return False
+    sse = _sse(x, y, w, coef)
+    mean = float(np.average(y, weights=w))
+    sse_fixed = float(np.sum(w * (y - mean) ** 2))
+    if sse <= 0:
+        return True
+    return ((sse_fixed - sse) / k) / (sse / df) >= MIN_F
+
+
 def fit(rows: Sequence[tuple[float, float, float, float]]) -> StepModel:
     """Fit the step-cost model to ``rows`` of (sequences, prefilling, prefill tokens,
     cost); equal shares (``usable`` False) when there are too few steps, too little
@@ -123,13 +170,14 @@ def fit(rows: Sequence[tuple[float, float, float, float]]) -> StepModel:
         u = np.abs(r) / (HUBER_K * scale)
         w = np.where(u <= 1, 1.0, 1.0 / np.maximum(u, 1e-12))
         coef = _nnls(x, y, w)
+    coef = _prefer_per_token(x, y, w, coef)
     r = y - x @ coef
     mean = float(np.average(y, weights=w))
     ss_tot = float(np.sum(w * (y - mean) ** 2))
     r2 = 1.0 - float(np.sum(w * r * r)) / ss_tot if ss_tot > 0 else 1.0
     model = StepModel(*(float(c) for c in coef), r2=r2, steps=len(rows), usable=True,
                       reason="fitted")
-    if coef[1:].sum() > 0 and r2 < MIN_R2:
+    if coef[1:].sum() > 0 and r2 < MIN_R2 and not _members_matter(x, y, w, coef):
         return StepModel(*(float(c) for c in coef), r2=r2, steps=len(rows), usable=False,
                          reason=f"poor fit (r2 {r2:.2f} < {MIN_R2})")
     return model

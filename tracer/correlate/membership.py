@@ -37,13 +37,38 @@ def arrival_ns(rec: RequestRecord) -> int:
     return rec.request_end_ns or rec.start_ns
 
 
-def prompt_tokens(rec: RequestRecord) -> float:
-    """Prompt tokens from the response's usage, else about four bytes per token of the
-    request body (only used to weigh prefill work against decode work)."""
-    r = rec.llm_response
-    if r is not None and r.input_tokens:
-        return float(r.input_tokens)
-    return rec.request_bytes / 4.0
+class PromptTokens:
+    """A request's prompt tokens: from its response's usage, or the token ids it sent;
+    else its prompt's characters times the tokens per character learned on this engine
+    from requests that had both (a tokenizer's ratio: BPE English ~0.25, word-level
+    vocabularies less), else its body bytes / 4. Only the proportions between requests
+    matter to the cost model (a per-token coefficient absorbs any constant scale), so
+    one engine's requests are all measured in the same unit."""
+
+    DEFAULT = 0.25  # tokens per character until learned
+    MIN_SAMPLES = 8
+
+    def __init__(self) -> None:
+        self.samples: deque[float] = deque(maxlen=RATIO_SAMPLES)
+        self.per_char = self.DEFAULT
+
+    def learn(self, rec: RequestRecord) -> None:
+        r, q = rec.llm_response, rec.llm_request
+        if r is None or q is None or not r.input_tokens or not q.prompt_chars:
+            return
+        self.samples.append(r.input_tokens / q.prompt_chars)
+        if len(self.samples) >= self.MIN_SAMPLES:
+            self.per_char = statistics.median(self.samples)
+
+    def of(self, rec: RequestRecord) -> float:
+        r, q = rec.llm_response, rec.llm_request
+        if r is not None and r.input_tokens:
+            return float(r.input_tokens)
+        if q is not None and q.prompt_token_ids:
+            return float(q.prompt_token_ids)
+        if q is not None and q.prompt_chars:
+            return q.prompt_chars * self.per_char
+        return rec.request_bytes / 4.0
 
 
 @dataclass
@@ -226,9 +251,11 @@ class Membership:
         self._next = 0  # the step members() is asked for next
         self.ratio = StepsPerToken()
         self.lag = HandOffLag()
+        self.prompt = PromptTokens()
 
     def add(self, occ: Occupancy) -> None:
         self.occupancies[occ.rec.key] = occ
+        self.prompt.learn(occ.rec)
         self._ahead = None
 
     def remove(self, key: tuple[int, int, int, int]) -> Occupancy | None:
@@ -309,8 +336,7 @@ class Membership:
                 return
         self.capacity = max([1, *counts])
 
-    @staticmethod
-    def _member(o: Occupancy, i: int) -> Member:
+    def _member(self, o: Occupancy, i: int) -> Member:
         if not o.by_tokens or i > o.first:
             return Member(prefill=False)
-        return Member(prefill=True, tokens=prompt_tokens(o.rec) / max(1, o.first - o.start + 1))
+        return Member(prefill=True, tokens=self.prompt.of(o.rec) / max(1, o.first - o.start + 1))

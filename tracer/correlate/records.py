@@ -132,6 +132,8 @@ class RequestRecord:
     children: list["ChildSpan"] = field(default_factory=list)
     net: NetTiming | None = None  # the client's view (tracer.correlate.nettiming)
     tls: TlsSession | None = None  # came over TLS, read through the TLS library's probes
+    # its share of the launch-site stacks (tracer.correlate.stacks.Flame), if sampled
+    flame: Any = None
 
     @property
     def key(self) -> tuple[int, int, int, int]:

@@ -27,7 +27,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from tracer.correlate.work import Work
-from tracer.events.gpu import KernelBurst, NcclEvent
+from tracer.events.gpu import COPY_KINDS, KernelBurst, NcclEvent
 
 MAX_STEPS = 200_000  # per thread: older steps are dropped first
 OPEN_STEP_MAX_NS = 1_000_000_000  # a step with no result copy for this long is closed anyway
@@ -50,6 +50,12 @@ class Step:
     coll_seq: int = -1  # that collective's place among its thread's collectives
 
     bursts_ns: int = 0  # the bursts' own spans, summed
+    # for launch-site stacks (tracer/correlate/stacks.py): calls per kind, and the
+    # stack samples its bursts brought ((stack id, unit) -> samples)
+    copy_calls: list[int] = field(default_factory=lambda: [0] * len(COPY_KINDS))
+    nccl_calls: Counter[str] = field(default_factory=Counter)
+    stack_samples: Counter[tuple[int, tuple[int, int]]] | None = None
+    flame: object | None = None  # its stacks.Flame, computed once when it is split
 
     @property
     def span_ns(self) -> int:
@@ -72,6 +78,14 @@ class Step:
         self.bursts_ns += max(0, b.last_ts - b.first_ts)
         self.work.add(Work.of_burst(b, time_ns=0))
         self.kernels.update(b.handle_counts)
+        for i, k in enumerate(COPY_KINDS):
+            self.copy_calls[i] += b.copy_calls.get(k, 0)
+
+    def add_stacks(self, samples: Counter[tuple[int, tuple[int, int]]]) -> None:
+        """Stack samples taken in one of its bursts."""
+        if self.stack_samples is None:
+            self.stack_samples = Counter()
+        self.stack_samples.update(samples)
 
 
 class StepLog:
@@ -100,11 +114,15 @@ class StepLog:
     def next_index(self) -> int:
         return self.base + len(self.steps)
 
-    def add_burst(self, b: KernelBurst) -> Step | None:
-        """Add a burst; returns the step it closed, if it ended one."""
+    def add_burst(self, b: KernelBurst, stacks: Counter[tuple[int, tuple[int, int]]] | None = None
+                  ) -> Step | None:
+        """Add a burst (and the stack samples taken in it); returns the step it closed,
+        if it ended one."""
         if self.open is None:
             self.open = Step(self.pid, self.tid)
         self.open.add(b)
+        if stacks:
+            self.open.add_stacks(stacks)
         synced = b.sync_calls > 0 or b.reason == "sync"
         results = synced and b.copy_calls.get("d2h", 0) > 0
         self.result_copies = self.result_copies or results
@@ -119,6 +137,7 @@ class StepLog:
         if self.open is None:
             self.open = Step(self.pid, self.tid)
             self.open.first_ts = ev.ts_enter
+        self.open.nccl_calls[ev.op] += 1
         if ev.bytes:
             self.open.work.add({"nccl_ops": 1, "nccl_bytes": ev.bytes})
         if ev.bytes and self.open.signature is None:

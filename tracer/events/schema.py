@@ -280,3 +280,9 @@ from tracer.events import tls as _tls  # noqa: E402
 
 DECODERS.update(_tls.DECODERS)
 USER_EVENTS[_tls.TlsLibrary.__name__] = _tls.TlsLibrary
+# Launch-site stacks (bpf/stacks.c): counts per burst, and stacks resolved in user space.
+from tracer.events import stacks as _stacks  # noqa: E402
+
+DECODERS.update(_stacks.DECODERS)
+USER_EVENTS[_stacks.StackFrames.__name__] = _stacks.StackFrames
+USER_EVENTS[_stacks.StackSampling.__name__] = _stacks.StackSampling

@@ -15,12 +15,13 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-WIRE_VERSION = 6
+WIRE_VERSION = 7
 # Versions whose records this code decodes: 2 added the GPU records, 3 the ibverbs
 # and KCOUNT records, 4 the KSTUB record, 5 the NETWAIT record, 6 the TLS record and
-# DATA's TLS flags (plaintext from the TLS library, ciphertext sent without payload);
-# none changed an earlier layout.
-READABLE_WIRE_VERSIONS = (1, 2, 3, 4, 5, 6)
+# DATA's TLS flags (plaintext from the TLS library, ciphertext sent without payload),
+# 7 the KSTACKS and STACKDEF records (launch-site stacks); none changed an earlier
+# layout. (8 is another branch's number.)
+READABLE_WIRE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 
 # Sizes of the C scalar types used on the wire (x86-64 and arm64 alike).
 _SCALARS: dict[str, tuple[str, int]] = {
@@ -52,6 +53,9 @@ CONSTANTS: dict[str, int] = {
     "KIND_NETWAIT": 15,
     "KIND_TLS": 16,  # bpf/tls.c: an SSL object tied to its socket, established, freed
     # (17 is TLS's too, unused so far)
+    # launch-site stacks (bpf/stacks.c): kinds 18-19
+    "KIND_KSTACKS": 18,
+    "KIND_STACKDEF": 19,
     # payload chunking: bytes per DATA record and the loop bound per syscall
     "CHUNK": 16384,
     "MAX_ITER": 64,
@@ -163,6 +167,19 @@ CONSTANTS: dict[str, int] = {
     # the same, in no cubin but confirmed by a library's .rodata (tracer/probes/libstrings.py)
     "NAME_DRIVER_STRING": 8,
     "NAME_LEN": 128,
+    # launch-site stacks (bpf/stacks.c): what a sampled call was (KSTACKS.whats)
+    "STK_KERNEL": 1,  # a kernel launch; handle = the CUfunction/CUkernel
+    "STK_GRAPH": 2,  # cuGraphLaunch; handle = the CUgraphExec
+    "STK_COPY": 8,  # + TT_COPY_*: a memcpy of that direction
+    "STK_NCCL": 16,  # + TT_NCCL_*: an NCCL call
+    "STACK_SLOTS_N": 16,  # distinct stacks a thread counts before it sends them
+    "PY_FRAMES_N": 64,  # Python frames read per stack (innermost first)
+    "STACK_SLICE": 16384,  # bytes of the user stack sent once per new stack (unwinding)
+    # STACKDEF.flags
+    "STK_PY": 1,  # Python frames were read (the process runs a known interpreter)
+    "STK_PY_TRUNCATED": 2,  # more than PY_FRAMES_N Python frames: the outermost are cut
+    "STK_PY_NO_THREAD": 4,  # no thread state of the interpreter is this thread's
+    "STK_SLICE_CUT": 8,  # the stack slice ended before STACK_SLICE (top of the stack)
     # GPU: MEM.op
     "MEM_ALLOC": 1,
     "MEM_FREE": 2,
@@ -648,9 +665,50 @@ TLS = Record(
     ],
 )
 
+KSTACKS = Record(
+    "tt_kstacks",
+    "KIND_KSTACKS",
+    [
+        Field("kind", "u32"),
+        Field("pid", "u32"),
+        Field("tid", "u32"),
+        Field("n", "u32", "used entries of ids/handles/counts/whats"),
+        Field("burst_ts", "u64", "first_ts of the KBURST these samples were taken in "
+              "(it follows this record); 0: taken outside a burst (an NCCL call)"),
+        Field("samples", "u64", "the thread's samples so far"),
+        Field("ids", "u64[STACK_SLOTS_N]", "stack ids (a STACKDEF describes each)"),
+        Field("handles", "u64[STACK_SLOTS_N]", "kernel handle / graph of each stack"),
+        Field("counts", "u32[STACK_SLOTS_N]", "sampled calls with that stack"),
+        Field("whats", "u16[STACK_SLOTS_N]", "TT_STK_* of each stack"),
+    ],
+)
+
+STACKDEF = Record(
+    "tt_stackdef",
+    "KIND_STACKDEF",
+    [
+        Field("kind", "u32"),
+        Field("pid", "u32"),
+        Field("tid", "u32"),
+        Field("what", "u16", "TT_STK_*"),
+        Field("py_depth", "u16", "Python frames read (innermost first)"),
+        Field("flags", "u32", "TT_STK_* flags"),
+        Field("slice_len", "u32", "bytes of the user stack in the tail"),
+        Field("stack_id", "u64"),
+        Field("handle", "u64"),
+        Field("ts", "u64"),
+        Field("ip", "u64", "the probed function's entry (user space)"),
+        Field("sp", "u64", "stack pointer at the probe: the slice starts here"),
+        Field("bp", "u64", "frame pointer register at the probe"),
+        Field("py_code", "u64[PY_FRAMES_N]", "code object of each Python frame"),
+        Field("py_instr", "u64[PY_FRAMES_N]", "its instruction pointer (3.10: f_lasti)"),
+    ],
+    tail=Field("slice", "u8[STACK_SLICE]"),
+)
+
 RECORDS: dict[int, Record] = {
     r.kind: r for r in (CONN, DATA, PROC, KBURST, KNAME, MEM, NCCL, KCOUNT, KSTUB, VERBS,
-                        VERBS_CTX, VERBS_MR, VERBS_QP, NETWAIT, TLS)
+                        VERBS_CTX, VERBS_MR, VERBS_QP, NETWAIT, TLS, KSTACKS, STACKDEF)
 }
 
 

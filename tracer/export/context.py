@@ -21,3 +21,9 @@ class ExportContext:
     extra_resource: dict[int, dict[str, Any]] = field(default_factory=dict)
     drops: dict[str, int] = field(default_factory=dict)
     identity: Any = None  # an identity.IdentityResolver: container and pod of each pid
+    # launch-site stacks (tracer/correlate/stacks.py): turns a record's ``flame`` weights
+    # into frames; the file a span's ``tokentrace.gpu.flame`` command reads (spans or
+    # capture); span id -> its flame (JSON form) for the JSONL exporter, when one runs
+    flame_resolver: Any = None
+    flame_source: str | None = None
+    flames: dict[int, Any] | None = None

@@ -44,9 +44,12 @@ def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
 class JsonlSpanExporter(SpanExporter):
     """Writes spans to a file (or stream), one line each, flushed per batch."""
 
-    def __init__(self, out: str | IO[str]) -> None:
-        """``out``: a path (created 0600: spans carry what clients sent) or a stream."""
+    def __init__(self, out: str | IO[str], flames: dict[int, Any] | None = None) -> None:
+        """``out``: a path (created 0600: spans carry what clients sent) or a stream.
+        ``flames``: span id -> its launch-site stacks (``ExportContext.flames``), written
+        as the span's ``flame`` object (``tokentrace flame`` reads them back)."""
         self._own = isinstance(out, str)
+        self.flames = flames
         self._f: IO[str] = (open_private(out, "w", encoding="utf-8") if isinstance(out, str)
                             else out)
         self._lock = threading.Lock()
@@ -55,7 +58,12 @@ class JsonlSpanExporter(SpanExporter):
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         with self._lock:
             for s in spans:
-                self._f.write(json.dumps(span_to_dict(s), separators=(",", ":")) + "\n")
+                d = span_to_dict(s)
+                if self.flames is not None:
+                    flame = self.flames.pop(s.get_span_context().span_id, None)
+                    if flame is not None:
+                        d["flame"] = flame
+                self._f.write(json.dumps(d, separators=(",", ":")) + "\n")
                 self.count += 1
             self._f.flush()
         return SpanExportResult.SUCCESS

@@ -233,6 +233,20 @@ def tls_attributes(rec: RequestRecord) -> dict[str, Any]:
     return {"tls.established": True, "tls.protocol.name": t.protocol,
             "tls.protocol.version": t.version, "tls.cipher": t.cipher,
             "tls.client.server_name": t.server_name, "tls.next_protocol": t.alpn}
+def launch_sites(stacks: list[Any], top: int = 3) -> list[str]:
+    """The request's busiest launch sites: innermost Python frame (or native, for a
+    process without Python) and kernel, with their share of its launches."""
+    by_site: dict[str, float] = {}
+    for frames, calls, _t, _s in stacks:
+        caller = next((f for f in reversed(frames) if f[0] == "py"), None) or next(
+            (f for f in reversed(frames) if f[0] == "native"), ("", "?", "", 0))
+        where = (f"{caller[1]} ({caller[2].rsplit('/', 1)[-1]}:{caller[3]})"
+                 if caller[0] == "py" else caller[1])
+        site = f"{where} -> {frames[-1][1]}"
+        by_site[site] = by_site.get(site, 0.0) + calls
+    total = sum(by_site.values()) or 1.0
+    best = sorted(by_site.items(), key=lambda kv: -kv[1])[:top]
+    return [f"{site}: {n / total:.0%}" for site, n in best]
 
 
 def network_attributes(rec: RequestRecord) -> dict[str, Any]:
@@ -351,6 +365,8 @@ class SpanBuilder:
         span = tr.start_span(span_name(rec), context=parent if has_parent else None, kind=kind,
                              start_time=self.wall(rec.client_start_ns),
                              attributes=span_attributes(rec))
+        if rec.flame and self.ctx.flame_resolver is not None:
+            self._flame(span, rec)
         r = rec.llm_response
         ttft = rec.client_ttft_ns
         if r is not None and r.first_token_ts is not None and ttft is not None:
@@ -374,6 +390,25 @@ class SpanBuilder:
                                            if v is not None})
             cs.end(end_time=self.wall(child.end_ns))
         span.end(end_time=self.wall(rec.client_end_ns))
+
+    def _flame(self, span: Any, rec: RequestRecord) -> None:
+        """The request's launch-site stacks: a summary on the span, the command that
+        draws them, and (for the JSONL exporter) the stacks themselves."""
+        from tracer.correlate.stacks import to_json
+
+        stacks = self.ctx.flame_resolver(rec.flame)
+        if not stacks:
+            return
+        sc = span.get_span_context()
+        trace_id = format(sc.trace_id, "032x")
+        span.set_attribute("tokentrace.gpu.flame.stacks", len(stacks))
+        span.set_attribute("tokentrace.gpu.launch_sites", launch_sites(stacks))
+        if self.ctx.flame_source:
+            span.set_attribute("tokentrace.gpu.flame",
+                               f"tokentrace flame {self.ctx.flame_source} --request {trace_id} "
+                               f"-o flame-{trace_id[:12]}")
+        if self.ctx.flames is not None:
+            self.ctx.flames[sc.span_id] = to_json(stacks)
 
     def close(self) -> None:
         for p in self.processors:

@@ -62,6 +62,12 @@ class CaptureConfig:
     net_timing: str = field(default_factory=lambda: os.environ.get("TOKENTRACE_NET_TIMING",
                                                                    "auto"))
     listen_scan_interval_s: float = 1.0  # look for ports traced servers started listening on
+    # launch-site stacks (bpf/stacks.c, docs/flame.md): a thread's GPU calls are sampled
+    # every this many on average (0: no stack sampling); jitter off samples exactly
+    # every N-th call (tests); stack_slice: bytes of user stack unwound per new stack
+    stack_every: int = 0
+    stack_jitter: bool = True
+    stack_slice: int = 16384
 
 
 def clock_sync(samples: int = 5) -> schema.ClockSync:
@@ -102,13 +108,26 @@ class CaptureSession:
         self._next_listen_scan = 0.0
         self.tls: Any = None  # tracer.probes.tls.TlsProbes when the TLS probes load
         self._next_tls_scan = 0.0
+        self.stacks: Any = None  # tracer.probes.stacks.StackSampler with --stacks
 
     # ---- lifecycle --------------------------------------------------------------
 
     def start(self) -> None:
         """Compile, configure and attach; emit the clock sync and the first targets."""
         self.net_timing = self._choose_net_timing()
-        self.bpf = loader.compile_program(self.concerns, self.config.ringbuf_mb)
+        cflags = []
+        if self.config.stack_every and "cuda" in self.concerns:
+            i = self.concerns.index("cuda")  # cuda.c and nccl.c call into stacks.c
+            self.concerns = self.concerns[:i] + ("stacks",) + self.concerns[i:]
+            cflags.append("-DTT_STACKS")
+        self.bpf = loader.compile_program(self.concerns, self.config.ringbuf_mb, cflags)
+        if "stacks" in self.concerns:
+            from tracer.events.stacks import StackSampling
+            from tracer.probes.stacks import StackSampler
+
+            self.stacks = StackSampler(self.bpf, self.config.stack_every,
+                                       self.config.stack_jitter, self.config.stack_slice)
+            self.sink(StackSampling(ts=time.monotonic_ns(), every=self.config.stack_every))
         config = self.bpf[b"config"]
         config[ctypes.c_int(C["CFG_CAPTURE_LIMIT"])] = ctypes.c_uint64(self.config.capture_limit)
         config[ctypes.c_int(C["CFG_BURST_NS"])] = ctypes.c_uint64(self.config.burst_ns)
@@ -116,8 +135,6 @@ class CaptureSession:
         if "cuda" in self.config.concerns:
             self.gpu = GpuProbes(self.bpf, self.config.stub_names_quiet_s,
                                  self.config.stub_names_max_s, self.config.uprobe_links)
-        if "tls" in self.concerns:
-            self._start_tls()
             if self.config.gpu_sample < 1.0:
                 # the first period starts "on" (so libraries found now attach their
                 # launch probes) and says so
@@ -126,6 +143,8 @@ class CaptureSession:
                 self._next_sample_toggle = (time.monotonic()
                                             + self.config.gpu_sample_period_s
                                             * self.config.gpu_sample)
+        if "tls" in self.concerns:
+            self._start_tls()
         for name in self.config.comms:
             key = self.bpf[b"traced_comms"].Key()
             key.comm = name.encode()[:15]
@@ -153,8 +172,13 @@ class CaptureSession:
             self._next_gpu_scan = now + self.config.gpu_rescan_interval_s
             for pid in sorted(self.pids):
                 self.gpu.scan(pid)
+                if self.stacks is not None:
+                    self.stacks.scan(pid)
         if self.gpu is not None and self.config.gpu_sample < 1.0 and now >= self._next_sample_toggle:
             self._toggle_launch_probes(now)
+        if self.stacks is not None:
+            for frames in self.stacks.take():  # stacks resolved since the last poll
+                self.sink(frames)
         if self.gpu is not None:
             for name in self.gpu.stubs.resolve():  # host stubs sent during this poll
                 self.sink(name)
@@ -233,6 +257,12 @@ class CaptureSession:
             self.tls.close()
         if self.gpu is not None:
             self.detach_s = self.gpu.close()  # before the drain: no launch after it
+            if self.stacks is not None:
+                self.bpf.ring_buffer_consume()  # the last STACKDEFs
+                for raw in self.stacks.drain():  # before the bursts they belong to
+                    self.sink(raw)
+                for frames in self.stacks.finish():
+                    self.sink(frames)
             for raw in self.gpu.drain():  # bursts not yet flushed: counts stay exact
                 self.sink(raw)
             self._collect_counters()  # the final per-kernel and ibverbs counts
@@ -268,6 +298,8 @@ class CaptureSession:
         if self.gpu is not None:
             self.gpu.scan(pid)
         self._tls_scan(pid)
+        if self.stacks is not None:
+            self.stacks.scan(pid)
         if existing_sockets:
             self._adopt_sockets(pid)
         self._watch_listeners(pid)
@@ -388,6 +420,9 @@ class CaptureSession:
     def _on_record(self, _ctx: Any, data: Any, size: int) -> None:
         buf = ctypes.string_at(data, size)
         kind = wire.kind_of(buf) if size >= 4 else 0
+        if kind == C["KIND_STACKDEF"] and self.stacks is not None:
+            self.stacks.on_def(buf)  # raw stack memory: resolved here, never captured
+            return
         self.sink(buf)
         try:
             if kind == C["KIND_CONN"]:
@@ -441,6 +476,8 @@ class CaptureSession:
             if self.tls is not None:
                 self.tls.forget(ev.pid)  # a new program: new libraries
                 self._tls_scan(ev.pid)
+            if self.stacks is not None:
+                self.stacks.forget(ev.pid)  # another program: its interpreter, if any
         elif ev.op == C["PROC_EXIT"]:
             self.pids.discard(ev.pid)
             self._forget_pid(ev.pid)
@@ -448,6 +485,8 @@ class CaptureSession:
                 self.gpu.forget(ev.pid)
             if self.tls is not None:
                 self.tls.forget(ev.pid)
+            if self.stacks is not None:
+                self.stacks.forget(ev.pid)
 
     def _forget_pid(self, pid: int) -> None:
         """A dead process's sockets were closed by the kernel, not by close(2)."""
@@ -481,6 +520,8 @@ class CaptureSession:
             counters.update(self.gpu.stubs.counters())
         if self.tls is not None:
             counters.update(self.tls.counters())
+        if self.stacks is not None:
+            counters.update(self.stacks.counters())
         if force or counters != self._last_counters:
             self._last_counters = dict(counters)
             self.sink(schema.DropReport(ts=time.monotonic_ns(), counters=counters))

@@ -133,7 +133,10 @@ def main(args: argparse.Namespace) -> int:
         if recon is not None:
             written += _write_reconciliation(args.output, recon, args.format)
         if "html" in args.format:
+            from tracer.report.flames import write_flames
             from tracer.report.page import render
+
+            meta["flames"] = write_flames(args.spans, rows, args.output)
 
             path = os.path.join(args.output, "report.html")
             with open(path, "w", encoding="utf-8") as f:

@@ -1,4 +1,4 @@
-"""report.html: one self-contained page, plots as inline SVG (matplotlib), no scripts,
+"""report.html: one self-contained page, plots as inline SVG (matplotlib), no scripts
 no styles or fonts fetched from anywhere (text in the plots is drawn as paths)."""
 
 from __future__ import annotations
@@ -176,6 +176,24 @@ tr.bad td{background:#fde8e8}figure{margin:1em 0}svg{max-width:100%;height:auto}
 .note{color:#555}"""
 
 
+def _flames(flames: list[dict[str, Any]]) -> str:
+    """The launch-site flame graphs (``tracer/report/flames.py``), each in a frame: the
+    flame graph pages are scripts of their own, this page stays without."""
+    if not flames:
+        return ""
+    parts = ['<h2>Where the GPU work was launched from</h2>\n<p class="note">Python and '
+             "native frames, then the kernel (or copy, NCCL call) on top, as wide as its GPU "
+             "calls; each request gets the stacks of the work it was charged for. Click to "
+             "zoom, search by name; files beside this page (folded stacks, pprof).</p>"]
+    for f in flames:
+        src = html.escape(f["html"])
+        parts.append(f'<h3>{html.escape(f["title"])}: {f["launches"]:,.0f} GPU calls, '
+                     f'{f["gpu_time_ns"] / 1e6:,.3f} ms</h3>\n<p><a href="{src}">open</a></p>\n'
+                     f'<iframe src="{src}" title="{html.escape(f["title"])}" '
+                     'style="width:100%;height:520px;border:1px solid #ccc"></iframe>')
+    return "\n".join(parts)
+
+
 def render(rows: list[dict[str, Any]], by_model: list[dict[str, Any]],
            by_tenant: list[dict[str, Any]], totals: dict[str, Any],
            meta: dict[str, Any]) -> str:
@@ -242,6 +260,7 @@ def render(rows: list[dict[str, Any]], by_model: list[dict[str, Any]],
 {_table(by_tenant, {"tenant": "hashed API key", **SUMMARY_COLUMNS})}
 <h2>Most expensive requests</h2>
 {_table(top, _TOP_COLUMNS)}
+{_flames(meta.get("flames") or [])}
 </body>
 </html>
 """

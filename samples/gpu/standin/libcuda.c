@@ -3,7 +3,11 @@
  * exported symbols and signatures (cuda.h, CUDA 12/13 driver API) of the calls
  * tokentrace probes. Launches and copies do no work; synchronisation sleeps for the
  * GPU time the work queued since the last sync would have taken
- * (TT_STANDIN_KERNEL_NS per launch, default 20000), so waits look like a GPU's.
+ * (TT_STANDIN_KERNEL_NS per block of a cuLaunchKernel's grid X dimension, per launch
+ * for the other launch calls; default 20000), so waits look like a GPU's. With
+ * TT_STANDIN_ASYNC=1 the queued work runs while the host goes on, as on a GPU: it
+ * starts at its launch (or when the work before it ends) and a sync waits only for
+ * what is left.
  *
  * Every call is counted here too: at exit the counts are written as JSON to the file
  * named by TT_STANDIN_COUNTS, the ground truth the tests compare the tracer with.
@@ -47,6 +51,7 @@ static const char *count_names[C_N] = {
 static _Atomic unsigned long long counts[C_N];
 static _Atomic unsigned long long next_ptr = 0x7f0000000000ULL;
 static __thread unsigned long long pending_ns; /* GPU time queued by this thread */
+static __thread unsigned long long busy_until; /* TT_STANDIN_ASYNC: its work ends then */
 
 static void add(int which, unsigned long long n) { atomic_fetch_add(&counts[which], n); }
 
@@ -56,8 +61,49 @@ static unsigned long long kernel_ns(void)
     return v ? strtoull(v, NULL, 10) : 20000ULL;
 }
 
+static int async_gpu(void)
+{
+    static int on = -1;
+    if (on < 0) {
+        const char *v = getenv("TT_STANDIN_ASYNC");
+        on = v && v[0] == '1';
+    }
+    return on;
+}
+
+static unsigned long long now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000ULL + t.tv_nsec;
+}
+
+/* GPU time queued by this thread's last call */
+static void queue_gpu(unsigned long long ns)
+{
+    if (async_gpu()) {
+        unsigned long long now = now_ns();
+        busy_until = (busy_until > now ? busy_until : now) + ns;
+    } else {
+        pending_ns += ns;
+    }
+}
+
+/* work still queued by this thread */
+static int gpu_busy(void) { return async_gpu() ? busy_until > now_ns() : pending_ns != 0; }
+
 static void wait_gpu(void)
 {
+    if (async_gpu()) {
+        unsigned long long now = now_ns();
+        if (busy_until > now) {
+            unsigned long long left = busy_until - now;
+            struct timespec ts = {left / 1000000000ULL, left % 1000000000ULL};
+            nanosleep(&ts, NULL);
+        }
+        busy_until = 0;
+        return;
+    }
     if (pending_ns) {
         struct timespec ts = {pending_ns / 1000000000ULL, pending_ns % 1000000000ULL};
         nanosleep(&ts, NULL);
@@ -117,16 +163,17 @@ EXPORT CUresult cuKernelGetFunction(CUfunction *out, CUkernel kernel)
 }
 
 /* ---- launches ---------------------------------------------------------------------- */
-static CUresult launched(void)
+static CUresult launched_grid(unsigned gx)
 {
     add(C_LAUNCH, 1);
-    pending_ns += kernel_ns();
+    queue_gpu(kernel_ns() * (gx ? gx : 1)); /* a kernel's time grows with its grid */
     return CUDA_SUCCESS;
 }
+static CUresult launched(void) { return launched_grid(1); }
 #define LAUNCH_ARGS CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, \
     unsigned by, unsigned bz, unsigned shmem, CUstream s, void **params
-EXPORT CUresult cuLaunchKernel(LAUNCH_ARGS, void **extra) { return launched(); }
-EXPORT CUresult cuLaunchKernel_ptsz(LAUNCH_ARGS, void **extra) { return launched(); }
+EXPORT CUresult cuLaunchKernel(LAUNCH_ARGS, void **extra) { return launched_grid(gx); }
+EXPORT CUresult cuLaunchKernel_ptsz(LAUNCH_ARGS, void **extra) { return launched_grid(gx); }
 EXPORT CUresult cuLaunchCooperativeKernel(LAUNCH_ARGS) { return launched(); }
 EXPORT CUresult cuLaunchCooperativeKernel_ptsz(LAUNCH_ARGS) { return launched(); }
 EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *cfg, CUfunction f, void **params,
@@ -136,7 +183,7 @@ EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *cfg, CUfunction f,
 EXPORT CUresult cuGraphLaunch(CUgraphExec g, CUstream s)
 {
     add(C_GRAPH, 1);
-    pending_ns += 10 * kernel_ns();
+    queue_gpu(10 * kernel_ns());
     return CUDA_SUCCESS;
 }
 
@@ -163,7 +210,7 @@ EXPORT CUresult cuCtxSynchronize(void) { add(C_SYNC, 1); wait_gpu(); return CUDA
 EXPORT CUresult cuStreamQuery(CUstream s)
 {
     add(C_QUERY, 1);
-    if (pending_ns) {
+    if (gpu_busy()) {
         add(C_QUERY_NOT_READY, 1);
         wait_gpu();
         return CUDA_ERROR_NOT_READY;

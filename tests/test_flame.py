@@ -1,0 +1,277 @@
+"""Launch-site stacks without probes: line tables, interpreter layouts, the split of a
+step's calls among its stacks and its requests, and the output formats."""
+
+from __future__ import annotations
+
+import gzip
+import importlib
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import time
+import types
+from collections import Counter
+
+import pytest
+
+from tests.test_attribution import Harness, burst, rec
+from tracer.correlate.stacks import (GRAPH, KERNEL, OVERFLOW, Flame, StackBook, from_json,
+                                     resolve, to_json)
+from tracer.events import wire
+from tracer.events.stacks import StackCounts, StackFrames
+from tracer.flame import html, pprof
+from tracer.flame.model import folded, label, short_path, tree
+from tracer.probes import pystacks
+from tracer.probes.pylines import line_310, line_311, ranges_310
+
+C = wire.CONSTANTS
+D2H = C["STK_COPY"] + C["COPY_D2H"]
+
+
+# ---- line tables ------------------------------------------------------------------------
+
+def _codes(c: types.CodeType):
+    yield c
+    for k in c.co_consts:
+        if isinstance(k, types.CodeType):
+            yield from _codes(k)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="3.11+ location tables")
+def test_311_lines_match_the_interpreters_own_positions():
+    checked = 0
+    for name in ("json.decoder", "email.parser", "inspect", "tracer.correlate.attribution"):
+        mod = importlib.import_module(name)
+        with open(mod.__file__) as f:
+            top = compile(f.read(), mod.__file__, "exec")
+        for c in _codes(top):
+            for unit, (line, *_rest) in enumerate(c.co_positions()):
+                assert line_311(c.co_linetable, c.co_firstlineno, unit) == line, (c, unit)
+                checked += 1
+    assert checked > 10_000
+
+
+def test_310_line_table_as_lnotab_notes_describe_it():
+    # bytes [0, 6) line 10, [6, 10) line 12, [10, 14) no line, [14, 20) line 9, then a
+    # line delta of 0 moves the start of the next range on: [22, 24) line 10
+    table = bytes([6, 10, 4, 2, 4, 0x80, 6, 256 - 3, 2, 0, 2, 1])
+    assert list(ranges_310(table, 0)) == [(0, 6, 10), (6, 10, 12), (14, 20, 9), (22, 24, 10)]
+    assert line_310(table, 0, 4) == 10 and line_310(table, 0, 8) == 12
+    assert line_310(table, 0, 12) is None and line_310(table, 0, 19) == 9
+    assert line_310(table, 7, -2) == 7  # f_lasti -1: not started, the first line
+
+
+# ---- interpreter layouts ------------------------------------------------------------------
+
+def test_accessor_loads_are_read_from_machine_code():
+    endbr = b"\xf3\x0f\x1e\xfa"
+    assert pystacks._disp_load(b"\x48\x8b\x47\x10\xc3") == ("rdi", 16)
+    assert pystacks._disp_load(endbr + b"\x48\x8b\x87\x48\x00\x00\x00\xc3") == ("rdi", 72)
+    # direct: address of the next instruction + displacement, from the function start
+    assert pystacks._disp_load(b"\x48\x8b\x05\x10\x00\x00\x00\xc3") == ("rip", 0x17)
+    # through the GOT (a shared libpython): the offset is the second load's
+    assert pystacks._disp_load(b"\x48\x8b\x05\xc9\xde\x1a\x00\x48\x8b\x40\x28\xc3") == ("got", 40)
+    assert pystacks._disp_load(b"\x55\x48\x89\xe5") is None
+
+
+def _debug_block(free_threaded: bool, interp_fields: int) -> bytes:
+    w = [0x6F67756265647878, 0x030D00F0]  # "xdebugpy" cookie, 3.13.0
+    w[0] = int.from_bytes(b"xdebugpy", "little")
+    if free_threaded:
+        w.append(0)
+    w += [2000, 16, 40]  # runtime: size, finalizing, interpreters_head
+    w += [9000, 8, 0, 72] + [100 + i for i in range(interp_fields - 4)]
+    w += [400, 0, 8, 16, 72, 136, 144, 152, 160]  # thread state
+    w += [88, 8, 0, 56, 80, 70]  # interpreter frame
+    w += [200, 112, 120, 128, 136, 68, 52, 96, 104, 192]  # code object
+    w += [0] * 40
+    return struct.pack(f"<{len(w)}Q", *w)
+
+
+@pytest.mark.parametrize("free_threaded,fields", [(True, 13), (False, 11), (True, 14)])
+def test_debug_offsets_variants_are_told_apart(free_threaded, fields):
+    class Mem:
+        def read(self, addr: int, n: int) -> bytes:
+            return _debug_block(free_threaded, fields)[:n]
+
+    got = pystacks._debug_offsets(Mem(), 0x1000)  # type: ignore[arg-type]
+    assert got is not None
+    assert (got["interp_head"], got["threads_head"], got["ts_tid"], got["ts_frame"]) == (
+        40, 72, 144, 72)
+    assert (got["fr_prev"], got["fr_code"], got["fr_instr"], got["fr_owner"]) == (8, 0, 56, 70)
+    assert got["code_units"] == 192 and got["cstack_owner"] == 3
+
+
+def _sleeper(python: str) -> subprocess.Popen:
+    p = subprocess.Popen([python, "-c", "import sys, threading, time; "
+                          "t = threading.Thread(target=time.sleep, args=(30,)); t.start(); "
+                          "print('up', flush=True); time.sleep(30)"],
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "up"
+    return p
+
+
+@pytest.mark.parametrize("python", [sys.executable, "/usr/bin/python3.11"])
+def test_the_running_interpreter_is_found_and_checked(python):
+    """The project's Python (pyenv: shared libpython) and Debian's (libpython linked
+    into the executable), both 3.11 on this machine."""
+    if not os.path.exists(python):
+        pytest.skip(f"{python} is not installed")  # said, and not counted as a pass
+    p = _sleeper(python)
+    try:
+        lay = pystacks.find_interpreter(p.pid)
+    finally:
+        p.kill()
+    want = sys.version_info[:2] if python == sys.executable else (3, 11)
+    assert lay.version == want
+    assert any("agree with the interpreter's accessors" in c for c in lay.checks)
+    assert any("2 of 2 thread states name its threads" in c for c in lay.checks)
+    assert lay.code_fields["co_filename"] and lay.code_units
+
+
+def test_a_process_without_python_says_why():
+    p = subprocess.Popen(["sleep", "5"])
+    try:
+        with pytest.raises(pystacks.PyLayoutError, match="_PyRuntime|no libpython"):
+            pystacks.find_interpreter(p.pid)
+    finally:
+        p.kill()
+
+
+# ---- the split ----------------------------------------------------------------------------
+
+def counts(pid: int, tid: int, burst_ts: int, *entries: tuple[int, int, int, int]) -> StackCounts:
+    return StackCounts(pid=pid, tid=tid, burst_ts=burst_ts, samples=0, entries=entries)
+
+
+def test_a_units_exact_calls_are_split_by_the_stacks_sampled_in_the_step():
+    book = StackBook()
+    units = Counter({(KERNEL, 0xA): 10, (KERNEL, 0xB): 4, (GRAPH, 0): 2, (D2H, 0): 1})
+    samples = Counter({(11, (KERNEL, 0xA)): 3, (12, (KERNEL, 0xA)): 1, (13, (D2H, 0)): 1})
+    book.pids.add(1)
+    w = book.weights(1, units, samples, time_ns=1700.0)
+    assert w[(1, 11, KERNEL, 0xA)] == [7.5, 750.0, 3.0]
+    assert w[(1, 12, KERNEL, 0xA)] == [2.5, 250.0, 1.0]
+    assert w[(1, 0, KERNEL, 0xB)] == [4.0, 400.0, 0.0]  # never sampled: no stack
+    assert w[(1, 0, GRAPH, 0)] == [2.0, 200.0, 0.0]
+    assert w[(1, 13, D2H, 0)] == [1.0, 100.0, 1.0]
+    assert sum(v[0] for v in w.values()) == sum(units.values())
+    # a later step with no sample of 0xA: split like the process's samples of it so far
+    book.counts(counts(1, 5, 0, (11, KERNEL, 0xA, 3), (12, KERNEL, 0xA, 1)))
+    w2 = book.weights(1, Counter({(KERNEL, 0xA): 8}), Counter(), time_ns=0.0)
+    assert w2 == {(1, 11, KERNEL, 0xA): [6.0, 0.0, 0.0], (1, 12, KERNEL, 0xA): [2.0, 0.0, 0.0]}
+
+
+def test_launches_past_the_slots_go_to_the_sampled_kernels_not_in_them():
+    book = StackBook()
+    units = Counter({(KERNEL, 0xA): 4, OVERFLOW: 6})
+    samples = Counter({(21, (KERNEL, 0xC)): 1, (22, (KERNEL, 0xD)): 2})
+    w = book.weights(1, units, samples, time_ns=0.0)
+    assert w[(1, 21, KERNEL, 0xC)][0] == 2.0 and w[(1, 22, KERNEL, 0xD)][0] == 4.0
+    assert w[(1, 0, KERNEL, 0xA)][0] == 4.0
+
+
+def test_counts_for_a_burst_that_never_came_are_dropped_and_counted():
+    book = StackBook()
+    book.counts(counts(1, 5, 111, (11, KERNEL, 0xA, 2)))
+    book.counts(counts(1, 5, 222, (12, KERNEL, 0xA, 1)))
+    got = book.take(burst(1, 5, 222, 230, 1))
+    assert got == Counter({(12, (KERNEL, 0xA)): 1})
+    assert book.stats["stack_counts_without_burst"] == 2
+
+
+def test_requests_share_a_steps_stacks_as_they_share_its_launches():
+    """An engine thread's step served two requests: each gets the step's stacks in the
+    proportion it got the launches, and together they get all of them."""
+    h = Harness()
+    h.a.stacks = book = StackBook()
+    a, b = rec(1, 5, 10, 0, 100), rec(1, 6, 11, 0, 100)
+    h.open += [a, b]
+    book.counts(counts(1, 99, 30, (41, KERNEL, 0xA, 2), (42, KERNEL, 0xB, 1)))
+    step = burst(1, 99, 30, 40, 9)
+    step = type(step)(**{**{f: getattr(step, f) for f in step.__slots__},
+                         "handle_counts": {0xA: 6, 0xB: 3}})
+    h.a.burst(step)
+    h.a.burst(burst(1, 10, 50, 60, 5))  # a's own thread: whole, no stacks sampled
+    h.finish(a)
+    h.finish(b)
+    h.a.close()
+    got = {r.fd: r for r in h.out}
+    fa, fb = got[5].flame, got[6].flame
+    la, lb = got[5].gpu["gpu.kernel_launches"], got[6].gpu["gpu.kernel_launches"]
+    step_a = fa[(1, 41, KERNEL, 0xA)][0] + fa[(1, 42, KERNEL, 0xB)][0]
+    step_b = fb[(1, 41, KERNEL, 0xA)][0] + fb[(1, 42, KERNEL, 0xB)][0]
+    assert step_a == pytest.approx(la - 5) and step_b == pytest.approx(lb)
+    assert step_a + step_b == pytest.approx(9)
+    assert fa[(1, 41, KERNEL, 0xA)][0] + fb[(1, 41, KERNEL, 0xA)][0] == pytest.approx(6)
+    assert fa[(1, 0, KERNEL, 0)][0] == 5  # its own burst: launches, no stack sampled
+
+
+def test_frames_are_joined_root_first_with_the_kernel_on_top():
+    book = StackBook()
+    book.define(StackFrames(pid=1, stack_id=41, what=KERNEL, handle=0xA,
+                            python=("main\t/app/srv.py\t3", "Attn.forward\t/x/site-packages/m/"
+                                    "modeling.py\t88"),
+                            native=("at::linear\tlibtorch_cpu.so", "\tlibcudart.so+0x40"),
+                            native_stop="interpreter"))
+    flame = Flame({(1, 41, KERNEL, 0xA): [3.0, 30.0, 1.0], (1, 77, KERNEL, 0xA): [1.0, 0, 0]})
+    got = {fr: (n, t, s) for fr, n, t, s in resolve(flame, book, lambda pid, h: "gemm")}
+    frames = next(f for f in got if f[0][1] == "main")
+    assert [label(f) for f in frames] == [
+        "main (app/srv.py:3)", "Attn.forward (m/modeling.py:88)",
+        "at::linear (libtorch_cpu.so)", "libcudart.so+0x40", "--", "gemm"]
+    assert any(f[0][1].startswith("[stack 0x4d not resolved]") for f in got)
+    assert from_json(json.loads(json.dumps(to_json(resolve(flame, book, lambda p, h: "g"))))
+                     ) == resolve(flame, book, lambda p, h: "g")
+
+
+# ---- output formats -------------------------------------------------------------------------
+
+STACKS = [((("py", "main", "/a/b/app.py", 3), ("py", "f", "/a/b/app.py", 9), ("sep", "--", "", 0),
+            ("gpu", "gemm", "", 0)), 3.0, 3e6, 1.0),
+          ((("py", "main", "/a/b/app.py", 3), ("native", "g;h", "libx.so", 0),
+            ("sep", "--", "", 0), ("gpu", "[memcpy DtoH]", "", 0)), 0.5, 1e6, 0.0)]
+
+
+def test_folded_stacks_are_brendan_greggs_format():
+    text = folded(STACKS)
+    assert text.splitlines() == [
+        "main (b/app.py:3);f (b/app.py:9);--;gemm 3",
+        "main (b/app.py:3);g:h (libx.so);--;[memcpy DtoH] 0.500"]
+    assert folded(STACKS, "samples").splitlines() == ["main (b/app.py:3);f (b/app.py:9);--;gemm 1"]
+    assert short_path("/usr/lib/python3.12/site-packages/transformers/x.py") == "transformers/x.py"
+
+
+def test_pprof_round_trips_through_the_protobuf_runtime():
+    prof = pprof.decode(pprof.encode(STACKS, comment="t"))
+    st = list(prof.string_table)
+    assert st[0] == "" and st[prof.default_sample_type] == "launches"
+    assert sorted(tuple(s.value) for s in prof.sample) == [(1, 1_000_000, 0), (3, 3_000_000, 1)]
+    loc = {l.id: l for l in prof.location}
+    fn = {f.id: f for f in prof.function}
+    leaf_first = [st[fn[loc[i].line[0].function_id].name] for i in prof.sample[0].location_id]
+    assert leaf_first[0] in ("gemm", "[memcpy DtoH]") and leaf_first[-1] == "main"
+    assert {st[f.filename] for f in prof.function} >= {"/a/b/app.py", "libx.so"}
+    assert pprof._rounded([0.4, 0.4, 0.4, 1.8]) == [1, 0, 0, 2]  # largest remainders
+    assert gzip.decompress(pprof.encode(STACKS))  # gzipped, as pprof tools expect
+
+
+def test_the_html_page_is_self_contained_and_carries_every_width():
+    page = html.page(STACKS, "request </script><b>x")
+    assert "&lt;/script&gt;" in page and "<\\/script>" not in page.split("TREES")[0]
+    assert "flamegraph.default()" in page and page.count("<script>") >= 3
+    assert "http://" not in page.split("<style>")[0] and "cdn" not in page.lower()
+    t = tree(STACKS, "gpu_time")
+    assert t["value"] == 4e6 and t["children"][0]["name"] == "main (b/app.py:3)"
+
+
+def test_flame_of_spans_without_stacks_says_how_to_get_them(tmp_path):
+    f = tmp_path / "spans.jsonl"
+    f.write_text(json.dumps({"trace_id": "a" * 32, "span_id": "b" * 16, "kind": "SERVER",
+                             "attributes": {}, "resource": {"service.name": "s"}}) + "\n")
+    r = subprocess.run([sys.executable, "-m", "tracer", "flame", str(f), "--service", "s"],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "--stacks" in r.stderr

@@ -1,0 +1,130 @@
+"""Name a Python frame of another process: a code object pointer and an instruction
+pointer (as bpf/stacks.c records them) to (qualified name, file, line).
+
+The code object's fields are read from ``/proc/PID/mem`` at the offsets its type
+publishes (``pystacks.PyLayout.code_fields``); strings are read as CPython lays out a
+``str`` (compact ASCII, compact 1/2/4-byte kinds, or a separate buffer) and bytes as a
+``bytes`` object. Lines come from the line table (``pylines``). Each code object is
+read once per process and kept: code objects of a server's modules live as long as it
+does (a code object freed and its memory reused by another would keep the first name;
+a process's cache is dropped when it exits).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from tracer.probes.pylines import line_310, line_311
+from tracer.probes.pystacks import OB_TYPE, PyLayout, _Memory
+
+MAX_STR = 4096
+MAX_TABLE = 1 << 20
+
+
+@dataclass(frozen=True)
+class CodeInfo:
+    """What a frame needs of its code object."""
+
+    name: str  # the qualified name (3.11+), else the name
+    filename: str
+    firstlineno: int
+    linetable: bytes
+
+
+class CodeReader:
+    """Code objects of one process, read on demand and kept (LRU)."""
+
+    def __init__(self, pid: int, layout: PyLayout, max_codes: int = 100_000) -> None:
+        self.pid = pid
+        self.layout = layout
+        self.mem = _Memory(pid)
+        self.max_codes = max_codes
+        self._codes: OrderedDict[int, CodeInfo | None] = OrderedDict()
+        self.reads = 0
+        self.failed = 0
+
+    def close(self) -> None:
+        self.mem.close()
+
+    def code(self, addr: int) -> CodeInfo | None:
+        """The code object at ``addr`` (None: not a code object, or unreadable)."""
+        if addr in self._codes:
+            self._codes.move_to_end(addr)
+            return self._codes[addr]
+        info = self._read_code(addr)
+        self.reads += 1
+        if info is None:
+            self.failed += 1
+        self._codes[addr] = info
+        while len(self._codes) > self.max_codes:
+            self._codes.popitem(last=False)
+        return info
+
+    def frame(self, code: int, instr: int) -> tuple[str, str, int | None] | None:
+        """(name, file, line) of a frame, or None if its code object cannot be read."""
+        info = self.code(code)
+        if info is None:
+            return None
+        lay = self.layout
+        if lay.version >= (3, 11):
+            unit = (instr - (code + lay.code_units)) // 2 if instr else -1
+            if unit > len(info.linetable) * 8 + 4096:  # not inside this code object
+                unit = -1
+            line = line_311(info.linetable, info.firstlineno, unit)
+        else:
+            lasti = instr - (1 << 64) if instr >= 1 << 63 else instr
+            line = line_310(info.linetable, info.firstlineno, lasti * 2)
+        return info.name, info.filename, line
+
+    # ---- object reading ------------------------------------------------------------
+
+    def _read_code(self, addr: int) -> CodeInfo | None:
+        lay = self.layout
+        if not addr or self.mem.u64(addr + OB_TYPE) != lay.code_type:
+            return None
+        f = lay.code_fields
+        end = max(f.values()) + 8
+        raw = self.mem.read(addr, end)
+        if len(raw) < end:
+            return None
+
+        def ptr(name: str) -> int:
+            off = f.get(name)
+            return int.from_bytes(raw[off:off + 8], "little") if off is not None else 0
+
+        name = self._str(ptr("co_qualname")) if "co_qualname" in f else None
+        name = name or self._str(ptr("co_name")) or "?"
+        filename = self._str(ptr("co_filename")) or "?"
+        off = f["co_firstlineno"]
+        firstlineno = int.from_bytes(raw[off:off + 4], "little", signed=True)
+        return CodeInfo(name, filename, firstlineno, self._bytes(ptr("co_linetable")))
+
+    def _bytes(self, addr: int) -> bytes:
+        head = self.mem.read(addr, 32)
+        if len(head) < 32:
+            return b""
+        n = int.from_bytes(head[16:24], "little")
+        if not 0 <= n <= MAX_TABLE:
+            return b""
+        return self.mem.read(addr + 32, n)
+
+    def _str(self, addr: int) -> str | None:
+        lay = self.layout
+        head = self.mem.read(addr, lay.compact_size + 8)
+        if len(head) < lay.compact_size + 8:
+            return None
+        length = int.from_bytes(head[16:24], "little")
+        state = int.from_bytes(head[32:36], "little")
+        kind, compact, ascii_ = (state >> 2) & 7, (state >> 5) & 1, (state >> 6) & 1
+        if kind not in (1, 2, 4) or length > MAX_STR:
+            return None
+        if compact and ascii_:
+            data = self.mem.read(addr + lay.ascii_size, length)
+        elif compact:
+            data = self.mem.read(addr + lay.compact_size, length * kind)
+        else:
+            buf = int.from_bytes(head[lay.compact_size:lay.compact_size + 8], "little")
+            data = self.mem.read(buf, length * kind)
+        codec = {1: "latin-1", 2: "utf-16-le", 4: "utf-32-le"}[kind]
+        return data.decode(codec, "replace")

@@ -1,0 +1,349 @@
+"""The user-space half of the launch-site stack sampler (bpf/stacks.c).
+
+``StackSampler`` configures the sampler, finds each traced process's Python
+interpreter (``pystacks``) and writes its layout into the kernel's ``py_procs`` map, and
+turns each new stack (a STACKDEF record: Python code objects, registers and a slice of
+the user stack) into a ``StackFrames`` event on a thread of its own: Python frames named
+from the process's memory (``pycode``), native frames unwound with ``.eh_frame``
+(``unwind``) and named from the ELF symbol tables, down to the interpreter. Raw stack
+memory never leaves this module: captures keep the ``StackFrames`` event.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import threading
+import time
+from bisect import bisect_right
+from collections import Counter
+from typing import Any
+
+from elftools.common.exceptions import ELFError
+from elftools.elf.elffile import ELFFile
+
+from tracer.events import schema
+from tracer.events.stacks import StackDef, StackFrames
+from tracer.probes import procfs
+from tracer.probes.pycode import CodeReader
+from tracer.probes.pystacks import PyLayout, PyLayoutError, find_interpreter
+from tracer.probes.symbols import ElfFunctions, SymbolError, Symbolizer
+from tracer.probes.unwind import Region, Unwinder
+
+DEFAULT_EVERY = 64  # mean GPU calls between a thread's samples (see docs/flame.md)
+SCAN_TRIES = 5  # a process whose interpreter is not ready yet is looked at again
+COUNTER_NAMES = ("stack_samples", "stack_samples_new_site", "stack_defs", "stack_defs_lost",
+                 "stack_py_no_thread", "stack_py_truncated", "stack_slots_sent_early",
+                 "stack_maps_full")
+
+
+class StackSampler:
+    """Configures bpf/stacks.c and resolves the stacks it finds."""
+
+    def __init__(self, bpf: Any, every: int = DEFAULT_EVERY, jitter: bool = True,
+                 slice_bytes: int = 16384) -> None:
+        from tracer.events import wire
+
+        self.bpf = bpf
+        cfg = bpf[b"stk_config"]
+        cfg[ctypes.c_int(0)] = ctypes.c_uint64(max(1, every))
+        cfg[ctypes.c_int(1)] = ctypes.c_uint64(1 if jitter else 0)
+        cfg[ctypes.c_int(2)] = ctypes.c_uint64(
+            max(0, min(slice_bytes, wire.CONSTANTS["STACK_SLICE"])) // 1024 * 1024)
+        self.enable(True)
+        self.every = every
+        self.layouts: dict[int, PyLayout] = {}
+        self.why_not: dict[int, str] = {}  # pid -> why it has no Python frames
+        self._tries: Counter[int] = Counter()
+        self.resolver = StackResolver(self.layouts)
+
+    def enable(self, on: bool) -> None:
+        """Pause or resume sampling (the benchmark's alternating windows); while paused
+        a GPU call pays one array read."""
+        self.bpf[b"stk_config"][ctypes.c_int(3)] = ctypes.c_uint64(1 if on else 0)
+        self.on = on
+
+    # ---- processes ---------------------------------------------------------------------
+
+    def scan(self, pid: int) -> None:
+        """Find ``pid``'s interpreter (once; a few times while it is not ready)."""
+        if pid in self.layouts or self._tries[pid] >= SCAN_TRIES:
+            return
+        self._tries[pid] += 1
+        try:
+            lay = find_interpreter(pid)
+        except (PyLayoutError, OSError) as e:
+            self.why_not[pid] = str(e)
+            return
+        leaf = self.bpf[b"py_procs"].Leaf()
+        for name, value in lay.bpf_fields().items():
+            setattr(leaf, name, value)
+        try:
+            self.bpf[b"py_procs"][ctypes.c_uint32(pid)] = leaf
+        except Exception as e:  # a full map: the process gets native frames only
+            self.why_not[pid] = f"py_procs map: {e}"
+            return
+        self.why_not.pop(pid, None)
+        self.layouts[pid] = lay
+        self.resolver.layout(pid, lay)
+
+    def forget(self, pid: int) -> None:
+        """``pid`` exited (or exec'd another program: looked at afresh)."""
+        self.layouts.pop(pid, None)
+        self._tries.pop(pid, None)
+        self.why_not.pop(pid, None)
+        try:
+            del self.bpf[b"py_procs"][ctypes.c_uint32(pid)]
+        except KeyError:
+            pass
+        self.resolver.forget(pid)
+
+    def describe(self) -> list[str]:
+        """One line per process: its interpreter and how its layout was checked."""
+        out = []
+        for pid, lay in sorted(self.layouts.items()):
+            out.append(f"pid {pid}: Python {lay.version[0]}.{lay.version[1]} in {lay.path} "
+                       f"({lay.source}; {'; '.join(lay.checks)})")
+        for pid, why in sorted(self.why_not.items()):
+            out.append(f"pid {pid}: no Python frames: {why}")
+        return out
+
+    # ---- records -------------------------------------------------------------------------
+
+    def on_def(self, buf: bytes) -> None:
+        """A STACKDEF record: resolved on the resolver's thread."""
+        try:
+            self.resolver.put(schema.decode(buf))
+        except schema.WireError:
+            self.resolver.undecodable += 1
+
+    def take(self) -> list[StackFrames]:
+        return self.resolver.take()
+
+    def drain(self) -> list[bytes]:
+        """The stack counts still held per thread in the kernel, as KSTACKS records
+        (sent before the open bursts are drained: they belong to them)."""
+        table = self.bpf[b"stk_threads"]
+        out = []
+        for k, v in list(table.items()):
+            if v.n:
+                out.append(bytes(ctypes.string_at(ctypes.addressof(v), ctypes.sizeof(v))))
+            try:
+                del table[k]
+            except KeyError:
+                pass
+        return out
+
+    def finish(self, timeout: float = 10.0) -> list[StackFrames]:
+        """Wait (at most ``timeout``) for the stacks queued so far, and take them."""
+        self.resolver.wait_idle(timeout)
+        return self.resolver.take()
+
+    def counters(self) -> dict[str, int]:
+        table = self.bpf[b"stk_counters"]
+        out = {name: int(sum(table[ctypes.c_int(i)])) for i, name in enumerate(COUNTER_NAMES)}
+        out["stack_unresolved"] = self.resolver.unresolved
+        out["stack_python_processes"] = len(self.layouts)
+        return out
+
+
+class StackResolver:
+    """StackDef -> StackFrames, on a thread of its own (the first use of a library
+    reads its symbol table and unwind tables: up to seconds for libtorch_cuda.so)."""
+
+    def __init__(self, layouts: dict[int, PyLayout]) -> None:
+        self._layouts: dict[int, PyLayout] = {}
+        self._readers: dict[int, CodeReader] = {}
+        self._regions: dict[int, list[Region]] = {}
+        self._load_cache: dict[tuple[int, int, int], list[tuple[int, int, int]]] = {}
+        self._seen: set[tuple[int, int]] = set()
+        self.unwinder = Unwinder()
+        self.symbols = Symbolizer(max_files=64)
+        self._work: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._out: list[StackFrames] = []
+        self._lock = threading.Lock()
+        self._busy = 0
+        self._idle = threading.Condition()
+        self.unresolved = 0
+        self.undecodable = 0
+        self.seconds = 0.0
+        self._thread = threading.Thread(target=self._run, name="tt-stacks", daemon=True)
+        self._thread.start()
+
+    def _put(self, item: Any) -> None:
+        with self._idle:
+            self._busy += 1
+        self._work.put(item)
+
+    def put(self, d: StackDef) -> None:
+        self._put(("def", d))
+
+    def layout(self, pid: int, lay: PyLayout) -> None:
+        self._put(("layout", pid, lay))
+
+    def forget(self, pid: int) -> None:
+        self._put(("forget", pid))
+
+    def take(self) -> list[StackFrames]:
+        with self._lock:
+            out, self._out = self._out, []
+        return out
+
+    def wait_idle(self, timeout: float) -> bool:
+        with self._idle:
+            return self._idle.wait_for(lambda: self._busy == 0, timeout)
+
+    def _run(self) -> None:
+        while True:
+            item = self._work.get()
+            try:
+                if item[0] == "def":
+                    t0 = time.perf_counter()
+                    got = self.resolve(item[1])
+                    self.seconds += time.perf_counter() - t0
+                    if got is not None:
+                        with self._lock:
+                            self._out.append(got)
+                elif item[0] == "layout":
+                    self._layouts[item[1]] = item[2]
+                elif item[0] == "forget":
+                    pid = item[1]
+                    self._layouts.pop(pid, None)
+                    self._regions.pop(pid, None)
+                    r = self._readers.pop(pid, None)
+                    if r is not None:
+                        r.close()
+                    self._seen = {k for k in self._seen if k[0] != pid}
+            except Exception:  # never let one stack stop the thread
+                self.unresolved += 1
+            finally:
+                with self._idle:
+                    self._busy -= 1
+                    self._idle.notify_all()
+
+    # ---- resolution ------------------------------------------------------------------
+
+    def resolve(self, d: StackDef) -> StackFrames | None:
+        """Name one stack (once per process and id)."""
+        key = (d.pid, d.stack_id)
+        if key in self._seen:
+            return None
+        self._seen.add(key)
+        lay = self._layouts.get(d.pid)
+        python: list[str] = []
+        if lay is not None and d.python:
+            reader = self._readers.get(d.pid)
+            if reader is None:
+                reader = self._readers[d.pid] = CodeReader(d.pid, lay)
+            for code, instr in d.python:
+                if not code:
+                    continue
+                fr = reader.frame(code, instr)
+                if fr is None:
+                    python.append("?\t?\t")
+                else:
+                    name, fname, line = fr
+                    python.append(f"{name}\t{fname}\t{line if line is not None else ''}")
+            python.reverse()
+        stop_at = {lay.path} if lay is not None else set()
+        native, why = self._native(d, stop_at)
+        return StackFrames(pid=d.pid, stack_id=d.stack_id, what=d.what, handle=d.handle,
+                           python=tuple(python), native=tuple(native), flags=d.flags,
+                           native_stop=why)
+
+    def _regions_of(self, pid: int, fresh: bool = False) -> list[Region]:
+        """The executable file mappings of ``pid`` with their load bias (program headers
+        only: symbols are read for the libraries that show up in stacks)."""
+        got = self._regions.get(pid)
+        if got is not None and not fresh:
+            return got
+        out = []
+        for m in procfs.mappings(pid):
+            if "x" not in m.perms:
+                continue
+            path = procfs.open_mapped(pid, m)
+            loads = self._loads(path)
+            for off, size, va in loads:
+                if off <= m.offset < off + max(size, 1):
+                    out.append(Region(m.start, m.end, m.start - (va + (m.offset - off)),
+                                      m.path, path, m.inode))
+                    break
+        out.sort(key=lambda r: r.start)
+        self._regions[pid] = out
+        return out
+
+    def _loads(self, path: str) -> list[tuple[int, int, int]]:
+        """A file's PT_LOAD segments (offset, file size, vaddr), cached by inode."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return []
+        key = (st.st_dev, st.st_ino, st.st_mtime_ns)
+        got = self._load_cache.get(key)
+        if got is None:
+            try:
+                with open(path, "rb") as f:
+                    got = [(s["p_offset"], s["p_filesz"], s["p_vaddr"])
+                           for s in ELFFile(f).iter_segments() if s["p_type"] == "PT_LOAD"]
+            except (OSError, ELFError, ValueError):
+                got = []
+            self._load_cache[key] = got
+        return got
+
+    def _native(self, d: StackDef, stop_at: set[str]) -> tuple[list[str], str]:
+        regions = self._regions_of(d.pid)
+        if not any(r.start <= d.ip < r.end for r in regions):
+            regions = self._regions_of(d.pid, fresh=True)  # a library loaded since
+        got = self.unwinder.unwind(regions, d.ip, d.sp, d.bp, d.slice, stop_at)
+        starts = [r.start for r in regions]
+        names = []
+        for pc in reversed(got.pcs):  # root first
+            k = bisect_right(starts, pc) - 1
+            reg = regions[k] if k >= 0 and pc < regions[k].end else None
+            if reg is None:
+                names.append(f"\t[{pc:#x}]")
+                continue
+            lib = reg.path.rsplit("/", 1)[-1]
+            usable = reg.usable_path()
+            sym = function_containing(self.symbols, usable, pc - reg.bias) if usable else None
+            names.append(f"{native_name(sym)}\t{lib}" if sym
+                         else f"\t{lib}+{pc - reg.bias:#x}")
+        return names, got.stop
+
+
+def function_containing(symbols: Symbolizer, path: str, vaddr: int) -> str | None:
+    """The function symbol whose [start, start + size) holds ``vaddr``, or None."""
+    try:
+        elf: ElfFunctions = symbols.functions(path)
+    except SymbolError:
+        return None
+    for t in elf.tables.values():
+        k = bisect_right(t.values, vaddr) - 1
+        if k >= 0 and t.values[k] <= vaddr < t.values[k] + max(t.sizes[k], 1):
+            return elf._name(path, t, t.name_offs[k])
+    return None
+
+
+def native_name(symbol: str) -> str:
+    """A readable frame name: demangled, parameters and return type dropped, template
+    arguments folded (``at::native::gpu_kernel_impl<...>``)."""
+    from tracer.correlate.kernelnames import _split_top, _without_params, demangle
+
+    full = demangle(symbol)
+    if full == symbol:
+        return symbol
+    text = _without_params(full)
+    words = _split_top(text, " ")
+    text = words[-1] if words else text
+    out, depth = [], 0
+    for ch in text:
+        if ch == "<":
+            if depth == 0:
+                out.append("<...>")
+            depth += 1
+        elif ch == ">":
+            depth = max(0, depth - 1)
+        elif depth == 0:
+            out.append(ch)
+    return "".join(out)[:160]
