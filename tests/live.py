@@ -23,7 +23,7 @@ from tracer.export.spans import SpanBuilder
 from tracer.probes.session import CaptureConfig
 from tracer.runner import TraceRun
 
-from tests.kstamps import StampedSocket
+from tests.kstamps import SO_TIMESTAMPING, StampedSocket
 
 
 class Collected:
@@ -132,7 +132,13 @@ class _TimedSocket(httpcore2.NetworkStream):
         self.inner.close()
 
     def start_tls(self, *a: Any, **kw: Any) -> Any:
-        # ciphertext from here on: timed by the user clock (the wrapper's fallback)
+        # ciphertext from here on: timed by the user clock (the wrapper's fallback).
+        # The TCP socket's stamping goes off first: TX stamps of the TLS stream's
+        # writes would pile up in its error queue, the idle connection would poll as
+        # broken, and the pool would open a new one for every request.
+        if self.stamped is not None:
+            self.stamped.sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPING, 0)
+            self.stamped = None
         return _TimedSocket(self.inner.start_tls(*a, **kw), self.timing)
 
     def get_extra_info(self, info: str) -> Any:

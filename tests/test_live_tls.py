@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -34,7 +35,7 @@ from samples.launch import SampleServer
 from samples.launch_grpc import GrpcSampleServer
 from samples.tlscert import make_cert
 from tests.conftest import ROOT, free_port
-from tests.live import TimedClient, traced, traced_cli
+from tests.live import TimedClient, traced_cli
 from tests.test_live_grpc import realtime_thread
 
 pytestmark = pytest.mark.bpf
@@ -190,14 +191,18 @@ def hf_https(tmp_path_factory, cert):
         server.stop()
 
 
-def test_hf_transformers_serve_over_https_50_requests(hf_https, trust):
+def test_hf_transformers_serve_over_https_50_requests(hf_https, trust, tmp_path):
+    """`tokentrace run` in its own process: in the test's process the tracer's thread
+    would hold the interpreter lock while the client stamps its clock."""
     client = TimedClient(hf_https.url, verify=trust)
     model = str(hf_https.model)
     calls = []
+    summary = tmp_path / "summary.json"
     gc.collect()
     gc.disable()
     try:
-        with traced(pids=[hf_https.pid]) as got, realtime_thread():
+        with traced_cli(["--pid", str(hf_https.pid), "--summary", str(summary)],
+                        str(tmp_path / "spans.jsonl")) as got, realtime_thread():
             for i in range(50):
                 stream = i % 2 == 1
                 calls.append((stream, client.chat(stream=stream, max_tokens=4 + i % 5,
@@ -206,7 +211,7 @@ def test_hf_transformers_serve_over_https_50_requests(hf_https, trust):
     finally:
         gc.enable()
     spans = by_response_id(got.spans)
-    assert len(spans) == 50, got.report
+    assert len(spans) == 50, got.stderr
     diffs = []
     for stream, c in calls:
         a = spans[c["id"]]["attributes"]
@@ -223,7 +228,7 @@ def test_hf_transformers_serve_over_https_50_requests(hf_https, trust):
         diffs.append(abs(a["tokentrace.time_to_first_token"] - c["ttft"]))
     assert len(diffs) >= 40
     check_ttft(diffs, "HF transformers serve over HTTPS, uvloop memory BIOs")
-    rep = got.report
+    rep = json.loads(summary.read_text())["report"]
     assert rep["tls_connections_decrypted"] >= 1 and not rep.get("parser_errors")
     assert not rep.get("capture.tls.unbound") and not rep.get("bytes_lost")
 
@@ -236,10 +241,13 @@ H2_KEY = "sk-h2-over-tls-0123456789SECRET"
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory, cert, trust, https_server):
     """stdlib SSLSocket server, h2 gRPC client, async openai client and the gRPC TLS
-    sample, traced together (one BPF program: compiling it is most of a stretch)."""
+    sample, traced together by one `tokentrace run` (compiling the BPF program is most
+    of a stretch; in its own process, so the stdlib client's clock reads never wait for
+    the tracer's thread to let go of the interpreter lock)."""
     import tritonclient.grpc as tc
     work = tmp_path_factory.mktemp("mixed")
     out: dict = {"capture": work / "mixed.ttcap"}
+    summary = work / "summary.json"
     with SampleServer("samples.stdlib_server", port=free_port(), log=work / "stdlib.log",
                       tls=cert, health="/") as stdlib, \
             GrpcSampleServer(port=free_port(), log=work / "grpc.log", tls=cert) as grpc_server:
@@ -253,8 +261,10 @@ def mixed(tmp_path_factory, cert, trust, https_server):
         assert h2c.stdout.readline().strip() == "ready"
         time.sleep(1.0)  # the clients have imported ssl: libssl is mapped
         try:
-            with traced(pids=[stdlib.pid, grpc_server.pid, h2c.pid, asc.pid],
-                        record=str(out["capture"])) as got:
+            pids = [a for p in (stdlib.pid, grpc_server.pid, h2c.pid, asc.pid)
+                    for a in ("--pid", str(p))]
+            with traced_cli([*pids, "--record", str(out["capture"]), "--summary",
+                             str(summary)], str(work / "spans.jsonl")) as run:
                 for p in (h2c, asc):
                     p.stdin.write("go\n")
                     p.stdin.flush()
@@ -277,8 +287,11 @@ def mixed(tmp_path_factory, cert, trust, https_server):
             for p in (h2c, asc):
                 p.stdin.close()
                 p.wait(timeout=30)
-        out.update(got=got, pids={"stdlib": stdlib.pid, "grpc": grpc_server.pid,
-                                  "h2": h2c.pid, "async": asc.pid})
+        assert run.returncode == 0, run.stderr
+        out.update(got=SimpleNamespace(spans=run.spans, stderr=run.stderr,
+                                       report=json.loads(summary.read_text())["report"]),
+                   pids={"stdlib": stdlib.pid, "grpc": grpc_server.pid, "h2": h2c.pid,
+                         "async": asc.pid})
     return out
 
 

@@ -400,7 +400,8 @@ def test_capture_masks_grpc_metadata_inside_tls(cert, tmp_path, seed):
 def test_debian_libssl3_is_probed_with_its_libcrypto():
     lib = tlsprobes.classify_libssl("/lib/x86_64-linux-gnu/libssl.so.3")
     assert lib.status == "probed" and lib.name == "OpenSSL 3"
-    assert tlsprobes.REQUIRED <= set(lib.sites) and lib.crypto_soname == "libcrypto.so.3"
+    assert tlsprobes.REQUIRED <= {c for s in lib.sites for c in s.covers}
+    assert lib.crypto_soname == "libcrypto.so.3"
     v = tlsprobes.openssl_version("/lib/x86_64-linux-gnu/libcrypto.so.3")
     assert v is not None and v.startswith("3.") and ssl.OPENSSL_VERSION.startswith(f"OpenSSL {v}")
 
@@ -467,3 +468,54 @@ def test_a_plaintext_write_no_ciphertext_carried_keeps_its_time_and_is_said():
     assert r.net.tls_unmapped == 1 and t.stats["netwait_tls_unmapped"] >= 1
     from tracer.export.spans import network_attributes
     assert network_attributes(r)["tokentrace.network.tls_unmapped_writes"] == 1
+
+
+# ---- probes at the internal function two wrappers share ------------------------------
+
+
+def test_prologue_call_accepts_only_what_leaves_the_arguments_alone():
+    call = b"\xe8" + (0x100).to_bytes(4, "little", signed=True)
+    # sub $8,%rsp; call
+    assert tlsprobes.prologue_call(b"\x48\x83\xec\x08" + call) == 4 + 5 + 0x100
+    # endbr64; push %rbp; mov %rdi,%rbp; push %rbx; mov %rdx,%rbx; sub $8,%rsp; call
+    code = (b"\xf3\x0f\x1e\xfa\x55\x48\x89\xfd\x53\x48\x89\xd3\x48\x83\xec\x08"
+            + call)
+    assert tlsprobes.prologue_call(code) == 16 + 5 + 0x100
+    assert tlsprobes.prologue_call(b"\x41\x54" + call) == 2 + 5 + 0x100  # push %r12
+    # mov %rsp,%rcx (SSL_read's &readbytes) changes an argument: refused
+    assert tlsprobes.prologue_call(b"\x48\x89\xe1" + call) is None
+    # movslq %edx,%rdx: refused (not in the allowed set)
+    assert tlsprobes.prologue_call(b"\x48\x63\xd2" + call) is None
+    # mov %rdi,(%rsp): a store, not a register copy: refused
+    assert tlsprobes.prologue_call(b"\x48\x89\x3c\x24" + call) is None
+    # mov %fs:0x28,%rax (a stack protector): unknown, refused
+    assert tlsprobes.prologue_call(b"\x64\x48\x8b\x04\x25\x28\x00\x00\x00" + call) is None
+    assert tlsprobes.prologue_call(b"\x48\x83\xec\x08") is None  # no call at all
+
+
+def test_debian_openssl_wrappers_are_probed_at_their_internal_functions():
+    """Debian's SSL_read/SSL_read_ex, SSL_write/SSL_write_ex and BIO_write/BIO_write_ex
+    begin with `sub $n,%rsp` (single-stepped); each pair calls one internal function
+    that begins with `push` (emulated): that is where the probe goes, once for both."""
+    ssl_lib = tlsprobes.classify_libssl("/lib/x86_64-linux-gnu/libssl.so.3")
+    crypto, fwd = tlsprobes.forwarded_sites("/lib/x86_64-linux-gnu/libcrypto.so.3",
+                                            tlsprobes.CRYPTO_PROBES)
+    assert ssl_lib.forwarded == ["SSL_read/SSL_read_ex", "SSL_write/SSL_write_ex"]
+    assert fwd == ["BIO_write/BIO_write_ex"]
+    funcs = {}
+    from elftools.elf.elffile import ELFFile
+    for path in ("/lib/x86_64-linux-gnu/libssl.so.3", "/lib/x86_64-linux-gnu/libcrypto.so.3"):
+        with open(path, "rb") as f:
+            elf = ELFFile(f)
+            for name, (at, size) in tlsprobes._functions(elf).items():
+                funcs[name] = (path, at, tlsprobes._code(elf, f, at, size))
+    for site in [s for s in ssl_lib.sites if len(s.covers) == 2] + crypto:
+        for name in site.covers:
+            path, at, code = funcs[name]
+            assert tlsprobes._calls(code, at, site.vaddr), (name, hex(site.vaddr))
+            assert code[:3] == b"\x48\x83\xec" or code[:1] == b"\x55"
+        with open(funcs[site.covers[0]][0], "rb") as f:
+            elf = ELFFile(f)
+            first = tlsprobes._code(elf, f, site.vaddr, 2)
+        assert first[0] in range(0x50, 0x58) or (first[0] == 0x41 and first[1] in range(0x50, 0x58))
+        assert site.name.endswith(f"@{site.vaddr:#x}")

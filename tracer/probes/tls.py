@@ -11,6 +11,13 @@ without symbols (BoringSSL inside grpcio) is not probed: it is reported (a
 show up as TLS seen only as ciphertext (``tls_connections_unseen``). A wrong probe is
 worse than none.
 
+Where OpenSSL implements a pair of calls as thin wrappers of one internal function
+(``SSL_read`` and ``SSL_read_ex`` both call ``ssl_read_internal(s, buf, num, &n)``;
+``SSL_write``/``SSL_write_ex``; ``BIO_write``/``BIO_write_ex``), the probe goes on that
+internal function instead, when the bytes prove it (``forwarded_sites``): the exported
+functions begin with ``sub $n,%rsp``, which the kernel single-steps (~10 us a hit on the
+development VM), the internal ones with ``push``, which it emulates (~1-2 us).
+
 libssl is on nearly every host and used by nearly every process, so the probes are
 attached per traced process (uprobe_multi links limited to its pid): the kernel puts
 the breakpoints into that process's pages only, and other processes using the same
@@ -35,7 +42,8 @@ from elftools.elf.elffile import ELFFile
 from tracer.events import wire
 from tracer.events.tls import TlsLibrary
 from tracer.probes import procfs
-from tracer.probes.gpu import Probe, exported_functions
+from tracer.probes.entry import ENDBR64, entry_site, file_offset
+from tracer.probes.gpu import _VERSYM_HIDDEN, Probe, exported_functions
 from tracer.probes.uprobes import Attached, Site, Uprobes
 
 C = wire.CONSTANTS
@@ -85,6 +93,24 @@ COUNTER_NAMES: dict[int, str] = {
 }
 
 
+# (wrapper with the internal function's signature, the other wrapper): probed at the
+# internal function both call, when forwarded_sites() can prove it
+FORWARDED = (("SSL_read_ex", "SSL_read"), ("SSL_write_ex", "SSL_write"),
+             ("BIO_write_ex", "BIO_write"))
+
+
+@dataclass(frozen=True)
+class ProbeSite:
+    """Where one probed call's handlers go: ``vaddr`` in the file; ``covers`` the
+    exported functions whose calls pass there."""
+
+    vaddr: int
+    entry: str | None
+    ret: str | None
+    name: str
+    covers: tuple[str, ...]
+
+
 @dataclass
 class LibraryFile:
     """What one libssl file is (cached per file)."""
@@ -92,8 +118,9 @@ class LibraryFile:
     name: str  # "OpenSSL 3.0.19"
     status: str  # as TlsLibrary.status
     reason: str = ""
-    sites: dict[str, int] = field(default_factory=dict)  # symbol -> probe address
+    sites: list[ProbeSite] = field(default_factory=list)
     crypto_soname: str = ""  # the libcrypto it links (DT_NEEDED)
+    forwarded: list[str] = field(default_factory=list)  # pairs probed at their internal
 
 
 def _elf_dynamic(elf: ELFFile) -> tuple[str, list[str]]:
@@ -142,6 +169,120 @@ def openssl_version(path: str) -> str | None:
     return None
 
 
+_PUSH = range(0x50, 0x58)
+_ARGS = (7, 6, 2, 1)  # rdi, rsi, rdx, rcx: the argument registers the handlers read
+
+
+def prologue_call(code: bytes) -> int | None:
+    """The offset (from the function's start) of the function ``code`` calls first, if
+    every instruction before that call leaves the argument registers as they came:
+    ENDBR64, ``push``, ``sub $n,%rsp``, and register-to-register ``mov`` into a register
+    other than rdi, rsi, rdx, rcx. Anything else: None (nothing is guessed)."""
+    i = 0
+    while i < min(len(code), 48):
+        b = code[i]
+        if code[i:i + 4] == ENDBR64:
+            i += 4
+        elif b in _PUSH:
+            i += 1
+        elif b == 0x41 and i + 1 < len(code) and code[i + 1] in _PUSH:
+            i += 2
+        elif code[i:i + 3] == b"\x48\x83\xec":
+            i += 4
+        elif code[i:i + 3] == b"\x48\x81\xec":
+            i += 7
+        elif b in (0x48, 0x49, 0x4C, 0x4D) and code[i + 1:i + 2] == b"\x89" and i + 2 < len(code):
+            modrm = code[i + 2]
+            dest = (modrm & 7) | (8 if b & 1 else 0)  # REX.B extends the r/m register
+            if modrm >> 6 != 3 or dest in _ARGS:
+                return None
+            i += 3
+        elif b == 0xE8 and i + 5 <= len(code):
+            return i + 5 + int.from_bytes(code[i + 1:i + 5], "little", signed=True)
+        else:
+            return None
+    return None
+
+
+def _calls(code: bytes, start: int, target: int) -> bool:
+    """Whether ``code`` (a function at ``start``) has a ``call rel32`` to ``target``."""
+    i = code.find(b"\xe8")
+    while 0 <= i <= len(code) - 5:
+        if start + i + 5 + int.from_bytes(code[i + 1:i + 5], "little", signed=True) == target:
+            return True
+        i = code.find(b"\xe8", i + 1)
+    return False
+
+
+def _functions(elf: ELFFile) -> dict[str, tuple[int, int]]:
+    """Defined dynamic functions (default symbol versions) -> (address, size)."""
+    out: dict[str, tuple[int, int]] = {}
+    dynsym = elf.get_section_by_name(".dynsym")
+    if dynsym is None:
+        return out
+    versym = elf.get_section_by_name(".gnu.version")
+    for i, sym in enumerate(dynsym.iter_symbols()):
+        if sym["st_info"]["type"] != "STT_FUNC" or sym["st_shndx"] == "SHN_UNDEF":
+            continue
+        if versym is not None:
+            ndx = versym.get_symbol(i)["ndx"]
+            if isinstance(ndx, int) and ndx & _VERSYM_HIDDEN:
+                continue
+        out.setdefault(sym.name, (sym["st_value"], sym["st_size"]))
+    return out
+
+
+def _code(elf: ELFFile, stream: Any, vaddr: int, size: int) -> bytes:
+    off = file_offset(elf, vaddr)
+    if off is None:
+        return b""
+    stream.seek(off)
+    return stream.read(size)
+
+
+def forwarded_sites(path: str, probes: list[Probe]) -> tuple[list[ProbeSite], list[str]]:
+    """Where ``probes`` go in the ELF file at ``path``: each exported function at its
+    entry (past an ENDBR64), except a FORWARDED pair proved to be wrappers of one
+    internal function that starts with an emulated ``push``: then that function, once,
+    with the ``_ex`` wrapper's handlers (its signature). Proof: the ``_ex`` wrapper's
+    first call, before which no argument register is touched (``prologue_call``), goes
+    to that function, and the other wrapper calls it too. Returns the sites and the
+    pairs forwarded."""
+    by_name = {p.symbol: p for p in probes}
+    out: list[ProbeSite] = []
+    done: set[str] = set()
+    forwarded: list[str] = []
+    with open(path, "rb") as f:
+        elf = ELFFile(f)
+        funcs = _functions(elf)
+        for ex, plain in FORWARDED:
+            if ex not in by_name or plain not in by_name or ex not in funcs or plain not in funcs:
+                continue
+            (ex_at, ex_size), (plain_at, plain_size) = funcs[ex], funcs[plain]
+            rel = prologue_call(_code(elf, f, ex_at, min(ex_size, 48)))
+            if rel is None:
+                continue
+            target = ex_at + rel
+            head = _code(elf, f, target, 6)
+            site = target + 4 if head.startswith(ENDBR64) else target
+            first = head[site - target:]
+            if not first or not (first[0] in _PUSH or (first[0] == 0x41 and first[1:2]
+                                                         and first[1] in _PUSH)):
+                continue  # not emulated: no cheaper than the wrappers
+            if not _calls(_code(elf, f, plain_at, plain_size), plain_at, target):
+                continue
+            p = by_name[ex]
+            out.append(ProbeSite(site, p.entry, p.ret, f"{plain}+{ex}@{target:#x}", (plain, ex)))
+            done.update((ex, plain))
+            forwarded.append(f"{plain}/{ex}")
+        for p in probes:
+            if p.symbol in done or p.symbol not in funcs:
+                continue
+            out.append(ProbeSite(entry_site(elf, f, funcs[p.symbol][0]), p.entry, p.ret,
+                                 p.symbol, (p.symbol,)))
+    return out, forwarded
+
+
 def classify_libssl(path: str) -> LibraryFile:
     """Whether the libssl at ``path`` can be probed, and where."""
     try:
@@ -158,15 +299,15 @@ def classify_libssl(path: str) -> LibraryFile:
                            f"{label} defines no OpenSSL 1.1 or 3.x symbol versions "
                            f"({', '.join(versions[1:4]) or 'none'}): only those are probed")
     try:
-        sites = exported_functions(path, probe_sites=True)
+        sites, forwarded = forwarded_sites(path, SSL_PROBES)
     except (OSError, ELFError) as e:
         return LibraryFile(f"OpenSSL {family}", "error", f"cannot read its symbols: {e}")
-    missing = sorted(REQUIRED - set(sites))
+    missing = sorted(REQUIRED - {c for s in sites for c in s.covers})
     if missing:
         return LibraryFile(f"OpenSSL {family}", "unknown_version",
                            f"{label} lacks {', '.join(missing)}")
     crypto = next((n for n in needed if n.startswith("libcrypto")), "")
-    return LibraryFile(f"OpenSSL {family}", "probed", "", sites, crypto)
+    return LibraryFile(f"OpenSSL {family}", "probed", "", sites, crypto, forwarded)
 
 
 def static_tls(path: str) -> str | None:
@@ -194,7 +335,7 @@ class TlsProbes:
         self.errors: dict[str, str] = {}
         self._files: dict[tuple[int, int], LibraryFile] = {}  # (dev, inode) -> what it is
         self._static: dict[tuple[int, int], str | None] = {}
-        self._crypto: dict[tuple[int, int], dict[str, int]] = {}
+        self._crypto: dict[tuple[int, int], list[ProbeSite]] = {}
         self._seen: dict[int, set[str]] = {}  # pid -> mapped paths already looked at
         self.attached: dict[int, list[Attached]] = {}  # pid -> its links
         self.libraries: dict[tuple[int, str], TlsLibrary] = {}  # (pid, path) -> found
@@ -265,10 +406,11 @@ class TlsProbes:
         crypto = self._crypto_path(mapped, info.crypto_soname)
         version = openssl_version(f"/proc/{pid}/root{crypto}") if crypto else None
         name = f"OpenSSL {version}" if version else info.name
-        sites = [Site(opened, addr, p.entry, False, p.symbol, pid)
-                 for p in SSL_PROBES if p.entry and (addr := info.sites.get(p.symbol))]
-        sites += [Site(opened, addr, p.ret, True, p.symbol, pid)
-                  for p in SSL_PROBES if p.ret and (addr := info.sites.get(p.symbol))]
+        covers = {ps.name: ps.covers for ps in info.sites}
+        sites = [Site(opened, ps.vaddr, ps.entry, False, ps.name, pid)
+                 for ps in info.sites if ps.entry]
+        sites += [Site(opened, ps.vaddr, ps.ret, True, ps.name, pid)
+                  for ps in info.sites if ps.ret]
         reason = ""
         if crypto:
             sites += self._crypto_sites(pid, crypto)
@@ -280,7 +422,8 @@ class TlsProbes:
         failed = len(sites) - len(got)
         if failed:
             reason = (reason + "; " if reason else "") + f"{failed} of {len(sites)} probes not attached"
-        status = "probed" if any(s.name in REQUIRED for s in got.sites) else "error"
+        seen = {c for s in got.sites for c in covers.get(s.name, ())}
+        status = "probed" if REQUIRED <= seen else "error"
         if status == "probed":
             self._mark(pid)
         return self._found(pid, path, name, status, reason, crypto)
@@ -308,15 +451,12 @@ class TlsProbes:
             return []
         if key not in self._crypto:
             try:
-                funcs = exported_functions(opened, probe_sites=True)
+                self._crypto[key] = forwarded_sites(opened, CRYPTO_PROBES)[0]
             except (OSError, ELFError) as e:
                 self.errors[opened] = f"cannot read its symbols: {e}"
-                funcs = {}
-            self._crypto[key] = {p.symbol: funcs[p.symbol] for p in CRYPTO_PROBES
-                                 if p.symbol in funcs}
-        addrs = self._crypto[key]
-        return [Site(opened, addrs[p.symbol], p.entry or "", False, p.symbol, pid)
-                for p in CRYPTO_PROBES if p.symbol in addrs]
+                self._crypto[key] = []
+        return [Site(opened, ps.vaddr, ps.entry, False, ps.name, pid)
+                for ps in self._crypto[key] if ps.entry]
 
     def forget(self, pid: int) -> None:
         """``pid`` exited: drop its links (on a thread: each close waits a grace period)."""
