@@ -13,24 +13,27 @@
  *   - a memory BIO (Python's ssl.SSLObject under asyncio and uvloop, gRPC's BIO pairs):
  *     there is no fd and the SSL calls make no syscall. The event loop reads ciphertext
  *     from the socket and feeds it to the read BIO (BIO_write) on the same thread, and
- *     sends what the SSL object wrote to its write BIO. So: SSL_set_bio names the
- *     object's read BIO, and a BIO_write to it outside SSL calls of exactly the bytes the
- *     thread's last socket read returned (length and first TT_TLS_HEAD bytes equal) ties
- *     the object to that socket; and the first TT_TLS_HEAD bytes of each record an
- *     unbound object writes to its BIO (5-byte record header, then the hello's random
- *     or the ciphertext) are remembered, and the socket whose next send starts with them
- *     is its socket. Both handshake directions read and write before any application
- *     data, so a new connection is tied before its first request; one opened before
- *     attach (its SSL_set_bio unseen), at its first write: the request read before that
- *     is counted, not sent.
+ *     sends what the SSL object wrote to its write BIO. So: a BIO_write outside SSL calls
+ *     of exactly the bytes the thread's last socket read returned (length and first
+ *     TT_TLS_HEAD bytes equal) ties that BIO to the socket, and the object reading from
+ *     it is tied too: named by SSL_set_bio, or seen calling BIO_read on it inside an SSL
+ *     call (where BIO_read is probed: only where its probe is cheap, tracer/probes/tls.py);
+ *     and the first TT_TLS_HEAD bytes of each record an unbound object writes to its BIO
+ *     (5-byte record header, then the hello's random or the ciphertext) are remembered,
+ *     and the socket whose next send starts with them is its socket. Both handshake
+ *     directions read and write before any application data, so a new connection is
+ *     tied before its first request; one opened before attach (its SSL_set_bio unseen),
+ *     at its first read (BIO_read probed) or else its first write: the request read
+ *     before that is counted, not sent.
  * Every match compares bytes, never guesses by time; an SSL object never tied to a
  * socket moves plaintext that is counted (tls_counters), not sent.
  *
  * Cost: a uprobe on an instruction the kernel cannot emulate (`sub $n,%rsp`, the first
  * instruction of most of these functions in Debian's build) is single-stepped, ~10 us a
- * hit on the development VM. BIO_read is therefore not probed (OpenSSL calls it twice
- * per record read); BIO_write is, once per record written and once per socket read a
- * memory BIO is fed (bench/tls.py, docs/tls.md).
+ * hit on the development VM; tracer/probes/tls.py puts the probes on the internal
+ * functions the exported ones wrap where that is provable (they begin with `push`,
+ * emulated: ~2 us), and probes BIO_read (twice per record read) only there
+ * (bench/tls.py, docs/tls.md).
  *
  * The ciphertext syscalls of a socket whose SSL object completed its handshake are
  * still recorded (stream offsets and times: socket-level timing), without payload
@@ -69,6 +72,15 @@ BPF_TABLE("lru_hash", struct tls_key, struct tls_ssl, tls_ssls, 65536);
 
 /* (tgid, BIO*) -> the SSL object that reads from it (SSL_set_bio) */
 BPF_TABLE("lru_hash", struct tls_key, u64, tls_rbios, 65536);
+
+/* (tgid, BIO*) -> the socket whose bytes it was fed, for a BIO no SSL_set_bio named (an
+ * object set up before attach): its object is found by its BIO_read */
+struct tls_bio {
+    u64 conn_id;
+    s32 fd;
+    u32 pad;
+};
+BPF_TABLE("lru_hash", struct tls_key, struct tls_bio, tls_bios, 65536);
 
 /* (tgid << 32 | fd) -> the SSL object of that socket; ciphertext goes without payload
  * once it is established */
@@ -475,11 +487,7 @@ int tt_tls_bio_write(struct pt_regs *ctx)
         return 0;
     struct tls_key bk = {.tgid = tgid, .ptr = bio};
     u64 *owner = tls_rbios.lookup(&bk);
-    if (!owner) {
-        tls_last_in.delete(&id);
-        return 0; /* not the read BIO of an object seen from its setup */
-    }
-    u64 ssl = *owner;
+    u64 ssl = owner ? *owner : 0;
     if (in->len != (u32)len) {
         tls_last_in.delete(&id);
         return 0;
@@ -496,6 +504,13 @@ int tt_tls_bio_write(struct pt_regs *ctx)
     tls_last_in.delete(&id);
     if (a0 != b0 || a1 != b1)
         return 0;
+    if (!ssl) {
+        /* a read BIO of an object set up before attach: its BIO_read will say whose */
+        struct tls_bio b = {.conn_id = got.conn_id, .fd = got.fd};
+        if (tls_bios.update(&bk, &b) != 0)
+            tls_count(TT_TLS_CNT_STATE_FULL, 1);
+        return 0;
+    }
     struct tls_key k = {.tgid = tgid, .ptr = ssl};
     struct tls_ssl *s = tls_ssls.lookup(&k);
     if (!s || s->conn_id)
@@ -504,6 +519,31 @@ int tt_tls_bio_write(struct pt_regs *ctx)
     struct conn_state *st = conns.lookup(&key);
     if (st && st->conn_id == got.conn_id)
         tls_bind(id, ssl, s, got.fd, got.conn_id, TT_TLS_VIA_BIO_IN);
+    return 0;
+}
+
+/* BIO_read(bio, ...) / BIO_read_ex(bio, ...) inside an SSL call: ``bio`` is that
+ * object's read BIO; if its socket is known, so is the object's. */
+int tt_tls_bio_read(struct pt_regs *ctx)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    struct tls_call *c = tls_calls.lookup(&id);
+    if (!c)
+        return 0;
+    struct tls_key k = {.tgid = tgid, .ptr = c->ssl};
+    struct tls_ssl *s = tls_ssls.lookup(&k);
+    if (!s || s->conn_id)
+        return 0;
+    struct tls_key bk = {.tgid = tgid, .ptr = PT_REGS_PARM1(ctx)};
+    struct tls_bio *b = tls_bios.lookup(&bk);
+    if (!b)
+        return 0;
+    u64 key = conn_key(tgid, b->fd);
+    struct conn_state *st = conns.lookup(&key);
+    if (!st || st->conn_id != b->conn_id)
+        return 0; /* that socket closed since */
+    tls_bind(id, c->ssl, s, b->fd, b->conn_id, TT_TLS_VIA_BIO_IN);
     return 0;
 }
 

@@ -494,14 +494,15 @@ def test_prologue_call_accepts_only_what_leaves_the_arguments_alone():
 
 
 def test_debian_openssl_wrappers_are_probed_at_their_internal_functions():
-    """Debian's SSL_read/SSL_read_ex, SSL_write/SSL_write_ex and BIO_write/BIO_write_ex
-    begin with `sub $n,%rsp` (single-stepped); each pair calls one internal function
-    that begins with `push` (emulated): that is where the probe goes, once for both."""
+    """Debian's SSL_read/SSL_read_ex, SSL_write/SSL_write_ex, BIO_write/BIO_write_ex
+    and BIO_read/BIO_read_ex begin with `sub $n,%rsp` (single-stepped); each pair calls
+    one internal function that begins with `push` (emulated): that is where the probe
+    goes, once for both."""
     ssl_lib = tlsprobes.classify_libssl("/lib/x86_64-linux-gnu/libssl.so.3")
     crypto, fwd = tlsprobes.forwarded_sites("/lib/x86_64-linux-gnu/libcrypto.so.3",
                                             tlsprobes.CRYPTO_PROBES)
     assert ssl_lib.forwarded == ["SSL_read/SSL_read_ex", "SSL_write/SSL_write_ex"]
-    assert fwd == ["BIO_write/BIO_write_ex"]
+    assert fwd == ["BIO_write/BIO_write_ex", "BIO_read/BIO_read_ex"]
     funcs = {}
     from elftools.elf.elffile import ELFFile
     for path in ("/lib/x86_64-linux-gnu/libssl.so.3", "/lib/x86_64-linux-gnu/libcrypto.so.3"):
@@ -519,3 +520,18 @@ def test_debian_openssl_wrappers_are_probed_at_their_internal_functions():
             first = tlsprobes._code(elf, f, site.vaddr, 2)
         assert first[0] in range(0x50, 0x58) or (first[0] == 0x41 and first[1] in range(0x50, 0x58))
         assert site.name.endswith(f"@{site.vaddr:#x}")
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc builds the stand-in libraries")
+def test_bio_read_is_probed_only_where_cheap(tmp_path):
+    """A libcrypto whose BIO_read is no provable wrapper: BIO_write is probed at its
+    entry, BIO_read (twice per record read, single-stepped there) not at all."""
+    (tmp_path / "c.c").write_text(
+        "int BIO_read(void *b, void *d, int n) { return n > 0 ? -1 : 0; }\n"
+        "int BIO_read_ex(void *b, void *d, unsigned long n, unsigned long *r) { return 0; }\n"
+        "int BIO_write(void *b, const void *d, int n) { return n; }\n")
+    lib = tmp_path / "libcrypto.so.3"
+    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", str(lib), str(tmp_path / "c.c")],
+                   check=True)
+    sites, fwd = tlsprobes.forwarded_sites(str(lib), tlsprobes.CRYPTO_PROBES)
+    assert fwd == [] and [s.covers for s in sites] == [("BIO_write",)]

@@ -67,12 +67,16 @@ SSL_PROBES: list[Probe] = [
 REQUIRED = frozenset({"SSL_read", "SSL_write", "SSL_do_handshake", "SSL_free"})
 
 # libcrypto: BIO_write, which OpenSSL's record layer calls for each record it writes
-# (1.1 and 3.x alike) and Python's ssl.MemoryBIO calls to feed a read BIO. BIO_read is
-# not probed: a single-stepped uprobe costs ~10 us and OpenSSL reads each record twice.
+# (1.1 and 3.x alike) and Python's ssl.MemoryBIO calls to feed a read BIO; BIO_read,
+# which it calls twice per record read: only where probed cheaply (CHEAP_ONLY), for
+# objects set up before attach on memory BIOs.
 CRYPTO_PROBES: list[Probe] = [
     Probe("BIO_write", "tt_tls_bio_write"),
     Probe("BIO_write_ex", "tt_tls_bio_write"),
+    Probe("BIO_read", "tt_tls_bio_read"),
+    Probe("BIO_read_ex", "tt_tls_bio_read"),
 ]
+CHEAP_ONLY = frozenset({"BIO_read", "BIO_read_ex"})
 
 LIBSSL = re.compile(r"/libssl(?:-[0-9a-f]{8})?\.so(?:\.[0-9][0-9a-z.]*)?$")
 LIBCRYPTO = re.compile(r"/libcrypto(?:-[0-9a-f]{8})?\.so(?:\.[0-9][0-9a-z.]*)?$")
@@ -96,7 +100,7 @@ COUNTER_NAMES: dict[int, str] = {
 # (wrapper with the internal function's signature, the other wrapper): probed at the
 # internal function both call, when forwarded_sites() can prove it
 FORWARDED = (("SSL_read_ex", "SSL_read"), ("SSL_write_ex", "SSL_write"),
-             ("BIO_write_ex", "BIO_write"))
+             ("BIO_write_ex", "BIO_write"), ("BIO_read_ex", "BIO_read"))
 
 
 @dataclass(frozen=True)
@@ -244,7 +248,8 @@ def forwarded_sites(path: str, probes: list[Probe]) -> tuple[list[ProbeSite], li
     """Where ``probes`` go in the ELF file at ``path``: each exported function at its
     entry (past an ENDBR64), except a FORWARDED pair proved to be wrappers of one
     internal function that starts with an emulated ``push``: then that function, once,
-    with the ``_ex`` wrapper's handlers (its signature). Proof: the ``_ex`` wrapper's
+    with the ``_ex`` wrapper's handlers (its signature). CHEAP_ONLY functions are
+    probed that way or not at all. Proof: the ``_ex`` wrapper's
     first call, before which no argument register is touched (``prologue_call``), goes
     to that function, and the other wrapper calls it too. Returns the sites and the
     pairs forwarded."""
@@ -276,7 +281,7 @@ def forwarded_sites(path: str, probes: list[Probe]) -> tuple[list[ProbeSite], li
             done.update((ex, plain))
             forwarded.append(f"{plain}/{ex}")
         for p in probes:
-            if p.symbol in done or p.symbol not in funcs:
+            if p.symbol in done or p.symbol not in funcs or p.symbol in CHEAP_ONLY:
                 continue
             out.append(ProbeSite(entry_site(elf, f, funcs[p.symbol][0]), p.entry, p.ret,
                                  p.symbol, (p.symbol,)))
