@@ -20,8 +20,8 @@ the traced process: this is what the TLS probes cost the service), the tracer's 
 and, traced with TLS, the SSL calls seen and whether every request became a span. On a
 2-vCPU VM the tracer's own CPU competes with the server, so requests/s fall by more
 than the probes cost; `--tls off` reads nothing (ciphertext is only counted), so the
-tracer does less work there than with the plaintext to parse and export. Writes bench/results/tls.json (or --out) and
-prints a table. Needs root.
+tracer does less work there than with the plaintext to parse and export. Writes
+bench/results/tls.json (or --out) and prints a table. Needs root.
 
     .venv/bin/python bench/tls.py [--rounds 3] [--seconds 6] [--concurrency 8]
         [--servers stdlib,openai]

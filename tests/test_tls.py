@@ -375,7 +375,8 @@ def test_capture_masks_grpc_metadata_inside_tls(cert, tmp_path, seed):
             c.tls("bind")
     c.tls("established")
     for from_client, data in w.chunks:
-        cuts = sorted(rng.sample(range(1, len(data)), min(3, len(data) - 1))) if rng and len(data) > 4 else []
+        cuts = (sorted(rng.sample(range(1, len(data)), min(3, len(data) - 1)))
+                if rng and len(data) > 4 else [])
         for a, b in zip([0] + cuts, cuts + [len(data)]):
             c.plain(data[a:b], from_client)
             c.cipher(b - a + 22, from_client)

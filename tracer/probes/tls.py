@@ -426,7 +426,8 @@ class TlsProbes:
         self.attached.setdefault(pid, []).append(got)
         failed = len(sites) - len(got)
         if failed:
-            reason = (reason + "; " if reason else "") + f"{failed} of {len(sites)} probes not attached"
+            reason = ((reason + "; " if reason else "")
+                      + f"{failed} of {len(sites)} probes not attached")
         seen = {c for s in got.sites for c in covers.get(s.name, ())}
         status = "probed" if REQUIRED <= seen else "error"
         if status == "probed":
