@@ -2,12 +2,14 @@
 analysis path of `run` and `replay`) on one CPU, as fast as it goes.
 
     python bench/agent_throughput.py [CAPTURE ...] [--rounds 3] [--cpu 0]
-        [--out bench/results/agent_throughput.json]
+        [--against REF] [--out bench/results/agent_throughput.json]
 
 Per capture: records, requests exported, and the best of ``--rounds`` runs in records/s
 and requests/s (the decoding of the file is not timed: items are read first). Default
 captures: the committed H100 HF serve runs (continuous batching at concurrency 32, and
 the one the attribution issue was filed with) and the HTTP/1 OpenAI sample.
+``--against REF`` replays the same captures with that commit's code as well (``git
+archive`` into a temporary directory, its own copy of this script), in the same run.
 """
 
 from __future__ import annotations
@@ -53,17 +55,41 @@ def measure(path: Path, rounds: int) -> dict[str, Any]:
             "records_per_request": round(len(items) / requests, 1) if requests else None}
 
 
+def against(args: argparse.Namespace) -> dict[str, Any]:
+    """The same captures replayed by ``args.against``'s own code and script."""
+    import subprocess
+    import tempfile
+
+    sha = subprocess.run(["git", "rev-parse", args.against], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout.strip()
+    with tempfile.TemporaryDirectory() as tmp:
+        tar = subprocess.run(["git", "archive", sha], cwd=ROOT, capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", tmp], input=tar.stdout, check=True)
+        out = Path(tmp, "result.json")
+        subprocess.run([sys.executable, str(Path(tmp, "bench/agent_throughput.py")),
+                        *map(str, args.captures), "--rounds", str(args.rounds), "--cpu",
+                        str(args.cpu), "--out", str(out)], cwd=tmp, check=True,
+                       capture_output=True)
+        doc = json.loads(out.read_text())
+    return {"commit": sha, "results": doc["results"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("captures", nargs="*", type=Path, default=DEFAULT)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cpu", type=int, default=0, help="the CPU to run on")
+    ap.add_argument("--against", help="also replay with this commit's code")
     ap.add_argument("--out", default=str(ROOT / "bench/results/agent_throughput.json"))
     args = ap.parse_args(argv)
     os.sched_setaffinity(0, {args.cpu})
     results = [measure(p, args.rounds) for p in args.captures]
-    out = {"cpu": args.cpu, "rounds": args.rounds, "python": sys.version.split()[0],
-           "results": results}
+    out: dict[str, Any] = {"cpu": args.cpu, "rounds": args.rounds,
+                           "python": sys.version.split()[0], "results": results}
+    if args.against:
+        out["against"] = against(args)
+        for now, before in zip(results, out["against"]["results"]):
+            now["speedup"] = round(before["cpu_s"] / now["cpu_s"], 2)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out, indent=1))

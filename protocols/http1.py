@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import httptools
 
@@ -51,9 +52,9 @@ class Response:
     headers: Headers
 
 
-@dataclass(frozen=True, slots=True)
-class Data:
-    """Body bytes (de-chunked) of the request (``from_client``) or response."""
+class Data(NamedTuple):
+    """Body bytes (de-chunked) of the request (``from_client``) or response. (A named
+    tuple: one per streamed chunk, built faster than a frozen dataclass.)"""
 
     exchange: int
     ts: int
@@ -107,6 +108,7 @@ METHODS = (b"GET", b"POST", b"PUT", b"DELETE", b"PATCH", b"HEAD", b"OPTIONS", b"
            b"CONNECT")
 REQUEST_LINE = re.compile(rb"(?:" + b"|".join(METHODS) + rb") [!-~]+ HTTP/1\.[01]\r?\n")
 STATUS_LINE = re.compile(rb"HTTP/1\.[01] [1-5][0-9][0-9][^\r\n]*\r?\n")
+CHUNK_SIZE_LINE = re.compile(rb"([0-9a-fA-F]{1,8})\r\n")  # no extensions: the common form
 HUNT_KEEP = 8192  # bytes kept while hunting, so a start line split over reads is found
 BARRIER = -2  # a hole in the request stream, in the pairing queue
 MAX_HEAD = 64 * 1024  # start line and headers of one message (about: checked per read)
@@ -157,6 +159,10 @@ class _Direction:
         self.ts = 0
         self.out: list[Event] = []
         self.parser = self._new_parser()
+        # the parser stands at the start of a chunk-size line of a chunked body: the
+        # last callback was the head or a chunk's end, and no byte came after it
+        self.at_chunk_start = False
+        self._last_cb = ""
 
     def _new_parser(self) -> httptools.HttpRequestParser | httptools.HttpResponseParser:
         cls = httptools.HttpRequestParser if self.from_client else httptools.HttpResponseParser
@@ -190,7 +196,14 @@ class _Direction:
         elif n == "transfer-encoding" and "chunked" in v.lower():
             self.msg.chunked = True
 
+    def on_chunk_header(self) -> None:
+        self._last_cb = "size"
+
+    def on_chunk_complete(self) -> None:
+        self._last_cb = "chunk"
+
     def on_headers_complete(self) -> None:
+        self._last_cb = "head"
         m = self.msg
         if m is None:
             return
@@ -213,6 +226,7 @@ class _Direction:
         m.in_body = True
 
     def on_body(self, body: bytes) -> None:
+        self._last_cb = "body"
         m = self.msg
         if m is None or m.exchange < 0:
             return
@@ -234,6 +248,9 @@ class _Direction:
         self.ts = ts
         if self.upgraded or not data:
             return
+        if self.at_chunk_start and self._whole_chunk(data):
+            return
+        self.at_chunk_start = False
         if self.hunting:
             data = self._hunt(data)
             if not data:
@@ -246,6 +263,7 @@ class _Direction:
             data = self._feed_head_response(data)
             if not data:
                 return
+        self._last_cb = ""
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as up:
@@ -255,6 +273,14 @@ class _Direction:
             self._broken(f"malformed HTTP/1 {'request' if self.from_client else 'response'}: {e}")
             return
         m = self.msg
+        # A complete size line always makes a callback, and a partial one cannot end in
+        # CRLF: so a feed whose last callback ended the head or a chunk, and that ends
+        # in CRLF, left the parser where the next chunk's size line starts.
+        self.at_chunk_start = (m is not None and m.chunked and m.in_body and m.exchange >= 0
+                               and (self._last_cb == "chunk" or (self._last_cb == "head"
+                                                                 and m.body_seen == 0))
+                               and data.endswith(b"\r\n") and not self.hunting
+                               and self.body_left is None)
         if m is not None and not m.in_body:
             # llhttp keeps a header line until it ends, and we keep every header: a
             # peer that never ends its head must not grow either without bound
@@ -263,6 +289,33 @@ class _Direction:
                 self.conn.stats["http1_head_over_budget"] += 1
                 self._broken(f"{'request' if self.from_client else 'response'} head over "
                              f"{MAX_HEAD} bytes")
+
+    def _whole_chunk(self, data: bytes) -> bool:
+        """``data`` is exactly one whole chunk and the parser stands where it starts:
+        its Data event, without the parser (see ``take_chunk``)."""
+        body = self.take_chunk(data, self.ts)
+        if body is None:
+            return False
+        self.out.append(Data(self.msg.exchange, self.ts, body, self.from_client))  # type: ignore[union-attr]
+        return True
+
+    def take_chunk(self, data: bytes, ts: int) -> bytes | None:
+        """If the parser stands at the start of a chunk of a chunked body and ``data``
+        is exactly one whole chunk (size line without extensions, data, CRLF): take it
+        as llhttp would (which would end where it began, at the next size line) and
+        return its data, for the body of ``msg.exchange``; else None, nothing taken."""
+        if not self.at_chunk_start:
+            return None
+        m = CHUNK_SIZE_LINE.match(data)
+        if m is None:
+            return None
+        start = m.end()
+        size = int(m.group(1), 16)
+        if size == 0 or len(data) != start + size + 2 or not data.endswith(b"\r\n"):
+            return None
+        self.ts = ts
+        self.msg.body_seen += size  # type: ignore[union-attr]
+        return data[start:start + size]
 
     def _body_by_hand(self, data: bytes) -> bytes:
         """After a capture gap inside a body of known length: pass on the body's bytes,
@@ -365,6 +418,7 @@ class _Direction:
     def lost(self, nbytes: int, ts: int) -> None:
         """``nbytes`` of this direction were never captured."""
         self.ts = ts
+        self.at_chunk_start = False
         if self.upgraded or self.hunting:
             return
         m = self.msg
@@ -389,6 +443,7 @@ class _Direction:
     def close(self, ts: int) -> None:
         """The connection ended: a body delimited by close is now complete."""
         self.ts = ts
+        self.at_chunk_start = False
         m = self.msg
         if m is None or self.upgraded:
             return
@@ -423,6 +478,10 @@ class HTTP1Connection:
     def buffered(self) -> int:
         """Bytes held outside the parser: start lines being hunted, HEAD heads."""
         return sum(len(d.hunt_buf) + len(d.head_buf) for d in (self._client, self._server))
+
+    def direction(self, from_client: bool) -> _Direction:
+        """The parser state of one peer's bytes."""
+        return self._client if from_client else self._server
 
     def receive(self, data: bytes, ts: int, from_client: bool) -> list[Event]:
         """Bytes one peer sent, captured at ``ts``; returns the events they complete."""

@@ -22,6 +22,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from protocols import sse as sse_mod
 from protocols.sse import SSEParser
 
 MAX_BODY = 8 * 1024 * 1024  # request/response JSON kept for parsing, per message
@@ -274,6 +275,84 @@ def _choice_text(operation: str, choice: dict[str, Any], streamed: bool) -> str:
     return "".join(p for p in parts if isinstance(p, str))
 
 
+# A JSON string literal as Python's json module reads it (strict: no raw control
+# characters; \\u escapes with any four hex digits, lone surrogates included).
+_JSON_STRING = re.compile(r'"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*"')
+_TEXT_KEYS = {"chat": '"content"', "text_completion": '"text"'}
+MAX_TEMPLATE_TRIES = 4  # chunks a response may spend on templates that did not fit
+
+
+class ChunkTemplate:
+    """A stream's token chunks, minus their text: ``prefix`` + a JSON string + ``suffix``.
+
+    LLM servers write every token of a stream as the same JSON document with a
+    different text (``choices[0].delta.content``, or ``choices[0].text`` for
+    completions): same id, model, created time. Such a chunk is read here by comparing
+    the text's surroundings with a chunk already parsed, and checking that what sits
+    between them is one JSON string; json.loads of the whole chunk would give the same
+    document with that string as its text, so the chunk counts exactly as a parsed one
+    would (a token when the string is not empty). Built only from a chunk whose every
+    other part is inert (one choice, no finish reason, no usage, no error, no other
+    text-carrying field), and proven on it: the document with another string spliced in
+    must parse to the same document with that text."""
+
+    __slots__ = ("prefix", "suffix", "min_len")
+
+    def __init__(self, prefix: str, suffix: str) -> None:
+        self.prefix = prefix
+        self.suffix = suffix
+        self.min_len = len(prefix) + len(suffix) + 2
+
+    def text_of(self, data: str) -> str | None:
+        """The JSON string literal that ``data`` carries as its text, or None if
+        ``data`` is not this template's document."""
+        if (len(data) < self.min_len or not data.startswith(self.prefix)
+                or not data.endswith(self.suffix)):
+            return None
+        lit = data[len(self.prefix):len(data) - len(self.suffix)]
+        return lit if _JSON_STRING.fullmatch(lit) else None
+
+    @classmethod
+    def build(cls, operation: str, data: str, doc: dict[str, Any]) -> "ChunkTemplate | None":
+        """The template of chunk ``data`` (parsed: ``doc``), or None if it cannot be one."""
+        key = _TEXT_KEYS.get(operation)
+        if key is None or doc.get("usage") is not None or doc.get("error") is not None:
+            return None
+        choices = doc.get("choices")
+        if not (isinstance(choices, list) and len(choices) == 1
+                and isinstance(choices[0], dict) and choices[0].get("finish_reason") is None):
+            return None
+        holder = choices[0].get("delta") if operation == "chat" else choices[0]
+        if not isinstance(holder, dict) or not isinstance(holder.get(key[1:-1]), str):
+            return None
+        if operation == "chat" and _has_text_delta({**holder, "content": ""}):
+            return None  # text-carrying parts besides the content
+        at = data.find(key)
+        if at < 0 or data.find(key, at + 1) >= 0:
+            return None  # not exactly one place the text can be
+        colon = at + len(key)
+        while colon < len(data) and data[colon] in " \t\r\n":
+            colon += 1
+        if colon >= len(data) or data[colon] != ":":
+            return None
+        start = colon + 1
+        while start < len(data) and data[start] in " \t\r\n":
+            start += 1
+        m = _JSON_STRING.match(data, start)
+        if m is None:
+            return None
+        tmpl = cls(data[:start], data[m.end():])
+        probe = '"\\u0078y"'  # "xy": any other string would do
+        try:
+            spliced = loads(tmpl.prefix + probe + tmpl.suffix)
+        except ValueError:
+            return None
+        expected = json.loads(json.dumps(doc))  # a copy to splice into
+        target = expected["choices"][0]
+        (target["delta"] if operation == "chat" else target)[key[1:-1]] = "xy"
+        return tmpl if spliced == expected else None
+
+
 class ResponseFollower:
     """Follows one response body of an OpenAI-style endpoint."""
 
@@ -289,6 +368,8 @@ class ResponseFollower:
         self._texts: list[str] = []
         self._decomp: Any = None
         self._inflated = 0
+        self._template: ChunkTemplate | None = None
+        self._template_tries = 0
 
     @property
     def buffered(self) -> int:
@@ -328,6 +409,31 @@ class ResponseFollower:
             if self._decomp.eof:
                 return
 
+    def sse_write(self, ts: int, chunk: bytes) -> bool:
+        """The common case of ``data``, in one step: a streamed response's write that is
+        one whole SSE event (``SSEParser._one_data_event``) carrying a token chunk like
+        the last one parsed (``ChunkTemplate``), between events. True: taken, with the
+        same effects as ``data``; False: nothing done, call ``data``."""
+        sse = self._sse
+        t = self._template
+        if (t is None or sse is None or self._decomp is not None or sse._buf or sse._data
+                or sse._pending_cr or sse._dropping or not chunk.endswith(b"\n\n")
+                or not chunk.startswith(b"data: ")):
+            return False
+        line = chunk[6:-2]
+        if b"\n" in line or b"\r" in line or len(chunk) - 2 > sse_mod.MAX_PENDING:
+            return False
+        lit = t.text_of(line.decode("utf-8", "replace"))
+        if lit is None:
+            return False
+        sse._event = ""  # what ending the event does
+        r = self.r
+        r.chunks += 1
+        if lit != '""':
+            r.text_chunks += 1
+            r.token_at(ts)
+        return True
+
     def _plain(self, ts: int, chunk: bytes) -> None:
         if not chunk:
             return
@@ -342,6 +448,16 @@ class ResponseFollower:
             self.r.body_truncated = True
 
     def _sse_event(self, ts: int, data: str) -> None:
+        t = self._template
+        if t is not None:
+            lit = t.text_of(data)
+            if lit is not None:  # a token chunk like the last one parsed (ChunkTemplate)
+                r = self.r
+                r.chunks += 1
+                if lit != '""':
+                    r.text_chunks += 1
+                    r.token_at(ts)
+                return
         if data.strip() == "[DONE]":
             self.r.done_marker = True
             return
@@ -355,6 +471,12 @@ class ResponseFollower:
             return
         if not isinstance(doc, dict):
             return
+        if not self.keep_text and self._template_tries < MAX_TEMPLATE_TRIES:
+            self._template_tries += 1
+            t = ChunkTemplate.build(self.operation, data, doc)
+            if t is not None:
+                self._template = t
+                self._template_tries = 0
         self._common(doc)
         carried = 0
         choices = doc.get("choices")

@@ -7,15 +7,16 @@ CR, and an event or even a line may be split across any number of writes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 # An event (its unfinished line plus the data lines held until the blank line that ends
 # it) larger than this is dropped, not buffered; LLM stream events are a few hundred bytes.
 MAX_PENDING = 1024 * 1024
 
 
-@dataclass(frozen=True, slots=True)
-class ServerSentEvent:
+class ServerSentEvent(NamedTuple):
+    """One event: ``data`` is its data lines joined by newlines."""
+
     ts: int
     data: str
     event: str = ""
@@ -41,6 +42,10 @@ class SSEParser:
         return len(self._buf) + self._held
 
     def feed(self, chunk: bytes, ts: int) -> list[ServerSentEvent]:
+        if not (self._buf or self._data or self._pending_cr or self._dropping):
+            ev = self._one_data_event(chunk, ts)
+            if ev is not None:
+                return [ev]
         if self._pending_cr and chunk.startswith(b"\n"):
             chunk = chunk[1:]  # the LF of a CRLF split across writes
         self._pending_cr = False
@@ -70,6 +75,25 @@ class SSEParser:
             buf.clear()
             self._drop()
         return out
+
+    def _one_data_event(self, chunk: bytes, ts: int) -> ServerSentEvent | None:
+        """The event of ``chunk`` when it is exactly one ``data:`` line and the blank
+        line that ends it (how LLM servers write each token), taken without the line
+        loop: the same event the loop would give (None: not that shape). Only called
+        between events: nothing buffered, no data line held."""
+        if chunk.endswith(b"\n\n"):
+            line = chunk[:-2]
+        elif chunk.endswith(b"\r\n\r\n"):
+            line = chunk[:-4]
+        else:
+            return None
+        if (not line.startswith(b"data:") or b"\n" in line or b"\r" in line
+                or len(line) > MAX_PENDING):
+            return None
+        value = line[6:] if line[5:6] == b" " else line[5:]
+        ev = ServerSentEvent(ts, value.decode("utf-8", "replace"), self._event, self._id)
+        self._event = ""
+        return ev
 
     def _drop(self) -> None:
         self._data.clear()

@@ -78,6 +78,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--single", action="store_true",
                    help="one request at a time (HTTPServer), else a thread per connection")
     p.add_argument("--prefill-ms", type=float, default=0.0)
@@ -89,7 +90,7 @@ def main() -> None:
     Handler.token_s = args.token_ms / 1000
     cls = http.server.HTTPServer if args.single else http.server.ThreadingHTTPServer
     cls.request_queue_size = 64
-    with cls(("127.0.0.1", args.port), Handler) as srv:
+    with cls((args.host, args.port), Handler) as srv:
         if args.ssl_certfile:
             import ssl
             ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)

@@ -239,6 +239,7 @@ class CLIRun:
         self.jsonl = jsonl
         self.stderr = ""
         self.returncode: int | None = None
+        self.pid = 0  # the tokentrace process
 
     @property
     def spans(self) -> list[dict[str, Any]]:
@@ -258,6 +259,7 @@ def traced_cli(args: list[str], jsonl: str, timeout: float = 60.0) -> Iterator[C
     proc = subprocess.Popen([sys.executable, "-m", "tracer", "run", *args, "--jsonl", jsonl,
                              "--quiet", "--sched-idle"], stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
+    run.pid = proc.pid
     lines = []
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -183,6 +183,23 @@ def test_counts_for_a_burst_that_never_came_are_dropped_and_counted():
     assert book.stats["stack_counts_without_burst"] == 2
 
 
+def test_launches_past_full_slots_are_split_like_the_kernels_the_slots_do_not_hold():
+    """A burst with its 16 kernel slots full counts further launches without a handle. If
+    none was sampled in that step, they are split like the process's earlier samples of
+    the kernels not in its slots (labelled with those kernels); a burst with no slots at
+    all (no handles known) keeps them unsampled."""
+    book = StackBook()
+    book.counts(counts(1, 7, 0, (51, KERNEL, 0x50, 3), (52, KERNEL, 0x60, 1),
+                       (53, KERNEL, 0x1, 5)))
+    slots = Counter({(KERNEL, h): 1 for h in range(1, 17)})
+    w = book.weights(1, slots + Counter({OVERFLOW: 8}), Counter(), time_ns=0.0)
+    assert w[(1, 51, KERNEL, 0x50)][0] == 6.0 and w[(1, 52, KERNEL, 0x60)][0] == 2.0
+    assert w[(1, 53, KERNEL, 0x1)][0] == 1.0  # its own slot, by its own samples
+    assert (1, 0, KERNEL, 0) not in w
+    bare = book.weights(1, Counter({OVERFLOW: 8}), Counter(), time_ns=0.0)
+    assert bare == {(1, 0, KERNEL, 0): [8.0, 0.0, 0.0]}
+
+
 def test_requests_share_a_steps_stacks_as_they_share_its_launches():
     """An engine thread's step served two requests: each gets the step's stacks in the
     proportion it got the launches, and together they get all of them."""

@@ -20,13 +20,12 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
 from samples.launch import SampleServer
 from tests.conftest import free_port
-from tests.kstamps import StampedSocket
+from tests.kstamps import StampedSocket, drive, realtime_thread
 from tests.live import traced, traced_cli
 
 pytestmark = pytest.mark.bpf
@@ -42,42 +41,58 @@ class RawClient:
     (``tests/kstamps.py``): from the request's departure to the arrival of the segment
     that holds the first token, and of the one that holds the response's last byte.
     The client's own waits for a CPU (its clock after the send and recv calls minus
-    the kernel's stamps) are not in those times; they are kept apart."""
+    the kernel's stamps) are not in those times; they are kept apart.
+
+    ``begin`` sends a request and ``step`` handles what the socket has, returning the
+    result once the response is whole (``tests/kstamps.drive`` runs many clients from
+    one thread); ``chat`` does both."""
 
     def __init__(self, port: int, model: str = "stdlib-gpt", first_text: re.Pattern = FIRST_TEXT,
                  id_re: re.Pattern = ID) -> None:
-        sock = socket.create_connection(("127.0.0.1", port))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock = StampedSocket(sock)
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.ssock = StampedSocket(self.sock)
         self.model, self.first_text, self.id_re = model, first_text, id_re
+        self.cur: dict | None = None
 
-    def chat(self, stream: bool, max_tokens: int, content: str = "hi") -> dict:
+    def begin(self, stream: bool, max_tokens: int, content: str = "hi") -> None:
         body = json.dumps({"model": self.model, "stream": stream, "max_tokens": max_tokens,
                            "messages": [{"role": "user", "content": content}]}).encode()
         req = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)) + body
-        buf = b""
-        first = end = None
-        waits = []
-        sent, sent_user = self.sock.send(req)
-        while end is None:
-            peeked, _ = self.sock.peek()
-            assert peeked, "server closed"
-            if first is None:
-                m = self.first_text.search(buf + peeked)
-                if m:  # the segment holding the token's first bytes
-                    _, first = self.sock.peek(m.end() - len(buf))
-            data, last, user = self.sock.recv(len(peeked))
-            assert last is not None, "no RX timestamp"
-            waits.append(user - last)
-            buf += data
-            if _complete(buf):
-                end = last
-        rid = self.id_re.search(buf)
-        assert rid and first is not None, buf[:300]
-        return {"id": rid.group(1).decode(), "ttft": (first - sent) / 1e9,
-                "duration": (end - sent) / 1e9, "stream": stream,
-                "client_wait": max(waits) / 1e9, "send_wait": (sent - sent_user) / 1e9}
+        sent, sent_user = self.ssock.send(req)
+        self.cur = {"stream": stream, "sent": sent, "sent_user": sent_user, "buf": b"",
+                    "first": None, "waits": []}
+
+    def step(self) -> dict | None:
+        c = self.cur
+        assert c is not None
+        peeked, _ = self.ssock.peek()
+        assert peeked, "server closed"
+        if c["first"] is None:
+            m = self.first_text.search(c["buf"] + peeked)
+            if m:  # the segment holding the token's first bytes
+                _, c["first"] = self.ssock.peek(m.end() - len(c["buf"]))
+        data, last, user = self.ssock.recv(len(peeked))
+        assert last is not None, "no RX timestamp"
+        c["waits"].append(user - last)
+        c["buf"] += data
+        if not _complete(c["buf"]):
+            return None
+        rid = self.id_re.search(c["buf"])
+        assert rid and c["first"] is not None, c["buf"][:300]
+        self.cur = None
+        sent = c["sent"]
+        return {"id": rid.group(1).decode(), "ttft": (c["first"] - sent) / 1e9,
+                "duration": (last - sent) / 1e9, "stream": c["stream"],
+                "client_wait": max(c["waits"]) / 1e9,
+                "send_wait": (sent - c["sent_user"]) / 1e9}
+
+    def chat(self, stream: bool, max_tokens: int, content: str = "hi") -> dict:
+        self.begin(stream, max_tokens, content)
+        while (r := self.step()) is None:
+            pass
+        return r
 
     def close(self) -> None:
         self.sock.close()
@@ -235,34 +250,26 @@ def test_forced_off_spans_keep_syscall_times_and_say_so(tmp_path, monkeypatch):
 def test_hf_transformers_serve_at_concurrency_32(tmp_path, no_gc):
     """A server nobody here wrote: HF ``transformers serve --continuous-batching`` (a
     tiny Llama built offline, on the CPU), 32 raw clients at once on keep-alive
-    connections, streamed and whole replies, attached after the server started."""
+    connections (one real-time thread drives them all), streamed and whole replies,
+    attached after the server started."""
     from samples.hf.model import build
     from samples.hf.serve import HfServer
     model = build(tmp_path / "tiny-llama")
     srv = HfServer(model, tmp_path / "truth.jsonl", tmp_path / "hf.log", continuous=True)
-    results: list[dict] = []
-    lock = threading.Lock()
-
-    def client(i: int, start: threading.Barrier) -> None:
-        c = RawClient(srv.port, str(model), ANY_TEXT, ANY_ID)
-        start.wait()
-        for k in range(2):
-            r = c.chat(stream=(i + k) % 3 != 0, max_tokens=6 + (i * 7 + k) % 19,
-                       content=" ".join(["the model reads a prompt"] * (1 + i % 9)))
-            with lock:
-                results.append(r)
-        c.close()
-
     try:
         srv.wait_ready()
         srv.warm_up()
         with traced_cli(["--pid", str(srv.pid)], str(tmp_path / "spans.jsonl")) as got:
-            start = threading.Barrier(32)
-            threads = [threading.Thread(target=client, args=(i, start)) for i in range(32)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            clients = [RawClient(srv.port, str(model), ANY_TEXT, ANY_ID) for _ in range(32)]
+
+            def begin(i: int, k: int, c: RawClient) -> None:
+                c.begin(stream=(i + k) % 3 != 0, max_tokens=6 + (i * 7 + k) % 19,
+                        content=" ".join(["the model reads a prompt"] * (1 + i % 9)))
+
+            with realtime_thread():
+                results = drive(clients, begin, per_client=2)
+            for c in clients:
+                c.close()
     finally:
         srv.stop()
     spans = _spans(got.spans)

@@ -18,6 +18,7 @@ import pytest
 
 from samples.launch import SampleServer
 from tests.conftest import free_port
+from tests.kstamps import realtime_thread
 from tests.live import TimedClient, traced, traced_cli
 
 pytestmark = pytest.mark.bpf
@@ -52,7 +53,8 @@ def test_openai_client_streamed_and_plain_requests_match_usage_and_ttft(server, 
     gc.collect()
     gc.disable()
     try:
-        with traced_cli(["--pid", str(server.pid)], str(tmp_path / "spans.jsonl")) as got:
+        with traced_cli(["--pid", str(server.pid)], str(tmp_path / "spans.jsonl")) as got, \
+                realtime_thread():  # its reads stay prompt (see tests/kstamps.py)
             for i in range(100):
                 stream = i % 2 == 0
                 usage = i % 4 == 0  # half the streams ask for the final usage chunk

@@ -536,3 +536,37 @@ def test_bio_read_is_probed_only_where_cheap(tmp_path):
                    check=True)
     sites, fwd = tlsprobes.forwarded_sites(str(lib), tlsprobes.CRYPTO_PROBES)
     assert fwd == [] and [s.covers for s in sites] == [("BIO_write",)]
+
+
+def test_tls_streams_take_the_fast_path_and_give_what_the_general_path_gives(cert):
+    """A TLS response's token writes (plaintext flagged TLS) take the stream shortcut
+    (issue 16's ``stream_write``) as plain ones do; ciphertext never does. Same records
+    either way."""
+    from tests.test_fastpaths import general_paths
+    from tracer.correlate.connections import ConnectionTracker
+
+    items = served(cert, requests=12).items  # past the process graph's writer head
+    taken = {"tls": 0, "other": 0}
+    real = ConnectionTracker.stream_write
+
+    def counting(self, c, tid, ts, direction, flags, *rest):
+        ok = real(self, c, tid, ts, direction, flags, *rest)
+        if ok:
+            taken["tls" if flags & C["FLAG_TLS"] else "other"] += 1
+        return ok
+
+    from unittest.mock import patch
+    with patch.object(ConnectionTracker, "stream_write", counting):
+        fast, fast_rep = run(items)
+    with general_paths():
+        slow, slow_rep = run(items)
+    assert taken["tls"] >= 4 and taken["other"] == 0
+    assert len(fast) == len(slow) == 12
+
+    def view(r):
+        q = r.llm_response
+        return (r.start_ns, r.end_ns, r.status, r.response_bytes, q.output_tokens,
+                q.first_token_ts, list(q.token_ts), r.tls)
+
+    assert [view(r) for r in fast] == [view(r) for r in slow]
+    assert fast_rep == slow_rep

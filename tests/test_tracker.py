@@ -143,3 +143,44 @@ def test_truncated_last_read_marks_the_request_at_once():
     (r,) = f.records
     assert r.request_incomplete and r.llm_request.model == "tiny"  # salvaged from the part seen
     assert f.t.stats["bytes_truncated"] == len(body) - 20
+
+
+def test_a_pause_ends_open_requests_there_and_a_capture_keeps_it(tmp_path):
+    """`tokentrace run` paused (schema.TracingPaused): requests open at the pause end
+    there, incomplete and counted; the event goes through a capture file, so a replay
+    ends the same ones."""
+    from bench.streamgen import generate
+    from tracer.events import capture
+    from tracer.pipeline import Pipeline
+
+    items, truth = generate(rate=40, tokens=20, seconds=1.0, servers=1, gpu=False)
+    cut = len(items) // 2
+    at = max(i.ts_exit for i in (schema.decode(x) for x in items[:cut] if isinstance(x, bytes))
+             if isinstance(i, schema.DataEvent))
+    items = items[:cut] + [schema.TracingPaused(ts=at + 1, paused=True, switch_s=0.01)]
+    path = tmp_path / "paused.ttcap"
+    w = capture.CaptureWriter(path, capture.new_header(), keep_secrets=True)
+    for it in items:
+        w.write(it)
+    w.close()
+    replayed = list(capture.CaptureReader(path))
+    assert replayed[-1] == items[-1]
+
+    recs: list = []
+
+    class Sink:
+        def on_record(self, r):
+            recs.append(r)
+
+        def close(self):
+            pass
+
+    p = Pipeline([Sink()])
+    for it in replayed:
+        p.feed(it)
+    p.close()
+    cut_short = [r for r in recs if r.error]
+    assert cut_short and p.report()["requests_cut_by_pause"] == len(cut_short)
+    assert all(r.error == "tracing paused before the response completed"
+               and r.response_incomplete and r.end_ns == at + 1 for r in cut_short)
+    assert p.report().get("in_flight_at_exit", 0) == 0

@@ -175,3 +175,37 @@ def test_a_site_outside_the_file_is_an_error_not_a_crash(built):
         probes.close({})
         caller.close()
         bpf.cleanup()
+
+
+@pytest.mark.parametrize("mode", ["multi", "perf"])
+def test_suspended_groups_see_nothing_and_come_back_in_place(built, mode):
+    """`tokentrace run` paused: every group out, each owner's handle still good after
+    the resume; a group attached while suspended waits for it, one detached while
+    suspended never comes back."""
+    caller, bpf, probes, sites = _setup(built, mode)
+    try:
+        errors: dict[str, str] = {}
+        a = probes.attach(sites[:2], errors)
+        gone = probes.attach(sites[2:], errors)
+        caller.call("a", 10)
+        assert hits(bpf) == [10, 10, 0]
+        probes.suspend(errors)
+        assert probes.sites_attached() == 0 and probes.suspended
+        late = probes.attach(sites[2:], errors)  # a library found while paused
+        probes.detach(gone, errors)  # an owner lets go while paused
+        caller.call("a", 10)
+        caller.call("b", 10)
+        assert hits(bpf) == [10, 10, 0]
+        probes.resume(errors)
+        assert not errors and probes.sites_attached() == 3
+        assert len(a) == 2 and len(late) == 1 and len(gone) == 0
+        caller.call("a", 5)
+        caller.call("b", 7)
+        assert hits(bpf) == [15, 15, 7]
+        probes.detach(a, errors)  # the owner's handle detaches what resume put back
+        caller.call("a", 5)
+        assert hits(bpf) == [15, 15, 7] and not errors
+    finally:
+        probes.close({})
+        caller.close()
+        bpf.cleanup()

@@ -25,6 +25,7 @@ commands:
   demo      trace a sample inference server end to end
   report    per-request cost report (CSV, JSON, HTML) from a span JSONL file
   flame     flame graphs of the code that launched a request's or a service's GPU work
+  ctl       pause, resume or adjust a running `run --control PATH`
 
 examples:
   sudo tokentrace run --port 8000
@@ -127,6 +128,15 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                          "inside grpcio, other libraries) is counted as "
                          "tls_connections_unseen; off: no TLS probes (default: auto; "
                          "docs/tls.md)")
+    g2.add_argument("--control", metavar="PATH",
+                    help="listen on unix socket PATH (0600) for commands, one per "
+                         "connection: pause, resume, status, and the toggles "
+                         "bench/real_server.py measures each part's cost with "
+                         "(capture-limit, burst-min-us, gpu-launch, stub-naming, analysis); "
+                         "`tokentrace ctl PATH COMMAND` sends one. SIGUSR1 pauses and "
+                         "SIGUSR2 resumes without it: paused, every probe is out but "
+                         "process start/exit, the traced processes run as if untraced, and "
+                         "requests open at the pause end there, incomplete")
     g2.add_argument("--sched-idle", action="store_true",
                     help="run the tracer under SCHED_IDLE once attached: it only takes CPU "
                          "the traced service leaves idle (events wait in the ring buffer; "
@@ -248,6 +258,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--port", type=int, default=8765, help="sample server port")
     demo.set_defaults(func=cmd_demo)
 
+    ctl = sub.add_parser(
+        "ctl", help="send a command to a running `tokentrace run --control PATH`",
+        description="Send one command to the control socket of a running `tokentrace run` "
+                    "or `record` and print its answer. Commands: pause, resume, status, "
+                    "capture-limit BYTES, burst-min-us US, gpu-launch on|off, "
+                    "stub-naming on|off, analysis on|off. Exit status 1 if it answered "
+                    "with an error.",
+        epilog="examples:\n  sudo tokentrace ctl /run/tokentrace.sock pause\n"
+               "  sudo tokentrace ctl /run/tokentrace.sock resume\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ctl.add_argument("socket", metavar="PATH", help="the --control socket of the run")
+    ctl.add_argument("words", nargs="+", metavar="COMMAND", help="the command and its arguments")
+    ctl.set_defaults(func=cmd_ctl)
+
     from tracer.report.cli import add_parser as add_report_parser
 
     add_report_parser(sub)
@@ -319,8 +343,9 @@ def _report(pipeline: Pipeline, console: Any) -> None:
             if v and (k.startswith("capture.lost") or k in (
                 "bytes_lost", "capture.truncated", "capture.iov_cut", "capture.inflight_full",
                 "capture.conns_full", "capture.verbs_cut", "capture.verbs_full",
-                "capture.kcounts_full", "capture.bursts_full", "capture.tls.lost",
-                "capture.tls.inflight_full", "capture.tls.state_full", "capture.tls.stale",
+                "capture.kcounts_full", "capture.bursts_full", "capture.unanalysed_records",
+                "requests_cut_by_pause", "capture.tls.lost", "capture.tls.inflight_full",
+                "capture.tls.state_full", "capture.tls.stale",
                 "http_protocol_errors", "undecodable_records",
                 "in_flight_at_exit", "identity.k8s_errors")
                 or k.startswith("parser_errors") or k.endswith("_evicted")
@@ -500,8 +525,11 @@ def _say_detached(session: Any) -> None:
 
 def _drive(args: argparse.Namespace, open_: Callable[[], Any], poll: Callable[[], None],
            pids: Callable[[], set[int]], gpu: Callable[[], Any] = lambda: None,
-           net: Callable[[], Any] = lambda: None, tls: Callable[[], Any] = lambda: None) -> int:
-    """Attach, say so, poll until stopped. The caller closes in all cases."""
+           net: Callable[[], Any] = lambda: None,
+           control: Callable[[], Callable[[str], str]] | None = None,
+           tls: Callable[[], Any] = lambda: None) -> int:
+    """Attach, say so, poll until stopped (applying SIGUSR1/SIGUSR2 and --control
+    commands through ``control()``'s function). The caller closes in all cases."""
     from tracer.probes.loader import ProbeSetupError
 
     if not (args.pid or args.comm or args.port):
@@ -518,6 +546,11 @@ def _drive(args: argparse.Namespace, open_: Callable[[], Any], poll: Callable[[]
         return 1
     if args.sched_idle:
         _sched_idle()
+    from tracer.control import Controller, restore_signals
+
+    # ready before "attached" is said: a script may send its first command right then
+    apply = control() if control is not None else None
+    ctl = Controller(apply, getattr(args, "control", None)) if apply is not None else None
     _say_gpu(gpu())
     mode = net()
     timing = ("" if mode is None else "requests timed at the socket; " if mode.mode == "socket"
@@ -527,8 +560,15 @@ def _drive(args: argparse.Namespace, open_: Callable[[], Any], poll: Callable[[]
          + (f"tracing for {args.duration:g}s" if args.duration else "Ctrl-C to stop"))
     _say_tls(tls())  # after the 'attached' line: scripts wait for that one first
     stop.arm()
-    while not stop:
-        poll()
+    try:
+        while not stop:
+            poll()
+            if ctl is not None:
+                ctl.poll()
+    finally:
+        if ctl is not None:
+            ctl.close()
+            restore_signals()
     return 0
 
 
@@ -567,7 +607,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         rc = _drive(args, run.open, poll, lambda: run.session.pids,
                     lambda: run.session.gpu, lambda: run.session.net_timing,
-                    lambda: run.session.tls)
+                    lambda: run.session.control, lambda: run.session.tls)
     finally:
         run.close()
         _say_detached(run.session)
@@ -592,7 +632,8 @@ def cmd_record(args: argparse.Namespace) -> int:
     session = CaptureSession(_targets(args), writer.write)
     try:
         rc = _drive(args, session.start, session.poll, lambda: session.pids,
-                    lambda: session.gpu, lambda: session.net_timing, lambda: session.tls)
+                    lambda: session.gpu, lambda: session.net_timing,
+                    lambda: session.control, lambda: session.tls)
     finally:
         session.stop()
         writer.close()
@@ -642,6 +683,18 @@ def cmd_replay(args: argparse.Namespace) -> int:
     _write_summary(args.summary, pipeline)
     _report(pipeline, console)
     return 0
+
+
+def cmd_ctl(args: argparse.Namespace) -> int:
+    from tracer.control import send
+
+    try:
+        reply = send(args.socket, " ".join(args.words))
+    except OSError as e:
+        _say(f"error: cannot reach {args.socket}: {e}")
+        return 1
+    print(reply)
+    return 1 if not reply.startswith("ok") else 0
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

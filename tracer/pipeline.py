@@ -7,12 +7,13 @@ produces exactly what the live run produced.
 
 from __future__ import annotations
 
-from collections import Counter
+import struct
+from collections import Counter, deque
 from typing import Any, Iterator, Protocol
 
 from tracer.correlate.attribution import GpuAttribution, Pricing
-from tracer.correlate.connections import (ConnectionTracker, TrackerOptions,
-                                          count_parser_error)
+from tracer.correlate.connections import (MAX_SOCKET_THREADS, ConnectionTracker,
+                                          TrackerOptions, count_parser_error)
 from tracer.correlate.gpu import GpuLedger
 from tracer.correlate.ipc import IpcGraph
 from tracer.correlate.nettiming import NetTimer
@@ -25,9 +26,13 @@ from tracer.export.context import ExportContext
 
 C = wire.CONSTANTS
 EXPIRE_EVERY_NS = 60 * 10**9
+_DATA_KIND = struct.pack("<I", C["KIND_DATA"])
+_UNPACK_DATA = wire.DATA.header.unpack_from
+_DATA_HDR = wire.DATA.header_size
 # A record whose launch-site stacks are not all resolved yet (the agent unwinds and names
-# each new stack on a thread of its own) waits for them this long in stream time.
-FLAME_WAIT_NS = 3 * 10**9
+# each new stack on a thread of its own; a library's first stack reads its .eh_frame,
+# seconds for libtorch) waits for them this long in stream time.
+FLAME_WAIT_NS = 15 * 10**9
 
 
 class RecordSink(Protocol):
@@ -53,10 +58,13 @@ class Pipeline:
         # after the GPU attribution (which times by syscalls): the client's view
         self.net = NetTimer(self._export_now, self.stats)
         self.stacks = StackBook()
-        self._flame_wait: list[tuple[int, RequestRecord]] = []
+        # records waiting for their stacks' names, in deadline order
+        self._flame_wait: deque[tuple[int, RequestRecord]] = deque()
+        self._named = False  # a stack was named since the waiting records were checked
         self.attribution = GpuAttribution(self._export, self._open_records, self.stats,
                                           ipc=self.ipc, pricing=pricing,
-                                          kernel_name=self._kernel_name, stacks=self.stacks)
+                                          kernel_name=self._kernel_name, stacks=self.stacks,
+                                          open_check=self._is_open, serves=self._serves)
         self.ctx.flame_resolver = self.resolve_flame
         self.tls_libraries: list[TlsLibrary] = []  # found in traced processes
         self._tls_paths: dict[int, set[str]] = {}
@@ -77,14 +85,27 @@ class Pipeline:
 
     def _open_records(self, pid: int) -> Iterator[RequestRecord]:
         """The exchanges of ``pid`` still being assembled, with their responses so far."""
-        for c in self.tracker.conns.values():
-            if c.pid == pid:
-                for ex in c.exchanges.values():
-                    if ex.follower is not None:
-                        ex.rec.llm_response = ex.follower.r
-                    yield ex.rec
-                if c.h2 is not None:
-                    yield from c.h2.records.values()
+        for c in list(self.tracker.conns.of_pid(pid)):
+            for ex in c.exchanges.values():
+                if ex.follower is not None:
+                    ex.rec.llm_response = ex.follower.r
+                yield ex.rec
+            if c.h2 is not None:
+                yield from c.h2.records.values()
+
+    def _serves(self, pid: int, tid: int) -> bool:
+        threads = self.tracker.socket_threads
+        return threads is None or (pid, tid) in threads
+
+    def _is_open(self, rec: RequestRecord) -> bool:
+        """Whether ``rec`` is still being assembled (one of ``_open_records``)."""
+        c = self.tracker.conns.get(rec.key[:3])
+        if c is None:
+            return False
+        ex = c.exchanges.get(rec.exchange)
+        if ex is not None and ex.rec is rec:
+            return True
+        return c.h2 is not None and any(r is rec for r in c.h2.records.values())
 
     def _export(self, rec: RequestRecord) -> None:
         """An attributed record: timed at the socket, then exported."""
@@ -103,15 +124,26 @@ class Pipeline:
         return any(sid and (pid, sid) not in frames for pid, sid, _w, _h in rec.flame)
 
     def _release_flames(self, final: bool = False) -> None:
-        keep = []
-        for deadline, rec in self._flame_wait:
-            if final or deadline <= self.last_ts or not self._unresolved(rec):
-                if self._unresolved(rec):
-                    self.stats["flame_stacks_unresolved_at_export"] += 1
-                self._sink_record(rec)
-            else:
-                keep.append((deadline, rec))
-        self._flame_wait = keep
+        """Export the waiting records whose stacks are all named now, or whose wait is
+        over. All of them are looked at only when a stack was named since the last
+        look; otherwise only those whose deadline passed (the oldest first)."""
+        if final or self._named:
+            self._named = False
+            keep: deque[tuple[int, RequestRecord]] = deque()
+            for deadline, rec in self._flame_wait:
+                if final or deadline <= self.last_ts or not self._unresolved(rec):
+                    self._release(rec)
+                else:
+                    keep.append((deadline, rec))
+            self._flame_wait = keep
+            return
+        while self._flame_wait and self._flame_wait[0][0] <= self.last_ts:
+            self._release(self._flame_wait.popleft()[1])
+
+    def _release(self, rec: RequestRecord) -> None:
+        if self._unresolved(rec):
+            self.stats["flame_stacks_unresolved_at_export"] += 1
+        self._sink_record(rec)
 
     def _sink_record(self, rec: RequestRecord) -> None:
         self.records += 1
@@ -121,6 +153,8 @@ class Pipeline:
     def feed(self, item: bytes | Any) -> None:
         """One capture item. Never raises on what the item holds: a failure is counted
         in ``parser_errors`` (the tracker contains its own per connection)."""
+        if type(item) is bytes and item[:4] == _DATA_KIND and self._stream_write(item):
+            return
         if isinstance(item, (bytes, bytearray)):
             try:
                 ev = schema.decode(bytes(item))
@@ -138,18 +172,49 @@ class Pipeline:
         except Exception as e:
             count_parser_error(self.stats, e)
 
+    def _stream_write(self, buf: bytes) -> bool:
+        """A DATA record that is one token's write of a streamed response, taken from
+        its fields without building the event (``ConnectionTracker.stream_write``), the
+        most frequent record of a busy server: exactly what ``handle`` does with it.
+        False: not that case, nothing done but what ``handle`` will do again."""
+        if len(buf) < _DATA_HDR:
+            return False
+        (_, pid, tid, fd, conn_id, ts_enter, ts, ret, offset, n, _, direction, flags, _,
+         stream_off) = _UNPACK_DATA(buf, 0)
+        t = self.tracker
+        c = t.conns.get((pid, fd, conn_id))
+        if c is None or c.stream_dir != direction or len(buf) < _DATA_HDR + n:
+            return False
+        if ts > self.last_ts:
+            self.last_ts = ts
+        self.net.write(pid, fd, conn_id, ts, direction, flags, ret, stream_off, ts_enter)
+        threads = t.socket_threads
+        if threads is not None:
+            threads.add((pid, tid))
+            if len(threads) > MAX_SOCKET_THREADS:
+                t.socket_threads = None
+        try:
+            if not t.stream_write(c, tid, ts, direction, flags, offset, ret,
+                                  buf[_DATA_HDR:_DATA_HDR + n], stream_off):
+                return False
+        except Exception as e:  # as data_event would: this connection only
+            t.contain(c, e, ts)
+        self._tick()
+        return True
+
     def handle(self, ev: Any) -> None:
         t = self.tracker
-        if isinstance(ev, gpu.GpuEvent):
+        if type(ev) is schema.DataEvent:  # most records: tested first, exactly
+            if ev.ts_exit > self.last_ts:
+                self.last_ts = ev.ts_exit
+            self.net.data(ev)
+            t.data_event(ev)
+        elif isinstance(ev, gpu.GpuEvent):
             self.gpu.handle(ev)
             if isinstance(ev, gpu.KernelBurst):
                 self.attribution.burst(ev)
             elif isinstance(ev, gpu.NcclEvent):
                 self.attribution.nccl(ev)
-        elif isinstance(ev, schema.DataEvent):
-            self.last_ts = max(self.last_ts, ev.ts_exit)
-            self.net.data(ev)
-            t.data_event(ev)
         elif isinstance(ev, NetWait):
             self.net.netwait(ev)
         elif isinstance(ev, TlsEvent):
@@ -171,6 +236,7 @@ class Pipeline:
             self.stacks.counts(ev)
         elif isinstance(ev, stacks.StackFrames):
             self.stacks.define(ev)
+            self._named = True
         elif isinstance(ev, stacks.StackSampling):
             self.stacks.enabled = True
         elif isinstance(ev, schema.ProcessInfo):
@@ -179,16 +245,24 @@ class Pipeline:
             self.ctx.clock_offset_ns = ev.offset_ns
         elif isinstance(ev, NetTimingMode):
             self.net.mode = ev
+        elif isinstance(ev, schema.TracingPaused):
+            self.last_ts = max(self.last_ts, ev.ts)
+            if ev.paused:
+                t.pause(ev.ts)
         elif isinstance(ev, schema.DropReport):
             self.last_ts = max(self.last_ts, ev.ts)
             self.ctx.drops = dict(ev.counters)
+        self._tick()
+
+    def _tick(self) -> None:
+        """After every event: the stream's clock moves the correlators on."""
         self.attribution.advance(self.last_ts)
         self.net.advance(self.last_ts)
         if self._flame_wait:
             self._release_flames()
         if self.last_ts >= self._next_expire:
             if self._next_expire:
-                t.expire(self.last_ts)
+                self.tracker.expire(self.last_ts)
             self._next_expire = self.last_ts + EXPIRE_EVERY_NS
 
     def _tls_library(self, lib: TlsLibrary) -> None:

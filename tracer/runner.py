@@ -4,6 +4,7 @@ benchmarks run it in a background thread with ``start()``/``stop()``."""
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from typing import Any
@@ -39,6 +40,8 @@ class TraceRun:
         self.error: BaseException | None = None
         self._unnamed_reported: dict[int, set[int]] = {}  # pid -> handles asked about
         self._next_unnamed = 0.0
+        # control commands from other threads, applied by the polling one
+        self._commands: queue.Queue[tuple[str, threading.Event, list[str]]] = queue.Queue()
 
     def _sink(self, item: Any) -> None:
         if self.writer is not None:
@@ -49,7 +52,22 @@ class TraceRun:
         """Load probes and attach (raises ProbeSetupError with a fix on failure)."""
         self.session.start()
 
+    def control(self, command: str, timeout: float = 60.0) -> str:
+        """A ``--control`` command (``CaptureSession.control``), applied by the thread
+        that polls (BCC is not for two threads at once); its reply."""
+        if self._thread is None or not self._thread.is_alive():
+            return self.session.control(command)
+        done, reply = threading.Event(), [""]
+        self._commands.put((command, done, reply))
+        if not done.wait(timeout):
+            return "error: not applied in time"
+        return reply[0]
+
     def poll(self) -> None:
+        while not self._commands.empty():
+            command, done, reply = self._commands.get()
+            reply[0] = self.session.control(command)
+            done.set()
         self.session.poll()
         now = time.monotonic()
         if now >= self._next_unnamed:

@@ -26,6 +26,7 @@ unattributed equals observed for every process and quantity.
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
@@ -63,7 +64,11 @@ class Pricing(Protocol):
 
 @dataclass
 class GpuShare:
-    """What one request was charged: sums of its (shares of) bursts and steps."""
+    """What one request was charged: sums of its (shares of) bursts and steps.
+
+    A request is a member of hundreds of steps, each split among dozens of members: a
+    step's part is only noted when the step is split (``add_part``) and folded into the
+    sums when they are read (``fold``), in the same order, so the sums are the same."""
 
     work: Work = field(default_factory=Work)
     bursts: int = 0
@@ -75,6 +80,8 @@ class GpuShare:
     models: set[str] = field(default_factory=set)
     kernels: dict[tuple[int, int], float] = field(default_factory=dict)  # (pid, handle)
     flame: Flame | None = None  # its share of the launch-site stacks (stacks.py)
+    # steps' parts not yet folded in: (step, launch fraction, time fraction, prefill, rank)
+    parts: list[tuple[Step, float, float, bool, int]] = field(default_factory=list)
 
     def add_flame(self, flame: Flame, calls: float, time: float) -> None:
         if self.flame is None:
@@ -83,6 +90,7 @@ class GpuShare:
 
     def add_burst(self, work: Work, pid: int, kernels: dict[int, int]) -> None:
         """A burst of its own thread, whole (same-thread work)."""
+        self.fold()
         self.bursts += 1
         self.work.add(work)
         self.methods.add("same_thread")
@@ -92,27 +100,48 @@ class GpuShare:
         for h, n in kernels.items():
             self.kernels[(pid, h)] = self.kernels.get((pid, h), 0.0) + n * fraction
 
-    def add_step(self, step: Step, charged: Work, whole: bool, prefill: bool, method: str,
-                 rank: int = 0) -> None:
-        """Its part ``charged`` of engine step ``step``."""
-        if rank == 0:  # other tensor-parallel ranks' steps are the same steps
-            self.steps += 1
-        self.bursts += step.bursts
-        self.work.add(charged)
-        launches = charged.get("kernel_launches", 0.0)
-        if step.launches:
-            self._add_kernels(step.pid, step.kernels, launches / step.launches)
-        if prefill:
-            self.prefill_launches += launches
-        else:
-            self.decode_launches += launches
+    def add_part(self, step: Step, fk: float, ft: float, whole: bool, prefill: bool,
+                 method: str, rank: int = 0) -> None:
+        """Its part of engine step ``step``: ``fk`` of its launches (graph launches
+        too), ``ft`` of the rest (time, bytes, collectives)."""
+        self.parts.append((step, fk, ft, prefill, rank))
         self.whole = self.whole and whole
         self.methods.add(method)
+
+    def fold(self) -> None:
+        """Add the parts noted since the last fold to the sums."""
+        if not self.parts:
+            return
+        work = self.work
+        mixes: dict[tuple[int, tuple[tuple[int, int], ...]], float] = {}
+        for step, fk, ft, prefill, rank in self.parts:
+            for q, v in step.work.items():
+                x = v * (fk if q in KERNEL_QUANTITIES else ft)
+                if x:
+                    work[q] = work.get(q, 0) + x
+            launches = step.work.get("kernel_launches", 0) * fk
+            if step.launches:
+                key = (step.pid, step.kernel_mix())
+                mixes[key] = mixes.get(key, 0.0) + launches / step.launches
+            if step.flame is not None:  # its stacks' share (attribution._step_flame)
+                self.add_flame(step.flame, fk, ft)  # type: ignore[arg-type]
+            if rank == 0:  # other tensor-parallel ranks' steps are the same steps
+                self.steps += 1
+            self.bursts += step.bursts
+            if prefill:
+                self.prefill_launches += launches
+            else:
+                self.decode_launches += launches
+        self.parts = []
+        for (pid, mix), f in mixes.items():  # each step's kernels times its share, summed
+            self._add_kernels(pid, dict(mix), f)
 
     def attributes(self, pricing: Pricing | None,
                    kernel_name: Callable[[int, int], str] | None = None) -> dict[str, Any]:
         """Attribute name suffixes (``tokentrace.<suffix>`` on the span) -> values.
         ``kernel_name(pid, handle)``: a readable kernel name, for ``gpu.top_kernels``."""
+
+        self.fold()
 
         def count(x: float) -> float | int:
             return round(x) if self.whole else round(x, 3)
@@ -146,9 +175,10 @@ class GpuShare:
             out["gpu.memset_bytes"] = count(w["memset_bytes"])
         if pricing is not None:
             out.update(pricing.attributes(w.get("gpu_time_ns", 0.0) / 1e6))
-        if kernel_name is not None and self.kernels:
+        kernels = self.kernels
+        if kernel_name is not None and kernels:
             by_name: dict[str, float] = {}
-            for (pid, h), n in self.kernels.items():
+            for (pid, h), n in kernels.items():
                 name = kernel_name(pid, h)
                 by_name[name] = by_name.get(name, 0.0) + n
             top = sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
@@ -162,6 +192,7 @@ class _Ready:
 
     rec: RequestRecord
     logs: list[LogKey] = field(default_factory=list)
+    seq: int = 0  # order of becoming ready (ties in end order are released in it)
 
 
 class GpuAttribution:
@@ -172,7 +203,13 @@ class GpuAttribution:
                  stats: Counter[str] | None = None, hold_ns: int = DEFAULT_HOLD_NS,
                  ipc: IpcGraph | None = None, pricing: Pricing | None = None,
                  kernel_name: Callable[[int, int], str] | None = None,
-                 stacks: StackBook | None = None) -> None:
+                 stacks: StackBook | None = None,
+                 open_check: Callable[[RequestRecord], bool] | None = None,
+                 serves: Callable[[int, int], bool] | None = None) -> None:
+        """``open_records(pid)``: the requests of ``pid`` still being served;
+        ``open_check(rec)``: whether ``rec`` is one (default: looked for among them);
+        ``serves(pid, tid)``: whether that thread ever moved a request's bytes, i.e.
+        could be among a request's ``tids`` (default: looked for in each)."""
         self.emit = emit
         self.stacks = stacks  # launch-site stacks, joined to bursts and steps
         self.kernel_name = kernel_name
@@ -200,6 +237,13 @@ class GpuAttribution:
         self.shifts: dict[tuple[LogKey, LogKey], tuple[int, int | None]] = {}
         self.now = 0
         self._next_scan = 0
+        self._recheck: set[Key] = set()  # ready records that may have become due
+        self._waits: dict[LogKey, list[tuple[int, int, Key]]] = {}  # (last step, seq, key)
+        self._ready_seq = 0
+        # per process group: the request that was its frontier when last computed
+        self._frontier_rec: dict[frozenset[int], RequestRecord | None] = {}
+        self._open_check = open_check
+        self._serves = serves
 
     # ---- GPU side -------------------------------------------------------------------
 
@@ -211,7 +255,10 @@ class GpuAttribution:
             self.stats["gpu_bursts_late"] += 1
         book = self.stacks
         samples = book.take(b) if book is not None and book.pending else None
-        mine = [r for r in self._in_flight(b.pid, b.first_ts, b.last_ts) if b.tid in r.tids]
+        if self._serves is not None and not self._serves(b.pid, b.tid):
+            mine = []  # a thread that never moved a request's bytes (an engine's)
+        else:
+            mine = [r for r in self._in_flight(b.pid, b.first_ts, b.last_ts) if b.tid in r.tids]
         if len(mine) == 1:
             work = Work.of_burst(b)
             self.ledger.observe(b.pid, work)
@@ -338,7 +385,7 @@ class GpuAttribution:
             self.ledger.leave(st.pid, reason, st.work)
             self.stats["gpu_steps_unattributed"] += 1
             self.stats["gpu_launches_unattributed"] += st.launches
-        self.settled[log.key] = max(self.settled[log.key], log.base)
+        self._settled_to(log.key, max(self.settled[log.key], log.base))
         self.decided[log.key] = max(self.decided[log.key], log.base)
 
     def _is_follower(self, log: StepLog) -> bool:
@@ -357,31 +404,64 @@ class GpuAttribution:
         """Settle every log's steps as far as their members are final."""
         frontiers: dict[frozenset[int], int | None] = {}
         for log in list(self.logs.values()):
-            if log.get(max(self.decided[log.key], log.base)) is None and not (
-                    self.pending[log.key]):
+            first = log.get(max(self.decided[log.key], log.base))
+            if first is None and not self.pending[log.key]:
                 continue  # no closed step to decide, none waiting to be split
             group = self.ipc.serving_group(log.pid)
             leaders, followers = self._group_ranks(group)
             if log in followers:
                 continue
-            if group not in frontiers:
-                frontiers[group] = None if final else self._frontier(group)
-            self._settle(log, frontiers[group], force_before,
+            if final:
+                frontier = None
+            elif group in frontiers:
+                frontier = frontiers[group]
+            else:
+                frontier = self._blocked(group, first, force_before)
+                if frontier is None:
+                    frontier = frontiers[group] = self._frontier(group)
+            self._settle(log, frontier, force_before,
                          [(f, self._shift(leaders[0], f)) for f in followers] if leaders else [],
                          final)
+
+    def _blocked(self, group: frozenset[int], first: Step | None, force_before: int | None
+                 ) -> int | None:
+        """The arrival of a request of ``group`` still unfinished that arrived no later
+        than step ``first`` started, if the last frontier's request is one: then the
+        frontier (which is no later) stops ``first`` too, and ``_settle`` does exactly
+        what it would with it, without looking at every open request. None: compute it."""
+        rec = self._frontier_rec.get(group)
+        if (rec is None or first is None
+                or (force_before is not None and first.end_ts < force_before)):
+            return None
+        if rec.end_ns:  # finished: a frontier while it is held
+            held = self.held.get(rec.pid)
+            if held is None or held.get(rec.key) is not rec:
+                return None
+        elif not self._still_open(rec):
+            return None
+        a = arrival_ns(rec)
+        return a if a <= first.first_ts else None
+
+    def _still_open(self, rec: RequestRecord) -> bool:
+        return any(r is rec for r in self.open_records(rec.pid)) if self._open_check is None \
+            else self._open_check(rec)
 
     def _frontier(self, group: frozenset[int]) -> int | None:
         """The earliest arrival of a request of ``group`` that is not yet a member of its
         steps (still open, or its last tokens may still come): steps that started before
         it can be settled. None: no such request."""
         out: int | None = None
+        at: RequestRecord | None = None
         for pid in group:
             for r in self.open_records(pid):
                 a = arrival_ns(r)
-                out = a if out is None else min(out, a)
+                if out is None or a < out:
+                    out, at = a, r
             for r in self.held.get(pid, {}).values():
                 a = arrival_ns(r)
-                out = a if out is None else min(out, a)
+                if out is None or a < out:
+                    out, at = a, r
+        self._frontier_rec[group] = at
         return out
 
     def _settle(self, log: StepLog, frontier: int | None, force_before: int | None,
@@ -443,7 +523,7 @@ class GpuAttribution:
             return
         for step, fsteps, members in pending:
             self._split(step, fsteps, members, kernel.model, time.model)
-        self.settled[log.key] = pending[-1][0].index + 1
+        self._settled_to(log.key, pending[-1][0].index + 1)
         pending.clear()
 
     def _split(self, step: Step, fsteps: list[tuple[StepLog, Step]],
@@ -465,18 +545,22 @@ class GpuAttribution:
         method = ("time_share" if all(not o.by_tokens for o in occs) else
                   "step_model" if kmodel.usable or tmodel.usable else "step_equal")
         described = f"launches: {kmodel.describe()}; time: {tmodel.describe()}"
+        whole = len(occs) == 1
+        sum_k, sum_t = sum(kf), sum(tf)
         for st, rank in steps:
             st.settled = True
-            flame = self._step_flame(st)
+            self._step_flame(st)  # computed now, folded into each member's share later
+            # booked whole: what its members were charged adds up to the step times the
+            # sums of their fractions (1 each, but for rounding)
+            charged = self.ledger.charged[st.pid]
+            for q, v in st.work.items():
+                x = v * (sum_k if q in KERNEL_QUANTITIES else sum_t)
+                if x:
+                    charged[q] = charged.get(q, 0) + x
             for o, m, fk, ft in zip(occs, feats, kf, tf):
-                part = Work({q: v * (fk if q in KERNEL_QUANTITIES else ft)
-                             for q, v in st.work.items()})
-                self.ledger.charge(st.pid, part)
                 share = self._share(o.rec)
-                if flame is not None:
-                    share.add_flame(flame, fk, ft)
-                share.add_step(st, part, whole=len(occs) == 1, prefill=m.prefill,
-                               method=method if o.by_tokens else "time_share", rank=rank)
+                share.add_part(st, fk, ft, whole, m.prefill,
+                               method if o.by_tokens else "time_share", rank)
                 if method == "step_model":
                     share.models.add(described)
             self.stats["gpu_step_launches_charged"] += st.launches
@@ -533,11 +617,15 @@ class GpuAttribution:
                 occ = request_range(r, log, ms.ratio.value, finished=False)
                 if occ is not None and occ.first <= step.index:
                     ms.add(occ)
-                    self.ready.setdefault(r.key, _Ready(r)).logs.append(log.key)
+                    rd = self._ready_entry(r)
+                    rd.logs.append(log.key)
+                    self._watch(rd, log.key)
 
     def _prune_settled(self, log: StepLog) -> None:
         """Forget settled steps no request can still need: older than the earliest
         step a member still holds, and than ``KEEP_SETTLED_NS``."""
+        if not log.steps or log.steps[0].end_ts >= self.now - KEEP_SETTLED_NS:
+            return  # nothing old enough to go, whatever the members still hold
         ms = self.members[log.key]
         keep = min((o.start for o in ms.occupancies.values()), default=self.settled[log.key])
         keep = min(keep, self.settled[log.key])
@@ -556,7 +644,8 @@ class GpuAttribution:
         del held[rec.key]
         if not held:
             del self.held[rec.pid]
-        ready = self.ready.setdefault(rec.key, _Ready(rec))
+        ready = self._ready_entry(rec)
+        self._recheck.add(rec.key)
         ready.rec = rec
         share = self.shares.get(rec.key)
         followers = self._ranks(rec.pid, self._group_logs(rec.pid))[1]
@@ -576,19 +665,52 @@ class GpuAttribution:
             if occ.first < self.decided[log.key]:
                 self.stats["gpu_ranges_partly_settled"] += 1
             ms.add(occ)
+            self._watch(ready, log.key)
             if log.key not in ready.logs:
                 ready.logs.append(log.key)
 
     def _release_due(self, final: bool = False) -> None:
-        """Release ready records whose steps are all settled, in end order."""
+        """Release ready records whose steps are all settled, in end order. Only the
+        records that became ready, or whose last step in a log was settled, since the
+        last call are looked at (``_recheck``): nothing else makes one due."""
+        if final:
+            keys: Iterable[Key] = list(self.ready)
+        else:
+            keys, self._recheck = self._recheck, set()
         due = []
-        for key, rd in self.ready.items():
+        for key in keys:
+            rd = self.ready.get(key)
+            if rd is None:
+                continue
             if rd.rec.key in self.held.get(rd.rec.pid, {}):
                 continue  # counted in early while still held: not finished being held
             if final or all(self._settled_past(lk, key) for lk in rd.logs):
                 due.append(rd)
-        for rd in sorted(due, key=lambda rd: rd.rec.end_ns):
+        for rd in sorted(due, key=lambda rd: (rd.rec.end_ns, rd.seq)):
             self._release(rd)
+
+    def _ready_entry(self, rec: RequestRecord) -> _Ready:
+        rd = self.ready.get(rec.key)
+        if rd is None:
+            rd = self.ready[rec.key] = _Ready(rec, seq=self._ready_seq)
+            self._ready_seq += 1
+        return rd
+
+    def _watch(self, rd: _Ready, lk: LogKey) -> None:
+        """Look at ``rd`` again once log ``lk`` is settled past its last step there."""
+        occ = self.members[lk].occupancies.get(rd.rec.key)
+        if occ is None or occ.last < self.settled[lk]:
+            self._recheck.add(rd.rec.key)
+        else:
+            heapq.heappush(self._waits.setdefault(lk, []), (occ.last, rd.seq, rd.rec.key))
+
+    def _settled_to(self, lk: LogKey, index: int) -> None:
+        """Log ``lk``'s steps before ``index`` are settled: records waiting on them are
+        looked at again."""
+        self.settled[lk] = index
+        waits = self._waits.get(lk)
+        while waits and waits[0][0] < index:
+            self._recheck.add(heapq.heappop(waits)[2])
 
     def _settled_past(self, lk: LogKey, key: Key) -> bool:
         occ = self.members[lk].occupancies.get(key)

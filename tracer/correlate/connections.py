@@ -20,7 +20,7 @@ import traceback
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 from protocols import detect, http1, http2
 from protocols import tls as tlsproto
@@ -32,10 +32,14 @@ from tracer.events import schema, wire
 from tracer.events.tls import TlsEvent
 
 C = wire.CONSTANTS
+_DIR_IN = C["DIR_IN"]
+_FLAG_LAST = C["FLAG_LAST"]
+_FLAG_TLS_LAST = C["FLAG_LAST"] | C["FLAG_TLS"]
 Emit = Callable[[RequestRecord], None]
 
 SNIFF_MAX = 64  # client bytes looked at to recognise a protocol
 HUNT_GIVE_UP = 64 * 1024  # bytes of an attached-to connection searched for a start line
+MAX_SOCKET_THREADS = 65_536  # threads remembered as having moved socket bytes
 
 log = logging.getLogger("tokentrace.connections")
 _ROOT = Path(__file__).resolve().parents[2]
@@ -195,6 +199,12 @@ class Connection:
         self.last_ts = 0
         self.close_reason: str | None = None
         self.ipc_seen = False  # its addresses were given to the process graph
+        # by inbound: the process graph has all it wants of this direction (and its
+        # addresses): no need to show it more bytes
+        self.ipc_quiet = {True: False, False: False}
+        # the wire direction of the server's bytes once HTTP/1 is parsed and the role
+        # known: where ``_stream_chunk`` may apply
+        self.stream_dir: int | None = None
         self.held = 0  # bytes it held for parsing after its last data event
         self.tls: TlsConn | None = None  # TLS on the wire, or its plaintext followed
 
@@ -222,6 +232,38 @@ class Connection:
         return (self.pid, self.fd, self.conn_id)
 
 
+class ConnTable(dict[tuple[int, int, int], Connection]):
+    """The followed connections by key, and by process (``by_pid``): the GPU
+    correlator asks for one process's open requests at every settling."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_pid: dict[int, dict[tuple[int, int, int], Connection]] = {}
+
+    def __setitem__(self, key: tuple[int, int, int], c: Connection) -> None:
+        super().__setitem__(key, c)
+        self.by_pid.setdefault(key[0], {})[key] = c
+
+    def __delitem__(self, key: tuple[int, int, int]) -> None:
+        super().__delitem__(key)
+        self._unindex(key)
+
+    def pop(self, key: tuple[int, int, int], *default: object) -> object:  # type: ignore[override]
+        if key in self:
+            self._unindex(key)
+        return super().pop(key, *default)
+
+    def _unindex(self, key: tuple[int, int, int]) -> None:
+        same = self.by_pid.get(key[0])
+        if same is not None:
+            same.pop(key, None)
+            if not same:
+                del self.by_pid[key[0]]
+
+    def of_pid(self, pid: int) -> Iterable[Connection]:
+        return self.by_pid.get(pid, {}).values()
+
+
 class ConnectionTracker:
     """Socket events in, finished ``RequestRecord``s out (through ``emit``)."""
 
@@ -232,7 +274,11 @@ class ConnectionTracker:
         self.ipc = ipc  # told every connection's first bytes and addresses
         self.options = options or TrackerOptions()
         self.processes = processes if processes is not None else {}
-        self.conns: dict[tuple[int, int, int], Connection] = {}
+        self.conns = ConnTable()
+        # (pid, tid) of every thread seen moving socket bytes: the only ones a request's
+        # ``tids`` can name (a thread that never did is no request's own); None: too
+        # many to keep (a thread per request), any thread may be one
+        self.socket_threads: set[tuple[int, int]] | None = set()
         self.buffered_estimate = 0  # sum of Connection.held, give or take the closed
         self.stats: Counter[str] = Counter()
 
@@ -251,6 +297,7 @@ class ConnectionTracker:
             if c is not None:
                 c.family, c.peer_addr, c.peer_port = ev.family, ev.peer_addr, ev.peer_port
                 c.local_port = c.local_port or ev.ret
+                c.ipc_quiet = {True: False, False: False}  # addresses for the graph
         elif ev.op == C["CONN_CLOSE"]:
             c = self.conns.pop(ev.key, None)
             if c is not None:
@@ -269,12 +316,35 @@ class ConnectionTracker:
         c.local_addr, c.local_port = ev.local_addr, ev.local_port
         if ev.peer_addr or not c.peer_addr:
             c.peer_addr, c.peer_port = ev.peer_addr, ev.peer_port
+        c.ipc_quiet = {True: False, False: False}  # addresses for the process graph
 
     def process_exit(self, pid: int, ts: int) -> None:
+        if self.socket_threads is not None:
+            self.socket_threads = {t for t in self.socket_threads if t[0] != pid}
         for key in [k for k in self.conns if k[0] == pid]:
             c = self.conns.pop(key)
             c.close_reason = "process exited before the response completed"
             self._close_guarded(c, ts)
+
+    def pause(self, ts: int) -> None:
+        """The agent took its probes out (``schema.TracingPaused``): every connection
+        is forgotten, its open requests end here, incomplete (what comes after the
+        resume is followed afresh, as at attach)."""
+        reason = "tracing paused before the response completed"
+        for key in list(self.conns):
+            c = self.conns.pop(key)
+            exchanges, c.exchanges = list(c.exchanges.values()), {}
+            for ex in exchanges:
+                self._emit_guarded(lambda ex=ex: self._finished(ex, ts, reason, True))
+            cut = len(exchanges)
+            if c.h2 is not None:
+                for rec in c.h2.abort(ts, reason):
+                    cut += 1
+                    self._emit_guarded(lambda rec=rec: rec)
+            if self.ipc is not None:
+                self.ipc.closed(c.pid, c.fd, c.conn_id)
+            self.stats["requests_cut_by_pause"] += cut
+        self.stats["pauses"] += 1
 
     def finish(self, ts: int) -> int:
         """End of capture: count exchanges still open (they are not emitted)."""
@@ -318,6 +388,11 @@ class ConnectionTracker:
     # ---- data -------------------------------------------------------------------
 
     def data_event(self, ev: schema.DataEvent) -> None:
+        threads = self.socket_threads
+        if threads is not None:
+            threads.add((ev.pid, ev.tid))
+            if len(threads) > MAX_SOCKET_THREADS:
+                self.socket_threads = None  # too many to keep: every thread may serve
         c = self.conns.get(ev.key)
         if c is None:
             # its open record was lost, or it predates the capture: follow it unsynced
@@ -326,6 +401,8 @@ class ConnectionTracker:
             self._admit(c)
             self.stats["connections_unannounced"] += 1
         try:
+            if c.stream_dir == ev.direction and self._stream_chunk(c, ev):
+                return  # what it holds did not change
             self._data_event(c, ev)
             held, c.held = c.held, c.buffered()
             self.buffered_estimate += c.held - held
@@ -349,6 +426,55 @@ class ConnectionTracker:
             c.close_reason = "dropped: over the tracer's buffer budget"
             self.stats["connections_over_buffer_budget"] += 1
             self._close_guarded(c, ts)
+
+    def _stream_chunk(self, c: Connection, ev: schema.DataEvent) -> bool:
+        """``stream_write`` of a decoded event."""
+        return self.stream_write(c, ev.tid, ev.ts_exit, ev.direction, ev.flags, ev.offset,
+                                 ev.ret, ev.payload, ev.stream_off)
+
+    def stream_write(self, c: Connection, tid: int, ts: int, direction: int, flags: int,
+                     offset: int, ret: int, payload: bytes, stream_off: int) -> bool:
+        """The common case of a streamed response, taken with fewer steps than
+        ``_data_event``: the server's next bytes, in one whole syscall, are exactly one
+        whole chunk of a chunked body (one token's SSE event, as LLM servers write them).
+        The same effects as the general path, which the tests prove on every capture:
+        offsets, the parser's framing (``take_chunk``), the exchange's thread and
+        bytes, the follower. True: taken, and the bytes the connection holds for parsing
+        did not change; False: nothing done, take the general path. The fields are a
+        DATA record's (``schema.DataEvent``): ``Pipeline.feed`` calls it with them."""
+        inbound = direction == _DIR_IN
+        # a TLS connection's plaintext (flagged TLS) is its stream; its ciphertext is not
+        tls = c.tls is not None and c.tls.plain
+        if ((flags != (_FLAG_TLS_LAST if tls else _FLAG_LAST)) or offset or ret != len(payload)
+                or stream_off != c.expected[inbound] or not c.ipc_quiet[inbound]):
+            return False
+        http = c.http
+        d = http._server if http is not None else None
+        if d is None or d.msg is None:
+            return False
+        ex = c.exchanges.get(d.msg.exchange)
+        if ex is None:
+            return False
+        f = ex.follower
+        if f is not None and f.buffered:
+            return False
+        body = d.take_chunk(payload, ts)
+        if body is None:
+            return False
+        c.last_ts = ts
+        c.expected[inbound] = stream_off + len(payload)
+        rec = ex.rec
+        if tid and tid not in rec.tids:
+            rec.tids.append(tid)
+        rec.response_bytes += len(body)
+        if f is not None and not f.sse_write(ts, body):
+            f.data(ts, body)
+            if f.buffered:  # not one whole event after all: account for it
+                self.buffered_estimate += f.buffered
+                c.held += f.buffered
+                if self.buffered_estimate > self.options.max_buffered:
+                    self._shed(ts)
+        return True
 
     def _data_event(self, c: Connection, ev: schema.DataEvent) -> None:
         ts = ev.ts_exit
@@ -379,7 +505,10 @@ class ConnectionTracker:
                 self.ipc.connection(c.pid, (c.local_addr, c.local_port),
                                     (c.peer_addr, c.peer_port))
             if ev.payload:
-                self.ipc.data(c.pid, c.fd, c.conn_id, inbound, ev.payload, ts)
+                more = self.ipc.data(c.pid, c.fd, c.conn_id, inbound, ev.payload, ts,
+                                     start=c.synced and pos == 0)
+                c.ipc_quiet[inbound] = not more and (c.ipc_seen
+                                                     or not (c.peer_port and c.local_port))
         if ev.payload:
             self._feed(c, ev, inbound, ts)
         if missing > 0:
@@ -398,6 +527,8 @@ class ConnectionTracker:
             if c.proto == "tls":
                 self._tls_handshake(c, ev.payload, c.from_client(inbound))
             return
+        if c.role is not None and c.stream_dir is None:
+            c.stream_dir = C["DIR_OUT"] if c.role == "server" else C["DIR_IN"]
         events = c.http.receive(ev.payload, ts, c.from_client(inbound))
         self._dispatch(c, events, ev.tid)
 
@@ -533,6 +664,9 @@ class ConnectionTracker:
         c.sniff_buf, c.unsniffed = b"", 0
         c.expected = {True: 0, False: 0}
         c.synced = t.fresh
+        if self.ipc is not None:  # the process graph follows the plaintext, from its start
+            self.ipc.closed(c.pid, c.fd, c.conn_id)
+            c.ipc_quiet = {True: False, False: False}
         self.stats["tls_connections_decrypted"] += 1
 
     def _tls_outcome(self, c: Connection) -> None:
@@ -568,6 +702,10 @@ class ConnectionTracker:
             self._contain(c, e, ts)
         if self.ipc is not None:
             self.ipc.closed(c.pid, c.fd, c.conn_id)
+
+    def contain(self, c: Connection, e: Exception, ts: int) -> None:
+        """What data_event does when a parser raised on ``c``'s bytes."""
+        self._contain(c, e, ts)
 
     def _contain(self, c: Connection, e: Exception, ts: int) -> None:
         """A parser raised on ``c``: count it, end its open requests in error, and let
@@ -612,6 +750,17 @@ class ConnectionTracker:
 
     def _dispatch(self, c: Connection, events: list[http1.Event], tid: int) -> None:
         for e in events:
+            if type(e) is http1.Data:  # the most frequent, first
+                ex = c.exchanges.get(e.exchange)
+                if ex is None:
+                    continue
+                if tid and tid not in ex.rec.tids:
+                    ex.rec.tids.append(tid)
+                if e.from_client:
+                    ex.request_data(e.data)
+                else:
+                    ex.response_data(e.ts, e.data)
+                continue
             if isinstance(e, http1.Request):
                 ex = Exchange(c, e, self.options)
                 c.exchanges[e.exchange] = ex

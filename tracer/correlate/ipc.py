@@ -14,8 +14,12 @@ Two ends are recognised by:
 * payload fingerprints: the first ``FINGERPRINT_BYTES`` bytes a process was seen
   reading on a connection occur within the first ``WRITER_HEAD_BYTES`` bytes another
   process was seen writing on one, within ``MATCH_WINDOW_NS`` (unix sockets have no
-  addresses to match). A substring, not a prefix: a reader blocked in a read when the
-  tracer attached misses the start of what was written (a length prefix, a message).
+  addresses to match). A substring, not a prefix, where either end was found open at
+  attach: a reader blocked in a read when the tracer attached misses the start of what
+  was written (a length prefix, a message). Two ends both seen from their first byte
+  carry the same bytes from the start, so there the reader's fingerprint is the
+  writer's first bytes: a dictionary look-up, not a scan of every pending head (a
+  server with many new connections a second made the scan its hottest path).
 """
 
 from __future__ import annotations
@@ -33,13 +37,16 @@ MAX_PENDING = 512  # unmatched heads kept per side, oldest dropped first
 
 @dataclass
 class _Head:
-    """The first bytes seen of one direction of one connection."""
+    """The first bytes seen of one direction of one connection. ``start``: they are its
+    first bytes (the connection was seen from its start, nothing lost before them)."""
 
     pid: int
     ts: int
     inbound: bool
+    start: bool = False
     data: bytearray = field(default_factory=bytearray)
     matched: bool = False
+    searched: int = 0  # bytes of a writer's head already searched by pending readers
 
     @property
     def full(self) -> bool:
@@ -55,6 +62,9 @@ class IpcGraph:
         self._heads: dict[tuple[int, int, int, bool], _Head] = {}
         self._writers: list[_Head] = []  # unmatched, oldest first
         self._readers: list[_Head] = []
+        # heads seen from their start, by their first FINGERPRINT_BYTES bytes
+        self._start_writers: dict[bytes, list[_Head]] = {}
+        self._start_readers: dict[bytes, list[_Head]] = {}
         self._addrs: dict[tuple[str, int, str, int], int] = {}
         self._groups: dict[int, frozenset[int]] = {}
 
@@ -82,40 +92,91 @@ class IpcGraph:
             self._addrs.pop(next(iter(self._addrs)))
 
     def data(self, pid: int, fd: int, conn_id: int, inbound: bool, payload: bytes,
-             ts: int) -> None:
-        """Bytes a process moved on a connection (only the first few matter)."""
+             ts: int, start: bool = False) -> bool:
+        """Bytes a process moved on a connection (only the first few matter). ``start``:
+        the first call for this direction carries its first bytes (seen from the
+        connection's start, nothing lost before); otherwise its head may begin anywhere.
+        Returns whether later bytes of this direction could still matter."""
         key = (pid, fd, conn_id, inbound)
         h = self._heads.get(key)
         if h is None:
-            h = self._heads[key] = _Head(pid, ts, inbound)
+            h = self._heads[key] = _Head(pid, ts, inbound, start)
             pending = self._readers if inbound else self._writers
             pending.append(h)
             if len(pending) > MAX_PENDING:
-                del pending[0]
+                self._forget(pending.pop(0))
         elif h.full or h.matched:
-            return
-        need = (FINGERPRINT_BYTES if inbound else WRITER_HEAD_BYTES) - len(h.data)
+            return False
+        had = len(h.data)
+        need = (FINGERPRINT_BYTES if inbound else WRITER_HEAD_BYTES) - had
         h.data += payload[:need]
-        if len(h.data) >= FINGERPRINT_BYTES:
-            self._match(h)
+        if len(h.data) < FINGERPRINT_BYTES:
+            return True
+        if had < FINGERPRINT_BYTES and h.start:
+            index = self._start_readers if inbound else self._start_writers
+            index.setdefault(bytes(h.data[:FINGERPRINT_BYTES]), []).append(h)
+        if inbound:
+            self._match_reader(h)
+        else:
+            self._match_writer(h, had)
+        return not (h.full or h.matched)
 
     def closed(self, pid: int, fd: int, conn_id: int) -> None:
         """A connection ended: forget its heads."""
         self._heads.pop((pid, fd, conn_id, True), None)
         self._heads.pop((pid, fd, conn_id, False), None)
 
-    def _match(self, h: _Head) -> None:
-        if h.inbound:
-            pairs = [(h, w) for w in self._writers]
+    def _forget(self, h: _Head) -> None:
+        """``h`` leaves the pending heads (matched, or the oldest of too many)."""
+        if not (h.start and len(h.data) >= FINGERPRINT_BYTES):
+            return
+        index = self._start_readers if h.inbound else self._start_writers
+        fp = bytes(h.data[:FINGERPRINT_BYTES])
+        same = index.get(fp)
+        if same is not None and h in same:
+            same.remove(h)
+            if not same:
+                del index[fp]
+
+    @staticmethod
+    def _pair(r: _Head, w: _Head) -> bool:
+        return r.pid != w.pid and not r.matched and abs(r.ts - w.ts) <= MATCH_WINDOW_NS
+
+    def _match_reader(self, r: _Head) -> None:
+        """A reader's fingerprint is complete: the writer whose head holds it."""
+        fp = bytes(r.data[:FINGERPRINT_BYTES])
+        if r.start:  # its match is a writer seen from the start with the same first bytes,
+            for w in self._start_writers.get(fp, ()):  # or one found open at attach
+                if self._pair(r, w):
+                    return self._link(r, w)
+            cands = [w for w in self._writers if not w.start]
         else:
-            pairs = [(r, h) for r in self._readers if len(r.data) >= FINGERPRINT_BYTES]
-        for r, w in pairs:
-            if (r.pid != w.pid and not r.matched and abs(r.ts - w.ts) <= MATCH_WINDOW_NS
-                    and bytes(r.data[:FINGERPRINT_BYTES]) in w.data):
-                r.matched = True
-                self._readers.remove(r)
-                self.link(r.pid, w.pid, "payload")
-                return
+            cands = self._writers
+        for w in cands:
+            if self._pair(r, w) and fp in w.data:
+                return self._link(r, w)
+
+    def _match_writer(self, w: _Head, had: int) -> None:
+        """A writer's head grew from ``had`` bytes: the pending reader it now holds.
+        Readers were searched for in its first ``w.searched`` bytes when they (or
+        those bytes) came, so only the rest is searched, with an overlap of one
+        fingerprint less a byte."""
+        new = w.data[max(0, w.searched - FINGERPRINT_BYTES + 1):]
+        w.searched = len(w.data)
+        if w.start and had < FINGERPRINT_BYTES:
+            for r in self._start_readers.get(bytes(w.data[:FINGERPRINT_BYTES]), ()):
+                if self._pair(r, w):
+                    return self._link(r, w)
+        for r in self._readers:
+            if (len(r.data) >= FINGERPRINT_BYTES and not (r.start and w.start)
+                    and self._pair(r, w) and bytes(r.data[:FINGERPRINT_BYTES]) in new):
+                return self._link(r, w)
+
+    def _link(self, r: _Head, w: _Head) -> None:
+        r.matched = True
+        self._readers.remove(r)
+        self._forget(r)
+        self.link(r.pid, w.pid, "payload")
 
     def serving_group(self, pid: int) -> frozenset[int]:
         """``pid`` and every process linked to it, directly or not."""

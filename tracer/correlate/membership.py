@@ -88,13 +88,13 @@ class Occupancy:
     begin: int | None = None
     gaps: tuple[tuple[int, int], ...] = ()
 
+    def __post_init__(self) -> None:
+        self.by_tokens = not self.how.startswith("time")  # placed by its tokens (fixed)
+
     def holds(self, i: int) -> bool:
         """Its tokens place it in step ``i``."""
-        return self.first <= i <= self.last and not any(a <= i <= b for a, b in self.gaps)
-
-    @property
-    def by_tokens(self) -> bool:
-        return not self.how.startswith("time")
+        return self.first <= i <= self.last and not (
+            self.gaps and any(a <= i <= b for a, b in self.gaps))
 
     @property
     def start(self) -> int:
@@ -247,43 +247,82 @@ class Membership:
         self.capacity = 1
         self.counts: Counter[int] = Counter()  # settled steps by requests their tokens place in them
         self.committed: Counter[int] = Counter()  # step -> requests decided to prefill in it
-        self._ahead: Counter[int] | None = None  # step -> requests tokens place in it, unsettled
+        # step -> requests tokens place in it, from step ``_next`` on: kept up to date as
+        # occupancies come and go (rebuilt when members() is asked out of order)
+        self._ahead: Counter[int] | None = None
         self._next = 0  # the step members() is asked for next
+        self._joined = True  # occupancies came or went since members() last ran
+        # occupancies whose prefill is still to be placed (by tokens, no ``begin``)
+        self._unplaced: dict[tuple[int, int, int, int], Occupancy] = {}
+        self._seq: dict[tuple[int, int, int, int], int] = {}  # key -> order it joined in
+        self._joins = 0
         self.ratio = StepsPerToken()
         self.lag = HandOffLag()
         self.prompt = PromptTokens()
 
     def add(self, occ: Occupancy) -> None:
-        self.occupancies[occ.rec.key] = occ
+        key = occ.rec.key
+        old = self.occupancies.get(key)
+        if old is not None:
+            self._count_ahead(old, -1)
+        else:
+            self._seq[key] = self._joins
+            self._joins += 1
+        self.occupancies[key] = occ
         self.prompt.learn(occ.rec)
-        self._ahead = None
+        self._count_ahead(occ, 1)
+        if occ.by_tokens and occ.begin is None:
+            self._unplaced[key] = occ
+        else:
+            self._unplaced.pop(key, None)
+        self._joined = True
 
     def remove(self, key: tuple[int, int, int, int]) -> Occupancy | None:
-        self._ahead = None
-        return self.occupancies.pop(key, None)
+        occ = self.occupancies.pop(key, None)
+        self._unplaced.pop(key, None)
+        self._seq.pop(key, None)
+        if occ is not None:
+            self._count_ahead(occ, -1)
+        self._joined = True
+        return occ
+
+    def _count_ahead(self, o: Occupancy, by: int) -> None:
+        """Add (or take away) ``o``'s steps from ``_next`` on to ``_ahead``."""
+        ahead = self._ahead
+        if ahead is None or not o.by_tokens:
+            return
+        for k in range(max(o.first, self._next), o.last + 1):
+            if o.holds(k):
+                n = ahead[k] + by
+                if n:
+                    ahead[k] = n
+                else:
+                    del ahead[k]
 
     def horizon(self, i: int) -> int:
         """The last step whose members must be known before step ``i`` is settled: the
         step before the first token of any request still to be placed by then."""
         out = i
-        for o in self.occupancies.values():
-            if o.by_tokens and o.begin is None and o.arrival <= i < o.first:
+        for o in self._unplaced.values():
+            if o.arrival <= i < o.first:
                 out = max(out, o.first - 1)
         return out
 
     def members(self, i: int) -> list[tuple[Occupancy, Member]]:
         """Who was in step ``i``, each with what the cost model needs to know."""
-        rebuilt = self._ahead is None or self._next != i
+        rebuilt = self._ahead is None or self._next != i or self._joined
+        self._joined = False
         ahead = self._emitting_ahead(i)
         emitting = ahead.pop(i, 0)
         self.counts[emitting] += 1
         if rebuilt or i % CAPACITY_EVERY == 0:
             self._learn_capacity(ahead)
-        undecided = sorted((o for o in self.occupancies.values() if o.by_tokens
-                            and o.begin is None and o.arrival <= i),
-                           key=lambda o: arrival_ns(o.rec))
+        seq = self._seq  # ties in the order requests joined (as ``occupancies`` holds them)
+        undecided = sorted((o for o in self._unplaced.values() if o.arrival <= i),
+                           key=lambda o: (arrival_ns(o.rec), seq[o.rec.key]))
         for o in undecided:  # earlier arrivals first
             self._place(o, i, ahead, emitting)
+            del self._unplaced[o.rec.key]
         self.committed.pop(i - 1, None)
         self._next = i + 1
         out = []

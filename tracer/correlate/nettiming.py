@@ -39,10 +39,13 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from tracer.correlate.records import NetTiming, RequestRecord
-from tracer.events import schema
+from tracer.events import schema, wire
 from tracer.events.netwait import NetTimingMode, NetWait
 
 Emit = Callable[[RequestRecord], None]
+_DIR_IN = wire.CONSTANTS["DIR_IN"]
+_FLAG_LAST = wire.CONSTANTS["FLAG_LAST"]
+_FLAG_TLS = wire.CONSTANTS["FLAG_TLS"]
 WAIT_NS = 250_000_000  # a peer ACKs within its delayed-ACK time (40-200 ms on Linux)
 HOLD_MAX_NS = 2_000_000_000
 MAX_LOG = 8192  # writes and arrivals remembered per connection
@@ -118,22 +121,32 @@ class NetTimer:
     def data(self, ev: schema.DataEvent) -> None:
         """Remember where each write of a followed connection ended (for TLS: when each
         plaintext write was made; its ciphertext's writes are the socket's)."""
-        if ev.inbound or not ev.last or ev.ret <= 0:
+        self.write(ev.pid, ev.fd, ev.conn_id, ev.ts_exit, ev.direction, ev.flags, ev.ret,
+                   ev.stream_off, ev.ts_enter)
+
+    def write(self, pid: int, fd: int, conn_id: int, ts_exit: int, direction: int, flags: int,
+              ret: int, stream_off: int, ts_enter: int | None = None) -> None:
+        """``data`` of a DATA record's fields. ``Pipeline.feed``'s fast path calls it
+        without ``ts_enter``, then perhaps ``data`` with the same record: taken once."""
+        if direction == _DIR_IN or not flags & _FLAG_LAST or ret <= 0 or not self.conns:
             return
-        c = self.conns.get(ev.key)
+        c = self.conns.get((pid, fd, conn_id))
         if c is None or not c.anchored:
             return
-        c.last_ns = max(c.last_ns, ev.ts_exit)
-        if ev.tls_plain:
-            c.tls_writes[ev.ts_exit] = ev.ts_enter
-            if len(c.tls_writes) > MAX_LOG:
-                del c.tls_writes[next(iter(c.tls_writes))]
+        c.last_ns = max(c.last_ns, ts_exit)
+        if flags & _FLAG_TLS:
+            if ts_enter is not None:
+                c.tls_writes[ts_exit] = ts_enter
+                if len(c.tls_writes) > MAX_LOG:
+                    del c.tls_writes[next(iter(c.tls_writes))]
             return
-        c.writes[ev.ts_exit] = ev.stream_off + ev.ret
-        if not c.write_ts or ev.ts_exit >= c.write_ts[-1]:
-            c.write_ts.append(ev.ts_exit)
+        if ts_exit in c.writes:
+            return
+        c.writes[ts_exit] = stream_off + ret
+        if not c.write_ts or ts_exit >= c.write_ts[-1]:
+            c.write_ts.append(ts_exit)
         else:
-            bisect.insort(c.write_ts, ev.ts_exit)
+            bisect.insort(c.write_ts, ts_exit)
         if len(c.writes) > MAX_LOG:
             del c.writes[c.write_ts.pop(0)]
 

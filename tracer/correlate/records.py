@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from protocols.grpc import SERVER_ERROR_CODES, Call
@@ -135,8 +136,9 @@ class RequestRecord:
     # its share of the launch-site stacks (tracer.correlate.stacks.Flame), if sampled
     flame: Any = None
 
-    @property
+    @cached_property
     def key(self) -> tuple[int, int, int, int]:
+        """(pid, fd, conn_id, exchange): fixed once the record exists (looked up often)."""
         return (self.pid, self.fd, self.conn_id, self.exchange)
 
     @property

@@ -13,8 +13,9 @@ Widths. A step's calls are known exactly per *unit*: each kernel handle's launch
 samples say which stacks made them: a unit's exact calls are split among the stacks
 its samples in that step were taken in, in proportion to their samples; a unit with
 no sample in the step is split like that unit's samples in the process so far (in
-stream order, so a replay gives the same split); a unit never sampled stays one
-``[no stack sampled]`` stack under its kernel. So per request and per kernel the
+stream order, so a replay gives the same split), launches past a burst's 16 kernel
+slots (no handle) like the process's samples of the kernels not in its slots; a unit
+never sampled stays one ``[no stack sampled]`` stack under its kernel. So per request and per kernel the
 launch widths are exact, and only their division among call sites is estimated. The
 GPU time of a step (its span, ``steps.py``) is shared by its calls equally: tokentrace
 does not time kernels one by one. The raw sample counts are kept beside both.
@@ -90,6 +91,7 @@ class StackBook:
     pending: dict[tuple[int, int], list[StackCounts]] = field(default_factory=dict)
     frames: dict[tuple[int, int], StackFrames] = field(default_factory=dict)
     by_unit: dict[tuple[int, Unit], Counter[int]] = field(default_factory=dict)
+    kernel_handles: dict[int, set[int]] = field(default_factory=dict)  # pid -> sampled kernels
     unattributed: dict[int, Flame] = field(default_factory=lambda: defaultdict(Flame))
     stats: Counter[str] = field(default_factory=Counter)
 
@@ -110,6 +112,8 @@ class StackBook:
         for sid, what, handle, n in ev.entries:
             u = unit_of(what, handle)
             self.by_unit.setdefault((ev.pid, u), Counter())[sid] += n
+            if u[0] == KERNEL:
+                self.kernel_handles.setdefault(ev.pid, set()).add(u[1])
 
     def define(self, ev: StackFrames) -> None:
         self.frames.setdefault((ev.pid, ev.stack_id), ev)
@@ -128,6 +132,17 @@ class StackBook:
             for sid, what, handle, n in ev.entries:
                 out[(sid, unit_of(what, handle))] += n
         return out
+
+    def _overflow_share(self, pid: int, units: Counter[Unit]) -> Counter[tuple[int, int]]:
+        """(stack id, handle) -> samples of ``pid``'s kernels other than those in
+        ``units``' slots: how launches past a burst's slots are split when the burst
+        itself sampled none of them."""
+        dist: Counter[tuple[int, int]] = Counter()
+        for h in self.kernel_handles.get(pid, ()):
+            if (KERNEL, h) not in units:
+                for sid, c in self.by_unit[(pid, (KERNEL, h))].items():
+                    dist[(sid, h)] += c
+        return dist
 
     def weights(self, pid: int, units: Counter[Unit], samples: Counter[tuple[int, Unit]],
                 time_ns: float) -> Flame:
@@ -149,6 +164,12 @@ class StackBook:
             if not dist and u != OVERFLOW:
                 proc = self.by_unit.get((pid, u))
                 dist = Counter({(sid, handle): c for sid, c in proc.items()}) if proc else None
+                if dist:
+                    self.stats["stack_calls_by_process_share"] += n
+            elif not dist and any(w == KERNEL and h > 0 for w, h in units):
+                # launches past full slots, none sampled in this step: split like the
+                # process's samples of the kernels this burst's slots do not hold
+                dist = self._overflow_share(pid, units)
                 if dist:
                     self.stats["stack_calls_by_process_share"] += n
             if not dist:

@@ -31,6 +31,10 @@ from tracer.events.gpu import COPY_KINDS, KernelBurst, NcclEvent
 
 MAX_STEPS = 200_000  # per thread: older steps are dropped first
 OPEN_STEP_MAX_NS = 1_000_000_000  # a step with no result copy for this long is closed anyway
+# steps' kernel mixes, each kept once (Step.kernel_mix); bounded: forgetting one only
+# makes the next equal mix a new object
+MIXES: dict[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]] = {}
+MAX_MIXES = 4096
 
 
 @dataclass
@@ -56,6 +60,18 @@ class Step:
     nccl_calls: Counter[str] = field(default_factory=Counter)
     stack_samples: Counter[tuple[int, tuple[int, int]]] | None = None
     flame: object | None = None  # its stacks.Flame, computed once when it is split
+    _mix: tuple[tuple[int, int], ...] | None = None
+
+    def kernel_mix(self) -> tuple[tuple[int, int], ...]:
+        """Its kernels and their launches as a tuple, in launch order; equal mixes of
+        other steps are the same object (``MIXES``), so a request's share of many steps
+        is summed per mix, not per kernel."""
+        if self._mix is None:
+            mix = tuple(self.kernels.items())
+            self._mix = MIXES.setdefault(mix, mix)
+            if len(MIXES) > MAX_MIXES:
+                MIXES.clear()
+        return self._mix
 
     @property
     def span_ns(self) -> int:

@@ -3,8 +3,8 @@
 Two sources produce them: BPF records decoded from the ring buffer (``ConnEvent``,
 ``DataEvent``, ``ProcEvent``, and the GPU records in ``tracer.events.gpu``), and the
 user-space side of capture, which reads what BPF cannot see cheaply from /proc
-(``ProcessInfo``, ``SocketInfo``) and reports loss (``DropReport``). All are frozen
-dataclasses with slots. Timestamps are CLOCK_MONOTONIC nanoseconds; the capture's
+(``ProcessInfo``, ``SocketInfo``) and reports loss (``DropReport``). All are immutable:
+frozen dataclasses with slots, and ``DataEvent`` (the most frequent) a named tuple. Timestamps are CLOCK_MONOTONIC nanoseconds; the capture's
 ``ClockSync`` maps them to wall-clock time.
 """
 
@@ -12,11 +12,18 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import struct
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from tracer.events import wire
 
 SCHEMA_VERSION = 1
+_DIR_IN = wire.CONSTANTS["DIR_IN"]
+_FLAG_LAST = wire.CONSTANTS["FLAG_LAST"]
+_FLAG_TRUNCATED = wire.CONSTANTS["FLAG_TRUNCATED"]
+_FLAG_EOF = wire.CONSTANTS["FLAG_EOF"]
+_FLAG_ERROR = wire.CONSTANTS["FLAG_ERROR"]
 
 
 def _addr_text(family: int, raw: bytes) -> str:
@@ -50,8 +57,7 @@ class ConnEvent:
         return (self.pid, self.fd, self.conn_id)
 
 
-@dataclass(frozen=True, slots=True)
-class DataEvent:
+class DataEvent(NamedTuple):
     """One chunk of bytes that a traced process read from or wrote to a socket.
 
     ``ret`` is the syscall's whole return value; a syscall that moved more than one
@@ -59,6 +65,10 @@ class DataEvent:
     past the capture limit were moved but not captured (``ret`` still counts them).
     ``eof`` marks a read that returned 0; ``error`` a read/write that failed (-errno
     in ``ret``).
+
+    A named tuple rather than a frozen dataclass: one is decoded per socket syscall,
+    the agent's most frequent record, and a tuple is built five times faster (immutable
+    all the same).
     """
 
     pid: int
@@ -91,23 +101,23 @@ class DataEvent:
 
     @property
     def inbound(self) -> bool:
-        return self.direction == wire.CONSTANTS["DIR_IN"]
+        return self.direction == _DIR_IN
 
     @property
     def last(self) -> bool:
-        return bool(self.flags & wire.CONSTANTS["FLAG_LAST"])
+        return bool(self.flags & _FLAG_LAST)
 
     @property
     def truncated(self) -> bool:
-        return bool(self.flags & wire.CONSTANTS["FLAG_TRUNCATED"])
+        return bool(self.flags & _FLAG_TRUNCATED)
 
     @property
     def eof(self) -> bool:
-        return bool(self.flags & wire.CONSTANTS["FLAG_EOF"])
+        return bool(self.flags & _FLAG_EOF)
 
     @property
     def error(self) -> bool:
-        return bool(self.flags & wire.CONSTANTS["FLAG_ERROR"])
+        return bool(self.flags & _FLAG_ERROR)
 
     @property
     def tls_plain(self) -> bool:
@@ -191,11 +201,25 @@ class ClockSync:
         return self.wall_ns - self.mono_ns
 
 
-Event = ConnEvent | DataEvent | ProcEvent | ProcessInfo | SocketInfo | DropReport | ClockSync
+@dataclass(frozen=True, slots=True)
+class TracingPaused:
+    """The agent took its probes out (``paused``) or put them back at ``ts``
+    (``tokentrace run``: SIGUSR1/SIGUSR2 or ``--control``). Nothing is captured in
+    between: requests open at a pause end there, incomplete; sockets are adopted
+    afresh at the resume, as at attach. ``switch_s``: how long taking the probes out
+    (or putting them back) took."""
+
+    ts: int
+    paused: bool
+    switch_s: float = 0.0
+
+
+Event = (ConnEvent | DataEvent | ProcEvent | ProcessInfo | SocketInfo | DropReport | ClockSync
+         | TracingPaused)
 
 # user-space event classes by name, for the capture file's JSON records
 USER_EVENTS: dict[str, type] = {
-    cls.__name__: cls for cls in (ProcessInfo, SocketInfo, DropReport, ClockSync)
+    cls.__name__: cls for cls in (ProcessInfo, SocketInfo, DropReport, ClockSync, TracingPaused)
 }
 
 
@@ -213,18 +237,25 @@ def _decode_conn(buf: bytes) -> ConnEvent:
     )
 
 
+_new_tuple = tuple.__new__  # DataEvent's own __new__ without its keyword handling
+_UNPACK_DATA = wire.DATA.header.unpack_from
+_DATA_HDR = wire.DATA.header_size
+assert wire.DATA.names == ["kind", "pid", "tid", "fd", "conn_id", "ts_enter", "ts_exit", "ret",
+                           "offset", "len", "syscall", "direction", "flags", "pad",
+                           "stream_off"], "_decode_data reads DATA's fields by position"
+
+
 def _decode_data(buf: bytes) -> DataEvent:
-    f = wire.DATA.unpack(buf)
-    start = wire.DATA.header_size
-    n = f["len"]
-    if len(buf) < start + n:
-        raise WireError(f"data record carries {len(buf) - start} payload bytes, says {n}")
-    return DataEvent(
-        pid=f["pid"], tid=f["tid"], fd=f["fd"], conn_id=f["conn_id"],
-        ts_enter=f["ts_enter"], ts_exit=f["ts_exit"], ret=f["ret"], offset=f["offset"],
-        syscall=f["syscall"], direction=f["direction"], flags=f["flags"],
-        payload=bytes(buf[start : start + n]), stream_off=f["stream_off"],
-    )
+    # once per socket syscall: one unpack into a tuple, fields by position
+    (_, pid, tid, fd, conn_id, ts_enter, ts_exit, ret, offset, n, syscall, direction, flags,
+     _, stream_off) = _UNPACK_DATA(buf, 0)
+    if len(buf) < _DATA_HDR + n:
+        raise WireError(f"data record carries {len(buf) - _DATA_HDR} payload bytes, says {n}")
+    payload = buf[_DATA_HDR:_DATA_HDR + n]
+    if type(payload) is not bytes:
+        payload = bytes(payload)
+    return _new_tuple(DataEvent, (pid, tid, fd, conn_id, ts_enter, ts_exit, ret, offset, syscall,
+                                  direction, flags, payload, stream_off))
 
 
 def _decode_proc(buf: bytes) -> ProcEvent:
@@ -247,11 +278,17 @@ def register_decoder(kind: int, fn) -> None:  # type: ignore[no-untyped-def]
     DECODERS[kind] = fn
 
 
+_KIND_DATA = wire.CONSTANTS["KIND_DATA"]
+_UNPACK_KIND = struct.Struct("<I").unpack_from
+
+
 def decode(buf: bytes):  # type: ignore[no-untyped-def]
     """Decode one ring-buffer record into its typed event."""
     if len(buf) < 4:
         raise WireError(f"record of {len(buf)} bytes is shorter than its kind field")
-    kind = wire.kind_of(buf)
+    kind = _UNPACK_KIND(buf, 0)[0]
+    if kind == _KIND_DATA and len(buf) >= _DATA_HDR:  # most records
+        return _decode_data(buf)
     fn = DECODERS.get(kind)
     if fn is None:
         raise WireError(f"unknown record kind {kind}")

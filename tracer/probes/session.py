@@ -108,6 +108,11 @@ class CaptureSession:
         self._next_listen_scan = 0.0
         self.tls: Any = None  # tracer.probes.tls.TlsProbes when the TLS probes load
         self._next_tls_scan = 0.0
+        self.paused = False
+        self._parked_tps: list[bytes] = []  # tracepoints taken out by pause()
+        self.analysis = True  # control "analysis off": records read and dropped
+        self.dropped_unanalysed = 0
+        self.records_read = 0  # ring-buffer records, for `status`
         self.stacks: Any = None  # tracer.probes.stacks.StackSampler with --stacks
 
     # ---- lifecycle --------------------------------------------------------------
@@ -174,7 +179,8 @@ class CaptureSession:
                 self.gpu.scan(pid)
                 if self.stacks is not None:
                     self.stacks.scan(pid)
-        if self.gpu is not None and self.config.gpu_sample < 1.0 and now >= self._next_sample_toggle:
+        if (self.gpu is not None and self.config.gpu_sample < 1.0 and not self.paused
+                and now >= self._next_sample_toggle):
             self._toggle_launch_probes(now)
         if self.stacks is not None:
             for frames in self.stacks.take():  # stacks resolved since the last poll
@@ -269,6 +275,128 @@ class CaptureSession:
         self.report_counters(force=True)
         self.bpf.cleanup()
         self.bpf = None
+
+    # ---- pause and resume (tokentrace run: SIGUSR1 / SIGUSR2, --control) ---------
+
+    # Tracepoints that stay in place while paused: processes starting and ending (rare,
+    # and what keeps the traced set right across the pause).
+    KEEP_WHILE_PAUSED = (b"sched:",)
+    # Kernel maps of calls in flight and of connections: stale after a pause (their
+    # other half, or the close, was missed), emptied before the probes go back.
+    STALE_AFTER_PAUSE = (b"io_inflight", b"accept_inflight", b"connect_inflight", b"conns",
+                         b"nw_socks", b"nw_fds", b"sync_inflight", b"name_inflight",
+                         b"alloc_inflight", b"stub_pending", b"nccl_inflight",
+                         b"verbs_poll_inflight", b"verbs_mr_inflight", b"verbs_qp_inflight",
+                         # TLS objects tied to sockets whose conn_ids the resume renews:
+                         # met again as after an attach (bpf/tls.c)
+                         b"tls_calls", b"tls_ssls", b"tls_socks", b"tls_rbios", b"tls_bios",
+                         b"tls_last_in", b"tls_egress")
+
+    def pause(self) -> float:
+        """Take every probe out but the process-lifecycle tracepoints, so the traced
+        processes run as if untraced; the agent keeps its state (names, models, counts)
+        and goes on polling. Open requests end at the pause (``TracingPaused``). Returns
+        the seconds the switch took."""
+        if self.paused or self.bpf is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self.paused = True
+        for tp in list(self.bpf.tracepoint_fds):
+            if not tp.startswith(self.KEEP_WHILE_PAUSED):
+                self.bpf.detach_tracepoint(tp)
+                self._parked_tps.append(tp)
+        if self.gpu is not None:
+            self.gpu.join_detach()  # a --gpu-sample detach under way finishes first
+            self.gpu.uprobes.suspend(self.gpu.errors)
+        if self.tls is not None and (self.gpu is None or self.tls.uprobes is not self.gpu.uprobes):
+            self.tls.uprobes.suspend(self.tls.errors)
+        self.bpf.ring_buffer_consume()  # what was sent before the probes came out
+        if self.gpu is not None:
+            for raw in self.gpu.drain():  # bursts open at the pause: counts stay exact
+                self.sink(raw)
+        took = time.perf_counter() - t0
+        self.sink(schema.TracingPaused(ts=time.monotonic_ns(), paused=True, switch_s=took))
+        return took
+
+    def resume(self) -> float:
+        """Put the probes back (after ``pause``); sockets are adopted afresh, as at
+        attach. Returns the seconds the switch took."""
+        if not self.paused or self.bpf is None:
+            return 0.0
+        t0 = time.perf_counter()
+        for name in self.STALE_AFTER_PAUSE:
+            try:
+                self.bpf[name].clear()
+            except KeyError:
+                pass  # that concern is not loaded
+        for tp in self._parked_tps:
+            self.bpf.attach_tracepoint(tp=tp, fn_name=b"tracepoint__" + tp.replace(b":", b"__"))
+        self._parked_tps = []
+        if self.gpu is not None:
+            self.gpu.uprobes.resume(self.gpu.errors)
+        if self.tls is not None and (self.gpu is None or self.tls.uprobes is not self.gpu.uprobes):
+            self.tls.uprobes.resume(self.tls.errors)
+        self.paused = False
+        took = time.perf_counter() - t0
+        self.sink(schema.TracingPaused(ts=time.monotonic_ns(), paused=False, switch_s=took))
+        for pid in sorted(self.pids):
+            self._adopt_sockets(pid)
+        return took
+
+    def control(self, command: str) -> str:
+        """One ``--control`` command; the reply (``ok ...`` or ``error: ...``).
+
+        ``pause`` / ``resume``: all probes out / back; ``status``; and, to measure
+        what each part costs (bench/real_server.py): ``capture-limit BYTES`` (payload
+        bytes copied per syscall), ``burst-min-us US``, ``gpu-launch off|on`` (the
+        kernel-launch uprobes), ``stub-naming off|on`` (libcudart's launch probes),
+        ``analysis off|on`` (records read from the ring buffer and dropped, counted)."""
+        words = command.split()
+        if not words:
+            return "error: empty command"
+        cmd, args = words[0], words[1:]
+        cfg = self.bpf[b"config"] if self.bpf is not None else None
+        try:
+            if cmd == "pause" and not args:
+                return f"ok paused {self.pause():.3f}s"
+            if cmd == "resume" and not args:
+                return f"ok resumed {self.resume():.3f}s"
+            if cmd == "status" and not args:
+                return (f"ok {'paused' if self.paused else 'tracing'} pids="
+                        f"{','.join(map(str, sorted(self.pids)))} analysis="
+                        f"{'on' if self.analysis else 'off'} dropped={self.dropped_unanalysed} "
+                        f"records={self.records_read} "
+                        f"gpu_libs={len(self.gpu.attached) if self.gpu is not None else 0}")
+            if cmd == "capture-limit" and len(args) == 1 and cfg is not None:
+                n = int(args[0])
+                # 0 in the map means "default": one byte is the least that can be asked
+                cfg[ctypes.c_int(C["CFG_CAPTURE_LIMIT"])] = ctypes.c_uint64(max(1, n))
+                return f"ok capture-limit {max(1, n)}"
+            if cmd == "burst-min-us" and len(args) == 1 and cfg is not None:
+                cfg[ctypes.c_int(C["CFG_BURST_MIN_NS"])] = ctypes.c_uint64(int(args[0]) * 1000)
+                return f"ok burst-min-us {int(args[0])}"
+            if cmd in ("gpu-launch", "stub-naming", "analysis") and args in (["on"], ["off"]):
+                on = args[0] == "on"
+                if cmd == "analysis":
+                    self.analysis = on
+                elif self.gpu is None:
+                    return "error: no GPU probes"
+                elif cmd == "gpu-launch":
+                    if on:
+                        self.gpu.join_detach()
+                        self.gpu.attach_launch_probes()
+                    else:
+                        self.gpu.detach_launch_probes()
+                        self.gpu.join_detach()
+                elif on:
+                    self.gpu.stubs.open_window()
+                else:
+                    self.gpu.stubs.close_window("asked (--control stub-naming off)")
+                    self.gpu.stubs.join_detach()
+                return f"ok {cmd} {args[0]}"
+        except (ValueError, RuntimeError) as e:
+            return f"error: {e}"
+        return f"error: unknown command {command!r} (see tokentrace run --help)"
 
     # ---- targets ----------------------------------------------------------------
 
@@ -420,10 +548,14 @@ class CaptureSession:
     def _on_record(self, _ctx: Any, data: Any, size: int) -> None:
         buf = ctypes.string_at(data, size)
         kind = wire.kind_of(buf) if size >= 4 else 0
+        self.records_read += 1
         if kind == C["KIND_STACKDEF"] and self.stacks is not None:
             self.stacks.on_def(buf)  # raw stack memory: resolved here, never captured
             return
-        self.sink(buf)
+        if self.analysis:
+            self.sink(buf)
+        else:
+            self.dropped_unanalysed += 1
         try:
             if kind == C["KIND_CONN"]:
                 self._after_conn(schema.decode(buf))
@@ -515,6 +647,8 @@ class CaptureSession:
     def report_counters(self, force: bool = False) -> None:
         counters = self.kernel_counters()
         counters.update(self.user_counters)
+        if self.dropped_unanalysed:
+            counters["unanalysed_records"] = self.dropped_unanalysed
         if self.gpu is not None:
             counters["gpu_attach_errors"] = len(self.gpu.errors)
             counters.update(self.gpu.stubs.counters())

@@ -169,6 +169,9 @@ class Uprobes:
                                       f"links ({self.why_not}); use auto or perf")
         self._live: list[Attached] = []
         self._live_lock = threading.Lock()
+        # suspend(): groups detached for a while, each with the sites to put back
+        self._parked: list[tuple[Attached, list[Site]]] = []
+        self.suspended = False
 
     def sites_attached(self) -> int:
         """How many uprobes are attached now."""
@@ -185,6 +188,16 @@ class Uprobes:
         put in ``errors`` (by ``Site.describe()``)."""
         got = Attached()
         sites = list(sites)
+        if self.suspended:  # attached at resume()
+            with self._live_lock:
+                self._parked.append((got, sites))
+            return got
+        self._attach_into(got, sites, errors)
+        with self._live_lock:
+            self._live.append(got)
+        return got
+
+    def _attach_into(self, got: Attached, sites: list[Site], errors: dict[str, str]) -> None:
         if self.multi:
             self._attach_links(sites, errors, got)
         else:
@@ -198,9 +211,6 @@ class Uprobes:
                     errors[s.describe()] = str(e)
                     continue
                 got.sites.append(s)
-        with self._live_lock:
-            self._live.append(got)
-        return got
 
     def _attach_links(self, sites: list[Site], errors: dict[str, str], got: Attached) -> None:
         groups: dict[tuple[str, str, bool, int], list[tuple[Site, int]]] = defaultdict(list)
@@ -236,18 +246,8 @@ class Uprobes:
         groups = [groups] if isinstance(groups, Attached) else groups
         with self._live_lock:
             self._live = [a for a in self._live if all(a is not g for g in groups)]
-        if self.multi:
-            _close_all([fd for g in groups for fd in g.links])
-        else:
-            for s in (s for g in groups for s in g.sites):
-                try:
-                    with self.lock:
-                        how = self.bpf.detach_uretprobe if s.ret else self.bpf.detach_uprobe
-                        how(name=s.path.encode(), addr=s.vaddr, pid=s.pid or -1)
-                except Exception as e:  # BCC raises bare Exception
-                    errors[f"{s.describe()} (detach)"] = str(e)
-        for g in groups:
-            g.links, g.sites = [], []
+            self._parked = [(a, s) for a, s in self._parked if all(a is not g for g in groups)]
+        self._release(groups, errors)
         return time.perf_counter() - t0
 
     def detach_in_background(self, groups: Attached | list[Attached], errors: dict[str, str],
@@ -264,6 +264,50 @@ class Uprobes:
         t = threading.Thread(target=run, name=f"tt-detach-{label}", daemon=True)
         t.start()
         return t
+
+    def suspend(self, errors: dict[str, str]) -> float:
+        """Detach every group for a while (``tokentrace run`` paused): each keeps its
+        sites to be put back by ``resume``, and groups attached meanwhile wait for it;
+        the seconds it took."""
+        with self._live_lock:
+            if self.suspended:
+                return 0.0
+            self.suspended = True
+            live, self._live = self._live, []
+            self._parked += [(g, list(g.sites)) for g in live]
+        t0 = time.perf_counter()
+        self._release(live, errors)
+        return time.perf_counter() - t0
+
+    def resume(self, errors: dict[str, str]) -> float:
+        """Attach again what ``suspend`` detached (each group in place, so its owner's
+        handle stays good), and what was attached meanwhile; the seconds it took."""
+        with self._live_lock:
+            if not self.suspended:
+                return 0.0
+            self.suspended = False
+            parked, self._parked = self._parked, []
+        t0 = time.perf_counter()
+        for g, sites in parked:
+            self._attach_into(g, sites, errors)
+        with self._live_lock:
+            self._live += [g for g, _ in parked]
+        return time.perf_counter() - t0
+
+    def _release(self, groups: list[Attached], errors: dict[str, str]) -> None:
+        """Take ``groups``' probes out of the kernel; they are empty afterwards."""
+        if self.multi:
+            _close_all([fd for g in groups for fd in g.links])
+        else:
+            for s in (s for g in groups for s in g.sites):
+                try:
+                    with self.lock:
+                        how = self.bpf.detach_uretprobe if s.ret else self.bpf.detach_uprobe
+                        how(name=s.path.encode(), addr=s.vaddr, pid=s.pid or -1)
+                except Exception as e:  # BCC raises bare Exception
+                    errors[f"{s.describe()} (detach)"] = str(e)
+        for g in groups:
+            g.links, g.sites = [], []
 
     def close(self, errors: dict[str, str]) -> float:
         """Detach everything still attached, all links at once (BCC's ``cleanup`` would
