@@ -42,6 +42,13 @@ struct io_args {
 /* pid_tgid -> the data syscall in flight on that thread */
 BPF_HASH(io_inflight, u64, struct io_args, 16384);
 
+#ifdef TT_TLS
+/* bpf/tls.c (appended after this file): which socket an SSL object belongs to, and
+ * ciphertext of sockets whose plaintext the TLS probes follow */
+static __always_inline void tls_io_enter(u64 id, s32 fd, u64 conn_id);
+static __always_inline int tls_io_exit(u64 id, struct io_args *a, long ret);
+#endif
+
 #ifdef TT_NETWAIT
 /* bpf/netwait.c (appended after this file): when the kernel held the bytes */
 static __always_inline void nw_rcv_space(u64 id, struct io_args *a, u16 lport, u16 rport,
@@ -271,6 +278,9 @@ static __always_inline int io_enter(s32 fd, u64 buf, u32 iovcnt, u16 sys, u8 sha
     struct conn_state *st = conns.lookup(&key);
     if (!st)
         return 0; /* not a socket we know: a file, pipe or eventfd */
+#ifdef TT_TLS
+    tls_io_enter(id, fd, st->conn_id);
+#endif
     struct io_args a = {};
     a.buf = buf;
     a.ts_enter = bpf_ktime_get_ns();
@@ -403,6 +413,14 @@ static __always_inline int io_exit(long ret)
         nw_io_exit(a, d, ret);
 #endif
 
+#ifdef TT_TLS
+    if (ret > 0 && tls_io_exit(id, a, ret)) {
+        /* ciphertext whose plaintext comes from the TLS probes: its place, not its bytes */
+        emit_chunk(d, 0, 0, TT_FLAG_LAST | TT_FLAG_CIPHER);
+        io_inflight.delete(&id);
+        return 0;
+    }
+#endif
     if (ret <= 0) {
         emit_chunk(d, 0, 0, TT_FLAG_LAST | (ret == 0 ? TT_FLAG_EOF : TT_FLAG_ERROR));
         io_inflight.delete(&id);

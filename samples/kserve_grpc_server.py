@@ -146,14 +146,20 @@ COMPRESSION = {"none": grpc.Compression.NoCompression, "gzip": grpc.Compression.
 
 
 def serve(port: int, engine: Engine, host: str = "127.0.0.1", workers: int = 96,
-          compression: str = "none") -> Any:
+          compression: str = "none", tls: tuple[str, str] | None = None) -> Any:
     """Start the server; ``compression`` (a key of ``COMPRESSION``) compresses every
-    response message (gRPC message compression, ``grpc-encoding``)."""
+    response message (gRPC message compression, ``grpc-encoding``); ``tls``
+    (certificate, key PEM files): serve over TLS (grpcio's own BoringSSL)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
                          options=[("grpc.max_concurrent_streams", 1000)],
                          compression=COMPRESSION[compression])
     pbg.add_GRPCInferenceServiceServicer_to_server(InferenceService(engine), server)
-    server.add_insecure_port(f"{host}:{port}")
+    if tls is not None:
+        with open(tls[0], "rb") as c, open(tls[1], "rb") as k:
+            creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+        server.add_secure_port(f"{host}:{port}", creds)
+    else:
+        server.add_insecure_port(f"{host}:{port}")
     server.start()
     return server
 
@@ -168,10 +174,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workers", type=int, default=96, help="concurrent calls served")
     p.add_argument("--compression", choices=sorted(COMPRESSION), default="none",
                    help="compress response messages with this grpc-encoding")
+    p.add_argument("--ssl-certfile", help="serve over TLS with this certificate (PEM)")
+    p.add_argument("--ssl-keyfile", help="...and this key (PEM)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    tls = (args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None
     server = serve(args.port, Engine(args.device, args.token_rate), args.host, args.workers,
-                   args.compression)
+                   args.compression, tls)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())

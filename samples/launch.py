@@ -18,10 +18,16 @@ class SampleServer:
 
     def __init__(self, module: str = "samples.openai_server", port: int = 8765,
                  args: list[str] | None = None, health: str = "/health",
-                 log: str | Path | None = None, env: dict[str, str] | None = None) -> None:
+                 log: str | Path | None = None, env: dict[str, str] | None = None,
+                 tls: tuple[Path, Path] | None = None) -> None:
+        """``tls``: (certificate, key) to serve HTTPS with (the module takes
+        ``--ssl-certfile``/``--ssl-keyfile``)."""
         self.module = module
+        self.tls = tls
         self.port = port
         self.args = list(args or [])
+        if tls is not None:
+            self.args += ["--ssl-certfile", str(tls[0]), "--ssl-keyfile", str(tls[1])]
         self.health = health
         self.log = log
         self.env = env
@@ -34,7 +40,7 @@ class SampleServer:
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 60.0) -> "SampleServer":
         out = open(self.log, "ab") if self.log else subprocess.DEVNULL
@@ -58,8 +64,13 @@ class SampleServer:
         raise RuntimeError(f"{self.module} did not answer on port {self.port} in {timeout}s")
 
     def _healthy(self) -> bool:
+        ctx = None
+        if self.tls is not None:
+            import ssl
+            ctx = ssl.create_default_context(cafile=str(self.tls[0]))
         try:
-            with urllib.request.urlopen(self.base_url + self.health, timeout=1) as r:
+            with urllib.request.urlopen(self.base_url + self.health, timeout=1,
+                                        context=ctx) as r:
                 return r.status == 200
         except OSError:
             return False

@@ -14,9 +14,10 @@ class GrpcSampleServer(SampleServer):
     """``python -m samples.kserve_grpc_server --port PORT ...`` in its own group."""
 
     def __init__(self, port: int = 8001, args: list[str] | None = None,
-                 log: str | Path | None = None, env: dict[str, str] | None = None) -> None:
+                 log: str | Path | None = None, env: dict[str, str] | None = None,
+                 tls: tuple[Path, Path] | None = None) -> None:
         super().__init__(module="samples.kserve_grpc_server", port=port, args=args,
-                         health="ServerLive", log=log, env=env)
+                         health="ServerLive", log=log, env=env, tls=tls)
 
     @property
     def target(self) -> str:
@@ -25,7 +26,13 @@ class GrpcSampleServer(SampleServer):
     def _healthy(self) -> bool:
         # raw bytes, not generated stubs: the caller may have loaded other copies of the
         # inference protos (tritonclient's), which collide with ours in one process
-        with grpc.insecure_channel(self.target) as ch:
+        if self.tls is not None:
+            creds = grpc.ssl_channel_credentials(Path(self.tls[0]).read_bytes())
+            ch = grpc.secure_channel(self.target, creds,
+                                     options=[("grpc.ssl_target_name_override", "localhost")])
+        else:
+            ch = grpc.insecure_channel(self.target)
+        with ch:
             live = ch.unary_unary("/inference.GRPCInferenceService/ServerLive",
                                   request_serializer=bytes, response_deserializer=bytes)
             try:

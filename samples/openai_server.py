@@ -7,6 +7,7 @@ Endpoints: POST /v1/chat/completions and /v1/completions (streamed as SSE, or no
 caps tokens per second per request, so TTFT and inter-token gaps are controllable.
 
     python -m samples.openai_server --port 8000 [--token-rate 50] [--device cuda]
+        [--ssl-certfile cert.pem --ssl-keyfile key.pem]   # HTTPS (samples/tlscert.py)
 """
 
 from __future__ import annotations
@@ -195,12 +196,15 @@ def main(argv: list[str] | None = None) -> None:
                    help="seconds an idle keep-alive connection stays open (uvicorn's "
                         "default, 5 s, is about what compiling the probes takes, and a "
                         "tracer attaching to open connections needs them to outlive it)")
+    p.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (PEM)")
+    p.add_argument("--ssl-keyfile", help="...and this key (PEM)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     engine = Engine(args.device, args.token_rate)
     uvicorn.run(build_app(engine), host=args.host, port=args.port, log_level="warning",
                 http="httptools", loop=args.loop, access_log=False,
-                timeout_keep_alive=args.keep_alive)
+                timeout_keep_alive=args.keep_alive, ssl_certfile=args.ssl_certfile,
+                ssl_keyfile=args.ssl_keyfile)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@ separate writes, optionally one request at a time (``--single``).
 Tokens are fake ("tok0 tok1 ..."), ``--prefill-ms`` of work before the first and
 ``--token-ms`` between the others. Used by ``tests/test_live_netwait.py`` to show what
 the kernel holds: Nagle waiting for the client's delayed ACK, and a backlog of
-connections waiting for a single-threaded server.
+connections waiting for a single-threaded server. With ``--ssl-certfile`` and
+``--ssl-keyfile`` it serves HTTPS through ``ssl.SSLSocket`` (OpenSSL on the socket
+itself: ``SSL_set_fd``, blocking reads and writes inside SSL calls), the other way a
+Python server does TLS beside asyncio's memory BIOs.
 """
 
 from __future__ import annotations
@@ -80,12 +83,19 @@ def main() -> None:
                    help="one request at a time (HTTPServer), else a thread per connection")
     p.add_argument("--prefill-ms", type=float, default=0.0)
     p.add_argument("--token-ms", type=float, default=0.0)
+    p.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (PEM)")
+    p.add_argument("--ssl-keyfile", help="...and this key (PEM)")
     args = p.parse_args()
     Handler.prefill_s = args.prefill_ms / 1000
     Handler.token_s = args.token_ms / 1000
     cls = http.server.HTTPServer if args.single else http.server.ThreadingHTTPServer
     cls.request_queue_size = 64
     with cls((args.host, args.port), Handler) as srv:
+        if args.ssl_certfile:
+            import ssl
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+            srv.socket = ctx.wrap_socket(srv.socket, server_side=True)
         srv.serve_forever()
 
 

@@ -24,7 +24,7 @@ from tracer.export.spans import SpanBuilder
 from tracer.probes.session import CaptureConfig
 from tracer.runner import TraceRun
 
-from tests.kstamps import StampedSocket
+from tests.kstamps import SO_TIMESTAMPING, StampedSocket
 
 
 class Collected:
@@ -144,7 +144,13 @@ class _TimedSocket(httpcore2.NetworkStream):
         self.inner.close()
 
     def start_tls(self, *a: Any, **kw: Any) -> Any:
-        # ciphertext from here on: timed by the user clock (the wrapper's fallback)
+        # ciphertext from here on: timed by the user clock (the wrapper's fallback).
+        # The TCP socket's stamping goes off first: TX stamps of the TLS stream's
+        # writes would pile up in its error queue, the idle connection would poll as
+        # broken, and the pool would open a new one for every request.
+        if self.stamped is not None:
+            self.stamped.sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPING, 0)
+            self.stamped = None
         return _TimedSocket(self.inner.start_tls(*a, **kw), self.timings)
 
     def get_extra_info(self, info: str) -> Any:
@@ -167,8 +173,9 @@ class _TimingTransport(httpx2.HTTPTransport):
     """``timing`` is the calling thread's last request's (the sync client does its
     I/O on the thread that asks), reset for each request."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, verify: Any = True, keepalive_s: float = 5.0) -> None:
+        super().__init__(verify=verify, limits=httpx2.Limits(
+            max_connections=100, max_keepalive_connections=20, keepalive_expiry=keepalive_s))
         self._local = threading.local()
         self._pool._network_backend = _TimedBackend(self)
 
@@ -193,8 +200,12 @@ class TimedClient:
     and response parsing (``ttft_sdk`` includes them) and without the client's own
     waits for a CPU."""
 
-    def __init__(self, base_url: str, **kw: Any) -> None:
-        self.transport = _TimingTransport()
+    def __init__(self, base_url: str, verify: Any = True, keepalive_s: float = 5.0,
+                 **kw: Any) -> None:
+        """``verify``: an ``ssl.SSLContext`` (or CA file) for an HTTPS server's
+        certificate; ``keepalive_s``: how long an idle connection is kept (httpx's 5 s
+        by default)."""
+        self.transport = _TimingTransport(verify, keepalive_s)
         self._last_sent = 0.0
         self.http = httpx2.Client(transport=self.transport, timeout=httpx2.Timeout(60.0),
                                   event_hooks={"request": [self._hook]})
@@ -209,13 +220,14 @@ class TimedClient:
         return t["first_text"] - t["sent"] if "first_text" in t and "sent" in t else None
 
     def chat(self, stream: bool, max_tokens: int, usage: bool = True,
-             content: str = "Hello there, tiny model") -> dict[str, Any]:
+             content: str = "Hello there, tiny model", model: str = "tiny-gpt"
+             ) -> dict[str, Any]:
         """One chat request; returns id, usage, chunk count and client-side TTFT."""
         kw: dict[str, Any] = {}
         if stream and usage:
             kw["stream_options"] = {"include_usage": True}
         resp = self.client.chat.completions.create(
-            model="tiny-gpt", messages=[{"role": "user", "content": content}],
+            model=model, messages=[{"role": "user", "content": content}],
             max_tokens=max_tokens, stream=stream, **kw)
         if not stream:
             done = time.monotonic()

@@ -135,11 +135,11 @@ def test_a_site_the_kernel_refuses_is_named_and_the_rest_still_attach(built, mon
     real = up._create_link
     refused = sites[0]
 
-    def create(prog_fd, path, offsets, ret):
+    def create(prog_fd, path, offsets, ret, pid=0):
         bad = up._file_offsets([refused], {})[0][1]
         if bad in offsets and not ret:
             raise OSError(22, "Invalid argument")
-        return real(prog_fd, path, offsets, ret)
+        return real(prog_fd, path, offsets, ret, pid)
 
     monkeypatch.setattr(up, "_create_link", create)
     # on_a and on_b share no link: put both entry sites under one handler

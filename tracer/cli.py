@@ -121,6 +121,13 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                          "the kernel's tracepoints allow (docs/netwait.md); syscall: the "
                          "server's reads and writes only (default: $TOKENTRACE_NET_TIMING, "
                          "else auto)")
+    g2.add_argument("--tls", choices=("auto", "off"), default="auto",
+                    help="auto: read requests inside TLS through uprobes on the traced "
+                         "processes' OpenSSL 1.1/3.x libssl (SSL_read/SSL_write), attached "
+                         "to those processes only; TLS the probes cannot read (BoringSSL "
+                         "inside grpcio, other libraries) is counted as "
+                         "tls_connections_unseen; off: no TLS probes (default: auto; "
+                         "docs/tls.md)")
     g2.add_argument("--control", metavar="PATH",
                     help="listen on unix socket PATH (0600) for commands, one per "
                          "connection: pause, resume, status, and the toggles "
@@ -319,8 +326,10 @@ def _write_summary(path: str | None, pipeline: Pipeline) -> None:
         return
     from tracer.privacy import open_private
 
+    import dataclasses
     doc = {"gpu": pipeline.gpu.summary(), "report": pipeline.report(),
-           "reconciliation": pipeline.reconciliation()}
+           "reconciliation": pipeline.reconciliation(),
+           "tls": {"libraries": [dataclasses.asdict(lib) for lib in pipeline.tls_libraries]}}
     with open_private(path, "w") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")
@@ -335,16 +344,42 @@ def _report(pipeline: Pipeline, console: Any) -> None:
                 "bytes_lost", "capture.truncated", "capture.iov_cut", "capture.inflight_full",
                 "capture.conns_full", "capture.verbs_cut", "capture.verbs_full",
                 "capture.kcounts_full", "capture.bursts_full", "capture.unanalysed_records",
-                "requests_cut_by_pause",
+                "requests_cut_by_pause", "capture.tls.lost", "capture.tls.inflight_full",
+                "capture.tls.state_full", "capture.tls.stale",
                 "http_protocol_errors", "undecodable_records",
                 "in_flight_at_exit", "identity.k8s_errors")
                 or k.startswith("parser_errors") or k.endswith("_evicted")
                 or k.endswith("_budget"))}
-    for line in reconciliation_lines(pipeline.reconciliation()) + kernel_name_lines(pipeline.gpu):
+    for line in (reconciliation_lines(pipeline.reconciliation()) + kernel_name_lines(pipeline.gpu)
+                 + tls_lines(pipeline)):
         _say(line)
     _say(f"{pipeline.records} requests exported; "
          + ("loss and truncation: " + ", ".join(f"{k}={v}" for k, v in lost.items())
             if lost else "no events lost"))
+
+
+def tls_lines(pipeline: Pipeline) -> list[str]:
+    """The exit report's TLS lines: the TLS libraries found and not probed, and what
+    became of the TLS connections (decrypted, seen only as ciphertext, failed)."""
+    out = []
+    for lib in pipeline.tls_libraries:
+        if lib.status != "probed":
+            out.append(f"TLS not seen in pid {lib.pid}: {lib.path} ({lib.name}, "
+                       f"{lib.status}): {lib.reason}")
+        elif lib.reason:
+            out.append(f"TLS probes in pid {lib.pid}: {lib.path} ({lib.name}): {lib.reason}")
+    rep = pipeline.report()
+    counts = [(rep.get("tls_connections_decrypted", 0), "read through the TLS probes"),
+              (rep.get("tls_connections_unseen", 0), "seen only as ciphertext (not decrypted)"),
+              (rep.get("tls_handshakes_failed", 0), "failed their handshake")]
+    unbound = rep.get("capture.tls.unbound", 0)
+    if any(n for n, _ in counts) or unbound:
+        line = "TLS connections: " + ", ".join(f"{n} {what}" for n, what in counts)
+        if unbound:
+            line += (f"; {unbound} TLS reads/writes on no known socket not exported "
+                     "(connections opened before attach)")
+        out.append(line)
+    return out
 
 
 def kernel_name_lines(gpu: Any) -> list[str]:
@@ -425,6 +460,8 @@ def _targets(args: argparse.Namespace) -> Any:
                          stub_names_quiet_s=max(0.0, args.stub_names_quiet),
                          uprobe_links=args.uprobe_links,
                          stack_every=_stack_every(args),
+                         **({"concerns": tuple(c for c in CaptureConfig.concerns if c != "tls")}
+                            if args.tls == "off" else {}),
                          **({"net_timing": args.net_timing} if args.net_timing else {}))
 
 
@@ -466,6 +503,19 @@ def _say_gpu(gpu: Any) -> None:
         _say(f"warning: GPU probe not attached: {where}: {why}")
 
 
+def _say_tls(tls: Any) -> None:
+    """Which TLS libraries got probes (and which cannot be read) at attach."""
+    if tls is None:
+        return
+    for lib in tls.libraries.values():
+        if lib.status == "probed":
+            _say(f"TLS probes: pid {lib.pid} {lib.path} ({lib.name})"
+                 + (f": {lib.reason}" if lib.reason else ""))
+        else:
+            _say(f"warning: TLS not seen in pid {lib.pid}: {lib.path} ({lib.name}): "
+                 f"{lib.reason}")
+
+
 def _say_detached(session: Any) -> None:
     """How long taking the GPU probes off took (perf events: ~0.1 s each)."""
     gpu = session.gpu
@@ -476,7 +526,8 @@ def _say_detached(session: Any) -> None:
 def _drive(args: argparse.Namespace, open_: Callable[[], Any], poll: Callable[[], None],
            pids: Callable[[], set[int]], gpu: Callable[[], Any] = lambda: None,
            net: Callable[[], Any] = lambda: None,
-           control: Callable[[], Callable[[str], str]] | None = None) -> int:
+           control: Callable[[], Callable[[str], str]] | None = None,
+           tls: Callable[[], Any] = lambda: None) -> int:
     """Attach, say so, poll until stopped (applying SIGUSR1/SIGUSR2 and --control
     commands through ``control()``'s function). The caller closes in all cases."""
     from tracer.probes.loader import ProbeSetupError
@@ -507,6 +558,7 @@ def _drive(args: argparse.Namespace, open_: Callable[[], Any], poll: Callable[[]
     desc = ", ".join(str(p) for p in sorted(pids())) or "none yet"
     _say(f"attached to {len(pids())} process(es) (pids: {desc}); {timing}"
          + (f"tracing for {args.duration:g}s" if args.duration else "Ctrl-C to stop"))
+    _say_tls(tls())  # after the 'attached' line: scripts wait for that one first
     stop.arm()
     try:
         while not stop:
@@ -555,7 +607,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         rc = _drive(args, run.open, poll, lambda: run.session.pids,
                     lambda: run.session.gpu, lambda: run.session.net_timing,
-                    lambda: run.session.control)
+                    lambda: run.session.control, lambda: run.session.tls)
     finally:
         run.close()
         _say_detached(run.session)
@@ -581,7 +633,7 @@ def cmd_record(args: argparse.Namespace) -> int:
     try:
         rc = _drive(args, session.start, session.poll, lambda: session.pids,
                     lambda: session.gpu, lambda: session.net_timing,
-                    lambda: session.control)
+                    lambda: session.control, lambda: session.tls)
     finally:
         session.stop()
         writer.close()

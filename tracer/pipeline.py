@@ -21,6 +21,7 @@ from tracer.correlate.records import RequestRecord
 from tracer.correlate.stacks import Flame, StackBook, resolve
 from tracer.events import gpu, schema, stacks, wire
 from tracer.events.netwait import NetTimingMode, NetWait
+from tracer.events.tls import TlsEvent, TlsLibrary
 from tracer.export.context import ExportContext
 
 C = wire.CONSTANTS
@@ -65,6 +66,8 @@ class Pipeline:
                                           kernel_name=self._kernel_name, stacks=self.stacks,
                                           open_check=self._is_open, serves=self._serves)
         self.ctx.flame_resolver = self.resolve_flame
+        self.tls_libraries: list[TlsLibrary] = []  # found in traced processes
+        self._tls_paths: dict[int, set[str]] = {}
 
     def _emit(self, rec: RequestRecord) -> None:
         """A finished record: held by the GPU attribution until its bursts are in."""
@@ -176,7 +179,7 @@ class Pipeline:
         False: not that case, nothing done but what ``handle`` will do again."""
         if len(buf) < _DATA_HDR:
             return False
-        (_, pid, tid, fd, conn_id, _, ts, ret, offset, n, _, direction, flags, _,
+        (_, pid, tid, fd, conn_id, ts_enter, ts, ret, offset, n, _, direction, flags, _,
          stream_off) = _UNPACK_DATA(buf, 0)
         t = self.tracker
         c = t.conns.get((pid, fd, conn_id))
@@ -184,7 +187,7 @@ class Pipeline:
             return False
         if ts > self.last_ts:
             self.last_ts = ts
-        self.net.write(pid, fd, conn_id, ts, direction, flags, ret, stream_off)
+        self.net.write(pid, fd, conn_id, ts, direction, flags, ret, stream_off, ts_enter)
         threads = t.socket_threads
         if threads is not None:
             threads.add((pid, tid))
@@ -214,6 +217,11 @@ class Pipeline:
                 self.attribution.nccl(ev)
         elif isinstance(ev, NetWait):
             self.net.netwait(ev)
+        elif isinstance(ev, TlsEvent):
+            self.last_ts = max(self.last_ts, ev.ts)
+            t.tls_event(ev)
+        elif isinstance(ev, TlsLibrary):
+            self._tls_library(ev)
         elif isinstance(ev, schema.ConnEvent):
             self.last_ts = max(self.last_ts, ev.ts)
             self.net.conn(ev)
@@ -256,6 +264,19 @@ class Pipeline:
             if self._next_expire:
                 self.tracker.expire(self.last_ts)
             self._next_expire = self.last_ts + EXPIRE_EVERY_NS
+
+    def _tls_library(self, lib: TlsLibrary) -> None:
+        """A TLS library found in a traced process: counted by what it is."""
+        self.tls_libraries.append(lib)
+        if lib.status == "probed":
+            self.stats["tls_libraries_probed"] += 1
+        else:
+            self.stats["tls_libraries_not_probed"] += 1
+            self.stats[f"tls_libraries_not_probed.{lib.status}"] += 1
+        paths = self._tls_paths.setdefault(lib.pid, set())
+        paths.add(lib.path)
+        if len(paths) == 2:
+            self.stats["tls_processes_with_two_libraries"] += 1
 
     def close(self) -> None:
         """End of the event stream: count what is still open and flush the sinks."""

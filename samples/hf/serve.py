@@ -5,7 +5,8 @@ process group with ``samples/hf/truth`` on its PYTHONPATH (the recorder's
 ``sitecustomize``) and ``TT_HF_TRUTH`` naming the truth file, waits until it answers,
 and warms it up (the engine is built on the first request, kernels load on the first
 prefill and decode) before anyone traces it. ``flush_truth`` asks the recorder for the
-profiler's per-step kernels and waits for them.
+profiler's per-step kernels and waits for them. With ``tls`` (certificate, key) it
+serves HTTPS through ``samples/hf/tls_serve.py`` (uvicorn given the certificate).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import IO, Any
 
 TRUTH_DIR = Path(__file__).resolve().parent / "truth"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -34,15 +36,21 @@ class HfServer:
     """One ``transformers serve`` process and its truth file."""
 
     def __init__(self, model: Path, truth: Path, log: Path, continuous: bool = True,
-                 device: str = "cpu", extra: list[str] | None = None) -> None:
+                 device: str = "cpu", extra: list[str] | None = None,
+                 tls: tuple[Path, Path] | None = None) -> None:
         self.model, self.truth, self.log = model, truth, log
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.tls = tls
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         env = dict(os.environ, TT_HF_TRUTH=str(truth), HF_HUB_OFFLINE="1",
                    TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1",
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(TRUTH_DIR),
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(TRUTH_DIR), str(ROOT),
                                                             os.environ.get("PYTHONPATH")])))
-        cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(model),
+        entry = ["transformers.cli.transformers", "serve"]
+        if tls is not None:
+            env.update(TT_SSL_CERTFILE=str(tls[0]), TT_SSL_KEYFILE=str(tls[1]))
+            entry = ["samples.hf.tls_serve"]
+        cmd = [sys.executable, "-m", *entry, str(model),
                "--device", device, "--port", str(self.port), "--host", "127.0.0.1",
                *(["--continuous-batching"] if continuous else []), *(extra or [])]
         self._log: IO[str] = open(log, "w")
@@ -59,7 +67,8 @@ class HfServer:
             if self.proc.poll() is not None:
                 break
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                with urllib.request.urlopen(self.url + "/health", timeout=2,
+                                            context=self._ssl()) as r:
                     if r.status == 200:
                         return
             except OSError:
@@ -73,9 +82,16 @@ class HfServer:
                            "messages": [{"role": "user", "content": content}]}).encode()
         req = urllib.request.Request(self.url + "/v1/chat/completions", body,
                                      {"content-type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as r:
+        with urllib.request.urlopen(req, timeout=120, context=self._ssl()) as r:
             data = r.read()
         return {} if stream else json.loads(data)
+
+    def _ssl(self) -> Any:
+        """The client context that trusts the server's certificate (None: plain HTTP)."""
+        if self.tls is None:
+            return None
+        import ssl
+        return ssl.create_default_context(cafile=str(self.tls[0]))
 
     def warm_up(self) -> None:
         """Build the engine and load every kernel a short and a long prompt need."""

@@ -23,15 +23,18 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from protocols import detect, http1, http2
+from protocols import tls as tlsproto
 from protocols.openai import ResponseFollower, operation_for, parse_request
 from tracer.correlate.h2calls import H2Calls
 from tracer.correlate.ipc import IpcGraph
 from tracer.correlate.records import SAFE_HEADERS, RequestRecord, tenant_of
 from tracer.events import schema, wire
+from tracer.events.tls import TlsEvent
 
 C = wire.CONSTANTS
 _DIR_IN = C["DIR_IN"]
 _FLAG_LAST = C["FLAG_LAST"]
+_FLAG_TLS_LAST = C["FLAG_LAST"] | C["FLAG_TLS"]
 Emit = Callable[[RequestRecord], None]
 
 SNIFF_MAX = 64  # client bytes looked at to recognise a protocol
@@ -96,6 +99,7 @@ class Exchange:
             tenant=tenant_of(headers, options.tenant_salt, options.secrets_masked),
             family=conn.family, local_addr=conn.local_addr,
             local_port=conn.local_port, peer_addr=conn.peer_addr, peer_port=conn.peer_port,
+            tls=conn.tls_session,
         )
         self.operation = operation_for(req.method, req.target)
         self.body = bytearray() if self.operation else None
@@ -157,6 +161,21 @@ class Exchange:
         return rec
 
 
+class TlsConn:
+    """What the TLS probes and the cleartext handshake said of one connection."""
+
+    def __init__(self) -> None:
+        self.reader: tlsproto.HandshakeReader | None = None  # while reading the hellos
+        self.session = tlsproto.TlsSession()
+        self.ssl = 0  # the SSL object tied to the socket (TLS BIND)
+        self.bound = False
+        self.fresh = False  # that object was seen from its setup
+        self.established = False
+        self.failed = False  # its handshake began and never completed
+        self.plain = False  # its plaintext is what the parsers read
+        self.counted = False  # its outcome is in the stats
+
+
 class Connection:
     def __init__(self, pid: int, fd: int, conn_id: int, role: str | None, synced: bool) -> None:
         self.pid = pid
@@ -187,6 +206,12 @@ class Connection:
         # known: where ``_stream_chunk`` may apply
         self.stream_dir: int | None = None
         self.held = 0  # bytes it held for parsing after its last data event
+        self.tls: TlsConn | None = None  # TLS on the wire, or its plaintext followed
+
+    @property
+    def tls_session(self) -> tlsproto.TlsSession | None:
+        """The TLS session of a connection whose plaintext is parsed (else None)."""
+        return self.tls.session if self.tls is not None and self.tls.plain else None
 
     def buffered(self) -> int:
         """Bytes this connection's parsers hold now."""
@@ -326,6 +351,8 @@ class ConnectionTracker:
         open_exchanges = sum(len(c.exchanges) + (c.h2.open_calls if c.h2 else 0)
                              for c in self.conns.values())
         self.stats["in_flight_at_exit"] += open_exchanges
+        for c in self.conns.values():
+            self._tls_outcome(c)
         return open_exchanges
 
     def expire(self, now_ts: int) -> None:
@@ -416,7 +443,9 @@ class ConnectionTracker:
         did not change; False: nothing done, take the general path. The fields are a
         DATA record's (``schema.DataEvent``): ``Pipeline.feed`` calls it with them."""
         inbound = direction == _DIR_IN
-        if (flags != _FLAG_LAST or offset or ret != len(payload)
+        # a TLS connection's plaintext (flagged TLS) is its stream; its ciphertext is not
+        tls = c.tls is not None and c.tls.plain
+        if ((flags != (_FLAG_TLS_LAST if tls else _FLAG_LAST)) or offset or ret != len(payload)
                 or stream_off != c.expected[inbound] or not c.ipc_quiet[inbound]):
             return False
         http = c.http
@@ -451,6 +480,15 @@ class ConnectionTracker:
         ts = ev.ts_exit
         c.last_ts = ts
         inbound = ev.inbound
+        if ev.tls_plain:
+            if c.tls is None or not c.tls.plain:
+                self._start_plaintext(c)
+        elif ev.cipher or (c.tls is not None and c.tls.plain):
+            # the ciphertext of a connection whose plaintext comes from the TLS probes:
+            # its place in the stream matters (socket timing), its bytes are not parsed
+            if ev.last and ev.ret > 0:
+                self.stats["bytes_tls_ciphertext"] += ev.ret
+            return
         if ev.error or ev.eof:
             return
         pos = ev.position
@@ -486,6 +524,8 @@ class ConnectionTracker:
             return
         if c.proto != "http1" or c.http is None:
             self.stats[f"bytes_{c.proto or 'unsniffed'}"] += len(ev.payload)
+            if c.proto == "tls":
+                self._tls_handshake(c, ev.payload, c.from_client(inbound))
             return
         if c.role is not None and c.stream_dir is None:
             c.stream_dir = C["DIR_OUT"] if c.role == "server" else C["DIR_IN"]
@@ -495,6 +535,10 @@ class ConnectionTracker:
     def _choose_protocol(self, c: Connection, data: bytes, inbound: bool, ts: int,
                          tid: int) -> bool:
         """Decide role (if unknown) and protocol. True once HTTP/1 parsing can start."""
+        if not c.synced and tlsproto.looks_like_record(data):
+            # TLS records on a connection found open: ciphertext, never a request line
+            self._start_tls_wire(c, data, None)
+            return False
         if c.role is None and http2.looks_like_frames(data):
             # Found open at attach, HTTP/2: the sender of :method is the client.
             sender = http2.header_block_sender(data)
@@ -552,9 +596,91 @@ class ConnectionTracker:
             self._start_h2(c, synced=True)
             self._emit_h2(c.h2.receive(held, c.sniff_ts, True, tid))  # type: ignore[union-attr]
             return False
-        c.proto = {detect.TLS: "tls"}.get(kind, "opaque")
-        self.stats[f"connections_{c.proto}"] += 1
+        if kind == detect.TLS:
+            self._start_tls_wire(c, held, True)
+            return False
+        c.proto = "opaque"
+        self.stats["connections_opaque"] += 1
         return False
+
+    # ---- TLS --------------------------------------------------------------------
+
+    def tls_event(self, ev: TlsEvent) -> None:
+        """An SSL object tied to a socket, established or freed (bpf/tls.c)."""
+        self.stats[f"tls_events.{ev.op}"] += 1
+        c = self.conns.get(ev.key)
+        if c is None:
+            if ev.op != "bind" or ev.fd < 0:
+                return
+            c = Connection(ev.pid, ev.fd, ev.conn_id, None, synced=False)
+            c.last_ts = ev.ts
+            self._admit(c)
+            self.stats["connections_unannounced"] += 1
+        t = c.tls = c.tls or TlsConn()
+        if ev.op == "bind":
+            if t.plain and t.ssl != ev.ssl:
+                # another SSL object on this socket: its plaintext stream starts over
+                t.plain = False
+                self.stats["tls_rebinds"] += 1
+            t.ssl, t.bound, t.fresh = ev.ssl, True, ev.fresh
+            t.established = t.established or ev.established
+            self.stats[f"tls_binds.{ev.via}"] += 1
+        elif ev.op == "established":
+            t.established = True
+        elif ev.op == "free":
+            t.failed = t.failed or ev.failed
+
+    def _start_tls_wire(self, c: Connection, data: bytes, from_client: bool | None) -> None:
+        """TLS records seen on the socket: read the hellos; never parse them as HTTP."""
+        c.proto = "tls"
+        c.sniff_buf = b""
+        self.stats["connections_tls"] += 1
+        t = c.tls = c.tls or TlsConn()
+        if from_client is not None and c.synced:
+            t.reader = tlsproto.HandshakeReader()
+            self._tls_handshake(c, data, from_client)
+
+    def _tls_handshake(self, c: Connection, data: bytes, from_client: bool) -> None:
+        t = c.tls
+        if t is None or t.reader is None:
+            return
+        t.reader.receive(data, from_client)
+        if t.reader.done:
+            if t.reader.malformed:
+                self.stats["tls_handshakes_unreadable"] += 1
+            t.session, t.reader = t.reader.session, None
+
+    def _start_plaintext(self, c: Connection) -> None:
+        """The TLS probes' plaintext arrived: from now on it is what the parsers read,
+        from its own stream offset 0 (whatever was sniffed of the ciphertext is
+        dropped). Seen from the object's setup, it is synced from its first byte."""
+        t = c.tls = c.tls or TlsConn()
+        if t.reader is not None:
+            t.session, t.reader = t.reader.session, None
+        t.plain = True
+        if c.h2 is not None:
+            self._emit_h2(c.h2.close(c.last_ts, "TLS plaintext replaced this stream"))
+        c.proto, c.http, c.h2 = None, None, None
+        c.sniff_buf, c.unsniffed = b"", 0
+        c.expected = {True: 0, False: 0}
+        c.synced = t.fresh
+        if self.ipc is not None:  # the process graph follows the plaintext, from its start
+            self.ipc.closed(c.pid, c.fd, c.conn_id)
+            c.ipc_quiet = {True: False, False: False}
+        self.stats["tls_connections_decrypted"] += 1
+
+    def _tls_outcome(self, c: Connection) -> None:
+        """Count, once, what became of a TLS connection whose plaintext was not read."""
+        t = c.tls
+        if t is None or t.counted or t.plain:
+            return
+        t.counted = True
+        if t.failed or (t.bound and not t.established):
+            self.stats["tls_handshakes_failed"] += 1
+        elif not t.bound and c.proto == "tls":
+            # TLS on the wire, no SSL object of the process ever tied to it: its TLS
+            # library is not probed (BoringSSL in grpcio, another version or library)
+            self.stats["tls_connections_unseen"] += 1
 
     def _start_h2(self, c: Connection, synced: bool) -> None:
         c.proto = "http2"
@@ -612,6 +738,7 @@ class ConnectionTracker:
             self.stats["records_dropped_after_error"] += 1
 
     def _close(self, c: Connection, ts: int) -> None:
+        self._tls_outcome(c)
         if c.http is not None:
             self._dispatch(c, c.http.close(ts), 0)
         if c.h2 is not None:

@@ -135,6 +135,7 @@ class H2Calls:
             tenant=tenant_of(h, self.options.tenant_salt, self.options.secrets_masked),
             family=c.family, local_addr=c.local_addr,
             local_port=c.local_port, peer_addr=c.peer_addr, peer_port=c.peer_port, rpc=call,
+            tls=getattr(c, "tls_session", None),
         )
 
     def _end(self, rec: RequestRecord, call: grpc.Call, f: kserve.KServeFollower | None

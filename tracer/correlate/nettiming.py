@@ -12,6 +12,15 @@ kernel held in between is added here, per connection, from ``NetWait`` records:
   (an ACK found them unsent): then when the hold ended. The longest such wait among a
   response's writes is its ``send_hold``, with its cause (``nagle``, ...).
 
+TLS (bpf/tls.c): a request read through the TLS library is timed by its ciphertext.
+Its arrival is the arrival of the ciphertext the plaintext read drew from (the last
+read of the socket before it returned: inside SSL_read on a socket BIO, just before it
+on a memory BIO); each plaintext write departs with the ciphertext write that carried
+it: the last one inside the SSL_write (socket BIO), else the socket's first write after
+it returned (memory BIO: the event loop sends what the SSL object produced), within
+``TLS_CARRY_NS``. A plaintext write with no such ciphertext write keeps its own time
+(counted: ``netwait_tls_unmapped``).
+
 A finished record is held until its last write can no longer be found held: a hold is
 only seen at the peer's next ACK, so a record waits ``wait_ns`` of capture time after
 its last write, and, if a hold covers one of its writes, until that hold ends (at most
@@ -36,9 +45,11 @@ from tracer.events.netwait import NetTimingMode, NetWait
 Emit = Callable[[RequestRecord], None]
 _DIR_IN = wire.CONSTANTS["DIR_IN"]
 _FLAG_LAST = wire.CONSTANTS["FLAG_LAST"]
+_FLAG_TLS = wire.CONSTANTS["FLAG_TLS"]
 WAIT_NS = 250_000_000  # a peer ACKs within its delayed-ACK time (40-200 ms on Linux)
 HOLD_MAX_NS = 2_000_000_000
 MAX_LOG = 8192  # writes and arrivals remembered per connection
+TLS_CARRY_NS = 100_000_000  # a memory BIO's ciphertext is sent right after SSL_write
 KEEP_CLOSED_NS = 120 * 10**9  # a closed connection's log, for records still on their way
 KEEP_IDLE_NS = 15 * 60 * 10**9  # a connection whose close was lost
 
@@ -65,6 +76,8 @@ class ConnLog:
     arrival_refs: list[int] = field(default_factory=list)  # reads (ts_exit), ascending
     arrivals: list[int] = field(default_factory=list)  # their arrival (0: unseen)
     writes: dict[int, int] = field(default_factory=dict)  # write ts_exit -> end offset
+    write_ts: list[int] = field(default_factory=list)  # the same ts_exit, ascending
+    tls_writes: dict[int, int] = field(default_factory=dict)  # TLS plaintext: exit -> entry
     holds: list[Hold] = field(default_factory=list)
     last_ns: int = 0  # its last record
     closed_ns: int = 0
@@ -106,22 +119,36 @@ class NetTimer:
                 c.closed_ns = ev.ts
 
     def data(self, ev: schema.DataEvent) -> None:
-        """Remember where each write of a followed connection ended."""
+        """Remember where each write of a followed connection ended (for TLS: when each
+        plaintext write was made; its ciphertext's writes are the socket's)."""
         self.write(ev.pid, ev.fd, ev.conn_id, ev.ts_exit, ev.direction, ev.flags, ev.ret,
-                   ev.stream_off)
+                   ev.stream_off, ev.ts_enter)
 
     def write(self, pid: int, fd: int, conn_id: int, ts_exit: int, direction: int, flags: int,
-              ret: int, stream_off: int) -> None:
-        """``data`` of a DATA record's fields."""
+              ret: int, stream_off: int, ts_enter: int | None = None) -> None:
+        """``data`` of a DATA record's fields. ``Pipeline.feed``'s fast path calls it
+        without ``ts_enter``, then perhaps ``data`` with the same record: taken once."""
         if direction == _DIR_IN or not flags & _FLAG_LAST or ret <= 0 or not self.conns:
             return
         c = self.conns.get((pid, fd, conn_id))
         if c is None or not c.anchored:
             return
+        c.last_ns = max(c.last_ns, ts_exit)
+        if flags & _FLAG_TLS:
+            if ts_enter is not None:
+                c.tls_writes[ts_exit] = ts_enter
+                if len(c.tls_writes) > MAX_LOG:
+                    del c.tls_writes[next(iter(c.tls_writes))]
+            return
+        if ts_exit in c.writes:
+            return
         c.writes[ts_exit] = stream_off + ret
-        c.last_ns = ts_exit
+        if not c.write_ts or ts_exit >= c.write_ts[-1]:
+            c.write_ts.append(ts_exit)
+        else:
+            bisect.insort(c.write_ts, ts_exit)
         if len(c.writes) > MAX_LOG:
-            del c.writes[next(iter(c.writes))]
+            del c.writes[c.write_ts.pop(0)]
 
     def netwait(self, ev: NetWait) -> None:
         self.stats[f"netwait_{ev.op}"] += 1
@@ -222,6 +249,8 @@ class NetTimer:
         if c is None:
             return None
         for ts in _write_times(rec):
+            if ts not in c.writes and ts in c.tls_writes:  # TLS: its ciphertext's write
+                ts = _tls_carrier(c, c.tls_writes[ts], ts) or ts
             h = _hold_of(c, c.writes.get(ts))
             if h is not None and h.left_ns is None:
                 return h
@@ -249,6 +278,9 @@ class NetTimer:
             n.accept_ns = c.accept_ns or None
         worst = (0, None)
         for ts in _write_times(rec):
+            if ts not in c.writes and ts in c.tls_writes and \
+                    _tls_carrier(c, c.tls_writes[ts], ts) is None:
+                n.tls_unmapped += 1
             left, hold = self._departure(c, ts)
             n.departures[ts] = left
             if left - ts > worst[0]:
@@ -258,6 +290,13 @@ class NetTimer:
 
     def _departure(self, c: ConnLog, ts: int) -> tuple[int, Hold | None]:
         """When the bytes of the write that returned at ``ts`` left."""
+        if ts not in c.writes and ts in c.tls_writes:
+            carrier = _tls_carrier(c, c.tls_writes[ts], ts)
+            if carrier is None:
+                self.stats["netwait_tls_unmapped"] += 1
+                return ts, None
+            left, hold = self._departure(c, carrier)
+            return max(left, ts), hold
         h = _hold_of(c, c.writes.get(ts))
         if h is None:
             return ts, None
@@ -273,6 +312,18 @@ def _arrival(c: ConnLog, read_ts: int) -> int:
         return 0
     ts = c.arrivals[i]
     return ts if 0 < ts <= read_ts else 0
+
+
+def _tls_carrier(c: ConnLog, enter: int, exit_: int) -> int | None:
+    """The ciphertext write (its ts_exit) that carried a TLS plaintext write made from
+    ``enter`` to ``exit_``: the last socket write inside it, else the first after it
+    (within TLS_CARRY_NS), else None."""
+    i = bisect.bisect_right(c.write_ts, exit_)
+    if i > 0 and c.write_ts[i - 1] >= enter:
+        return c.write_ts[i - 1]
+    if i < len(c.write_ts) and c.write_ts[i] - exit_ <= TLS_CARRY_NS:
+        return c.write_ts[i]
+    return None
 
 
 def _hold_of(c: ConnLog, end: int | None) -> Hold | None:

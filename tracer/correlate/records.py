@@ -21,6 +21,7 @@ from typing import Any
 
 from protocols.grpc import SERVER_ERROR_CODES, Call
 from protocols.openai import LLMRequest, LLMResponse
+from protocols.tls import TlsSession
 from tracer.events.schema import ProcessInfo
 from tracer.privacy import mask_token, token_span
 
@@ -81,6 +82,9 @@ class NetTiming:
     departures: dict[int, int] = field(default_factory=dict)
     send_hold_ns: int = 0  # the longest wait of a response write's bytes in the kernel
     send_hold_cause: str | None = None  # nagle, cwnd, rwnd, cork
+    # TLS: plaintext writes with no ciphertext write found to carry them (their own
+    # times kept as their departure)
+    tls_unmapped: int = 0
 
     def left(self, ts: int | None) -> int | None:
         """When the bytes of the write that returned at ``ts`` left (``ts`` if unknown)."""
@@ -128,6 +132,7 @@ class RequestRecord:
     gpu: dict[str, Any] = field(default_factory=dict)
     children: list["ChildSpan"] = field(default_factory=list)
     net: NetTiming | None = None  # the client's view (tracer.correlate.nettiming)
+    tls: TlsSession | None = None  # came over TLS, read through the TLS library's probes
     # its share of the launch-site stacks (tracer.correlate.stacks.Flame), if sampled
     flame: Any = None
 

@@ -83,6 +83,16 @@ _SECRET_LINE = re.compile(rb"(?:^|\n)(?:" + b"|".join(SECRET_HEADERS) + rb")[ \t
 _NAME_CORES = (b"authorization", b"api-key", b"cookie")  # in every name above
 _TAIL = 64  # bytes of a read kept to find a header name split across two reads
 _C = wire.CONSTANTS
+# A TLS connection's plaintext (DATA flagged TLS, from the TLS probes) is a stream of its
+# own beside the socket's ciphertext: masking state is kept apart for it.
+_TLS_STREAM = 0x10
+_DIRECTIONS = (_C["DIR_IN"], _C["DIR_OUT"], _C["DIR_IN"] | _TLS_STREAM,
+               _C["DIR_OUT"] | _TLS_STREAM)
+
+
+def _stream(f: dict[str, Any]) -> int:
+    """A DATA record's stream on its connection: its direction, TLS plaintext apart."""
+    return int(f["direction"]) | (_TLS_STREAM if int(f["flags"]) & _C["FLAG_TLS"] else 0)
 
 
 class SecretMasker:
@@ -110,10 +120,10 @@ class SecretMasker:
         and with any held back for an HTTP/2 header block it completes."""
         if len(buf) >= wire.DATA.header_size and wire.kind_of(buf) == _C["KIND_DATA"]:
             f = wire.DATA.unpack(buf)
-            key = (f["pid"], f["fd"], f["conn_id"], f["direction"])
+            key = (f["pid"], f["fd"], f["conn_id"], _stream(f))
             start = wire.DATA.header_size
             payload = buf[start:start + min(f["len"], len(buf) - start)]
-            other = (f["pid"], f["fd"], f["conn_id"], _C["DIR_IN"] + _C["DIR_OUT"] - f["direction"])
+            other = (f["pid"], f["fd"], f["conn_id"], key[3] ^ (_C["DIR_IN"] ^ _C["DIR_OUT"]))
             if self.h2.is_http2(key, payload, other):
                 pos = f["stream_off"] + f["offset"]
                 complete = self._next_pos.pop(key, pos) == pos
@@ -126,7 +136,7 @@ class SecretMasker:
             f = wire.CONN.unpack(buf)
             if f["op"] == _C["CONN_CLOSE"]:
                 held: list[bytes] = []
-                for d in (_C["DIR_IN"], _C["DIR_OUT"]):
+                for d in _DIRECTIONS:
                     key = (f["pid"], f["fd"], f["conn_id"], d)
                     self._next_pos.pop(key, None)
                     held += [bytes(p) for p in self.h2.close(key)]
@@ -143,7 +153,7 @@ class SecretMasker:
             if len(buf) >= wire.CONN.header_size and wire.kind_of(buf) == _C["KIND_CONN"]:
                 f = wire.CONN.unpack(buf)
                 if f["op"] == _C["CONN_CLOSE"]:
-                    for d in (_C["DIR_IN"], _C["DIR_OUT"]):
+                    for d in _DIRECTIONS:
                         self._state.pop((f["pid"], f["fd"], f["conn_id"], d), None)
             return buf
         start = wire.DATA.header_size
@@ -157,7 +167,7 @@ class SecretMasker:
                     return buf
         f = wire.DATA.unpack(buf)
         n = min(f["len"], len(buf) - start)
-        key = (f["pid"], f["fd"], f["conn_id"], f["direction"])
+        key = (f["pid"], f["fd"], f["conn_id"], _stream(f))
         state = self._state.pop(key, None)
         payload = buf[start:start + n]
         if state is None and not _SECRET_LINE.search(payload):

@@ -119,6 +119,17 @@ class DataEvent(NamedTuple):
     def error(self) -> bool:
         return bool(self.flags & _FLAG_ERROR)
 
+    @property
+    def tls_plain(self) -> bool:
+        """Plaintext from the TLS probes (SSL_read/SSL_write), not a syscall's bytes."""
+        return bool(self.flags & wire.CONSTANTS["FLAG_TLS"])
+
+    @property
+    def cipher(self) -> bool:
+        """A ciphertext syscall of a socket whose plaintext the TLS probes follow: sent
+        without payload (``ret`` and ``stream_off`` are kept)."""
+        return bool(self.flags & wire.CONSTANTS["FLAG_CIPHER"])
+
 
 @dataclass(frozen=True, slots=True)
 class ProcEvent:
@@ -301,6 +312,11 @@ from tracer.events import netwait as _netwait  # noqa: E402
 DECODERS.update(_netwait.DECODERS)
 USER_EVENTS[_netwait.NetTimingMode.__name__] = _netwait.NetTimingMode
 
+# The TLS probes' records (bpf/tls.c) and the libraries the capture found (user space).
+from tracer.events import tls as _tls  # noqa: E402
+
+DECODERS.update(_tls.DECODERS)
+USER_EVENTS[_tls.TlsLibrary.__name__] = _tls.TlsLibrary
 # Launch-site stacks (bpf/stacks.c): counts per burst, and stacks resolved in user space.
 from tracer.events import stacks as _stacks  # noqa: E402
 

@@ -15,12 +15,13 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-WIRE_VERSION = 7
+WIRE_VERSION = 8
 # Versions whose records this code decodes: 2 added the GPU records, 3 the ibverbs
-# and KCOUNT records, 4 the KSTUB record, 5 the NETWAIT record, 7 the KSTACKS and
-# STACKDEF records (launch-site stacks); none changed an earlier layout. (6 and 8 are
-# other branches' numbers.)
-READABLE_WIRE_VERSIONS = (1, 2, 3, 4, 5, 7)
+# and KCOUNT records, 4 the KSTUB record, 5 the NETWAIT record, 6 the TLS record and
+# DATA's TLS flags (plaintext from the TLS library, ciphertext sent without payload),
+# 7 the KSTACKS and STACKDEF records (launch-site stacks), 8 both (6 and 7 were
+# written by parallel branches); none changed an earlier layout.
+READABLE_WIRE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 # Sizes of the C scalar types used on the wire (x86-64 and arm64 alike).
 _SCALARS: dict[str, tuple[str, int]] = {
@@ -50,6 +51,8 @@ CONSTANTS: dict[str, int] = {
     "KIND_KCOUNT": 13,
     "KIND_KSTUB": 14,
     "KIND_NETWAIT": 15,
+    "KIND_TLS": 16,  # bpf/tls.c: an SSL object tied to its socket, established, freed
+    # (17 is TLS's too, unused so far)
     # launch-site stacks (bpf/stacks.c): kinds 18-19
     "KIND_KSTACKS": 18,
     "KIND_STACKDEF": 19,
@@ -65,6 +68,12 @@ CONSTANTS: dict[str, int] = {
     "FLAG_TRUNCATED": 2,
     "FLAG_EOF": 4,
     "FLAG_ERROR": 8,
+    # TLS plaintext read or written through the TLS library (bpf/tls.c): its own stream
+    # offsets, fd and conn_id of the socket the SSL object was tied to
+    "FLAG_TLS": 16,
+    # the ciphertext syscall of a socket whose plaintext is followed: sent without its
+    # payload (ret and stream_off kept for socket timing)
+    "FLAG_CIPHER": 32,
     # CONN.op
     "CONN_ACCEPT": 1,
     "CONN_CONNECT": 2,
@@ -87,6 +96,8 @@ CONSTANTS: dict[str, int] = {
     "SYS_SENDTO": 6,
     "SYS_RECVMSG": 7,
     "SYS_SENDMSG": 8,
+    "SYS_SSL_READ": 9,  # SSL_read / SSL_read_ex (DATA with FLAG_TLS)
+    "SYS_SSL_WRITE": 10,  # SSL_write / SSL_write_ex
     # NETWAIT.op (bpf/netwait.c): when the kernel held a served request's bytes
     "NW_ARRIVAL": 1,  # a read's oldest bytes reached the socket at ts
     "NW_HOLD": 2,  # an ACK at ts found written bytes [aux, stream_off) unsent
@@ -99,6 +110,33 @@ CONSTANTS: dict[str, int] = {
     # NETWAIT.flags
     "NW_FLAG_FIRST": 1,  # the owner's first record for this socket
     "NW_FLAG_ANCHORED": 2,  # stream offsets tied to sequence numbers: departures measurable
+    # TLS.op (bpf/tls.c)
+    "TLS_BIND": 1,  # the SSL object's socket is (fd, conn_id), learned as TLS.via says
+    "TLS_ESTABLISHED": 2,  # its handshake completed (or it moved application data)
+    "TLS_FREE": 3,  # SSL_free; TLS_F_FAILED: its handshake began and never completed
+    # TLS.via: how the socket was learned
+    "TLS_VIA_SET_FD": 1,  # SSL_set_fd(ssl, fd)
+    "TLS_VIA_SYSCALL": 2,  # a socket syscall the thread made inside an SSL call
+    "TLS_VIA_BIO_IN": 3,  # its read BIO was fed the bytes a socket read just returned
+    "TLS_VIA_BIO_OUT": 4,  # a record it wrote to its BIO was sent on the socket
+    # TLS.flags
+    "TLS_F_FRESH": 1,  # seen from its setup (SSL_set_fd/SSL_set_bio/the handshake)
+    "TLS_F_ESTABLISHED": 2,
+    "TLS_F_FAILED": 4,
+    "TLS_HEAD": 16,  # ciphertext bytes compared to tie a memory BIO to its socket
+    # TLS counters (index into bpf/tls.c's per-CPU `tls_counters`; tracer/probes/tls.py
+    # reports them as tls.<name>)
+    "TLS_CNT_CALLS": 0,  # SSL_read/SSL_write calls of traced processes that moved data
+    "TLS_CNT_UNBOUND": 1,  # ...whose SSL object was tied to no socket: not sent
+    "TLS_CNT_UNBOUND_BYTES": 2,
+    "TLS_CNT_STALE": 3,  # ...tied to a socket since closed (its fd reused): not sent
+    "TLS_CNT_NESTED": 4,  # an SSL call inside another on one thread (the inner ignored)
+    "TLS_CNT_INFLIGHT_FULL": 5,  # the in-flight call map was full: that call not seen
+    "TLS_CNT_STATE_FULL": 6,  # a map of SSL objects, BIOs or sockets was full
+    "TLS_CNT_LOST": 7,  # TLS records lost to a full ring buffer
+    "TLS_CNT_FAILED_UNBOUND": 8,  # handshakes that failed on an SSL tied to no socket
+    "TLS_CNT_BINDS": 9,  # SSL objects tied to a socket
+    "TLS_N_COUNTERS": 10,
     # GPU: KBURST.reason (why a thread's burst was flushed)
     "BURST_SYNC": 1,
     "BURST_QUERY": 2,
@@ -608,6 +646,25 @@ NETWAIT = Record(
     ],
 )
 
+TLS = Record(
+    "tt_tls",
+    "KIND_TLS",
+    [
+        Field("kind", "u32"),
+        Field("pid", "u32"),
+        Field("tid", "u32"),
+        Field("fd", "s32", "the socket (BIND); -1 if the SSL object was never tied to one"),
+        Field("conn_id", "u64", "the socket's conn_id, as in CONN and DATA records; 0 unbound"),
+        Field("ts", "u64"),
+        Field("ssl", "u64", "the SSL object (a process address)"),
+        Field("op", "u16", "TT_TLS_BIND / ESTABLISHED / FREE"),
+        Field("via", "u16", "BIND: TT_TLS_VIA_*"),
+        Field("flags", "u32", "TT_TLS_F_*"),
+        Field("bytes_in", "u64", "plaintext read through it so far (its DATA stream offset)"),
+        Field("bytes_out", "u64", "plaintext written through it so far"),
+    ],
+)
+
 KSTACKS = Record(
     "tt_kstacks",
     "KIND_KSTACKS",
@@ -651,7 +708,7 @@ STACKDEF = Record(
 
 RECORDS: dict[int, Record] = {
     r.kind: r for r in (CONN, DATA, PROC, KBURST, KNAME, MEM, NCCL, KCOUNT, KSTUB, VERBS,
-                        VERBS_CTX, VERBS_MR, VERBS_QP, NETWAIT, KSTACKS, STACKDEF)
+                        VERBS_CTX, VERBS_MR, VERBS_QP, NETWAIT, TLS, KSTACKS, STACKDEF)
 }
 
 

@@ -13,11 +13,13 @@ from tracer.export.context import ExportContext
 
 COLUMNS = (
     ("TIME", 12), ("PID", 7), ("TID", 7), ("REQUEST", 28), ("MODEL", 14), ("ST", 4),
-    ("IN", 6), ("OUT", 6), ("TTFT", 9), ("TPOT", 9), ("DUR", 9), ("WAIT", 9),
+    ("IN", 6), ("OUT", 6), ("TTFT", 9), ("TPOT", 9), ("DUR", 9), ("WAIT", 9), ("TLS", 5),
 )
 # TTFT, TPOT and DUR are the client's view (arrival at the socket to the bytes leaving);
 # WAIT is the part the request's bytes waited in the socket before the server read
-# them ("~" after a time: only syscall times were seen for that request)
+# them ("~" after a time: only syscall times were seen for that request); TLS is the
+# protocol version of a request read through the TLS probes ("tls": version not seen),
+# "-" for one in the clear
 
 
 def _ms(ns: float | None) -> str:
@@ -78,6 +80,7 @@ class ConsoleTable:
         self._durs: list[float] = []
         self._waits: list[float] = []
         self._syscall_timed = 0
+        self._tls = 0
         self._failed = 0
         self._tokens = 0
         self.gpu: Any = None  # a tracer.correlate.gpu.GpuLedger, when GPU rows are wanted
@@ -108,6 +111,7 @@ class ConsoleTable:
             _ms(rec.client_ttft_ns), _ms(rec.client_tpot_ns),
             _ms(rec.client_end_ns - rec.client_start_ns),
             _ms(rec.socket_wait_ns) if rec.socket_timed else "~",
+            (rec.tls.version or rec.tls.protocol) if rec.tls is not None else "-",
         ]
         self.out.write(self._line(cells) + "\n")
         self.out.flush()
@@ -121,6 +125,7 @@ class ConsoleTable:
         elif rec.net is not None:
             self._syscall_timed += 1
         self._failed += rec.failed
+        self._tls += rec.tls is not None
         self._tokens += (r.output_tokens or 0) if r else 0
 
     def gpu_tick(self, now: float | None = None) -> None:
@@ -175,6 +180,8 @@ class ConsoleTable:
                          f"max {max(self._waits):.1f}ms")
         if self._syscall_timed:
             parts.append(f"{self._syscall_timed} timed by syscalls only")
+        if self._tls:
+            parts.append(f"{self._tls} over TLS")
         return ", ".join(parts)
 
     def close(self) -> None:

@@ -180,8 +180,11 @@ def span_attributes(rec: RequestRecord) -> dict[str, Any]:
     if rec.rpc is not None:
         a.update(rpc_attributes(rec))
     a.update(network_attributes(rec))
+    a.update(tls_attributes(rec))
     a["http.request.method"] = rec.method or None
     a["url.path"] = rec.target.split("?", 1)[0] or None
+    if rec.rpc is None or not rec.rpc.is_grpc:
+        a["url.scheme"] = ("https" if rec.tls is not None else "http") if rec.method else None
     a["http.response.status_code"] = rec.status
     a["network.protocol.name"] = "http"
     a["network.protocol.version"] = rec.http_version or None
@@ -220,6 +223,16 @@ def span_attributes(rec: RequestRecord) -> dict[str, Any]:
     return {k: v for k, v in a.items() if v is not None}
 
 
+def tls_attributes(rec: RequestRecord) -> dict[str, Any]:
+    """OpenTelemetry ``tls.*`` of a request that came over TLS (read through the TLS
+    library's probes): ``tls.protocol.name`` always, the rest where the cleartext
+    handshake was seen (a connection opened before attach has none of it)."""
+    t = rec.tls
+    if t is None:
+        return {}
+    return {"tls.established": True, "tls.protocol.name": t.protocol,
+            "tls.protocol.version": t.version, "tls.cipher": t.cipher,
+            "tls.client.server_name": t.server_name, "tls.next_protocol": t.alpn}
 def launch_sites(stacks: list[Any], top: int = 3) -> list[str]:
     """The request's busiest launch sites: innermost Python frame (or native, for a
     process without Python) and kernel, with their share of its launches."""
@@ -254,6 +267,8 @@ def network_attributes(rec: RequestRecord) -> dict[str, Any]:
     a["tokentrace.network.send_hold"] = _seconds(n.send_hold_ns)
     if n.send_hold_ns:
         a["tokentrace.network.send_hold.cause"] = n.send_hold_cause
+    if n.tls_unmapped:  # their departure is the TLS library's return, not the socket's
+        a["tokentrace.network.tls_unmapped_writes"] = n.tls_unmapped
     return a
 
 

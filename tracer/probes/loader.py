@@ -129,6 +129,8 @@ def compile_program(concerns: Iterable[str], ringbuf_mb: int = 32,
         cflags.append("-DTT_HAVE_GROUP_DEAD")
     if "netwait" in concerns:
         cflags.append("-DTT_NETWAIT")  # sockets.c calls into bpf/netwait.c
+    if "tls" in concerns:
+        cflags.append("-DTT_TLS")  # sockets.c calls into bpf/tls.c
     cflags += list(extra_cflags)
     text = program_text(concerns)
     try:

@@ -38,8 +38,9 @@ class CaptureConfig:
     ringbuf_mb: int = 32
     rescan_interval_s: float = 2.0  # look for new --comm/--port processes this often
     counters_interval_s: float = 1.0
-    # cuda must precede process: process.c flushes a thread's GPU burst at its exit
-    concerns: tuple[str, ...] = ("cuda", "nccl", "ibverbs", "process", "sockets")
+    # cuda must precede process: process.c flushes a thread's GPU burst at its exit;
+    # tls follows sockets (and netwait), whose structures it uses
+    concerns: tuple[str, ...] = ("cuda", "nccl", "ibverbs", "process", "sockets", "tls")
     burst_ns: int = 10_000_000  # a thread's GPU burst is flushed at least this often
     burst_min_ns: int = 0  # ...and at a sync only if it is at least this old
     gpu_rescan_interval_s: float = 1.0  # look for newly loaded GPU libraries
@@ -105,6 +106,8 @@ class CaptureSession:
         self.net_timing = NetTimingMode(ts=0, mode="syscall", reason="not started")
         self._nw_ports: set[int] = set()
         self._next_listen_scan = 0.0
+        self.tls: Any = None  # tracer.probes.tls.TlsProbes when the TLS probes load
+        self._next_tls_scan = 0.0
         self.paused = False
         self._parked_tps: list[bytes] = []  # tracepoints taken out by pause()
         self.analysis = True  # control "analysis off": records read and dropped
@@ -145,6 +148,8 @@ class CaptureSession:
                 self._next_sample_toggle = (time.monotonic()
                                             + self.config.gpu_sample_period_s
                                             * self.config.gpu_sample)
+        if "tls" in self.concerns:
+            self._start_tls()
         for name in self.config.comms:
             key = self.bpf[b"traced_comms"].Key()
             key.comm = name.encode()[:15]
@@ -189,6 +194,11 @@ class CaptureSession:
             if now >= self._next_counter_maps:
                 self._next_counter_maps = now + self.config.counter_maps_interval_s
                 self._collect_counters()
+        if self.tls is not None and now >= self._next_tls_scan:
+            # TLS libraries loaded after attach (Python imports ssl lazily)
+            self._next_tls_scan = now + self.config.gpu_rescan_interval_s
+            for pid in sorted(self.pids):
+                self._tls_scan(pid)
         if "netwait" in self.concerns and now >= self._next_listen_scan:
             self._next_listen_scan = now + self.config.listen_scan_interval_s
             for pid in sorted(self.pids):
@@ -249,6 +259,8 @@ class CaptureSession:
             self.bpf[b"config"][ctypes.c_int(C["CFG_LAUNCH_GATE_CLOSED"])] = ctypes.c_uint64(1)
             self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=False,
                                   fraction=self.config.gpu_sample))
+        if self.tls is not None:
+            self.tls.close()
         if self.gpu is not None:
             self.detach_s = self.gpu.close()  # before the drain: no launch after it
             if self.stacks is not None:
@@ -274,7 +286,11 @@ class CaptureSession:
     STALE_AFTER_PAUSE = (b"io_inflight", b"accept_inflight", b"connect_inflight", b"conns",
                          b"nw_socks", b"nw_fds", b"sync_inflight", b"name_inflight",
                          b"alloc_inflight", b"stub_pending", b"nccl_inflight",
-                         b"verbs_poll_inflight", b"verbs_mr_inflight", b"verbs_qp_inflight")
+                         b"verbs_poll_inflight", b"verbs_mr_inflight", b"verbs_qp_inflight",
+                         # TLS objects tied to sockets whose conn_ids the resume renews:
+                         # met again as after an attach (bpf/tls.c)
+                         b"tls_calls", b"tls_ssls", b"tls_socks", b"tls_rbios", b"tls_bios",
+                         b"tls_last_in", b"tls_egress")
 
     def pause(self) -> float:
         """Take every probe out but the process-lifecycle tracepoints, so the traced
@@ -292,6 +308,8 @@ class CaptureSession:
         if self.gpu is not None:
             self.gpu.join_detach()  # a --gpu-sample detach under way finishes first
             self.gpu.uprobes.suspend(self.gpu.errors)
+        if self.tls is not None and (self.gpu is None or self.tls.uprobes is not self.gpu.uprobes):
+            self.tls.uprobes.suspend(self.tls.errors)
         self.bpf.ring_buffer_consume()  # what was sent before the probes came out
         if self.gpu is not None:
             for raw in self.gpu.drain():  # bursts open at the pause: counts stay exact
@@ -316,6 +334,8 @@ class CaptureSession:
         self._parked_tps = []
         if self.gpu is not None:
             self.gpu.uprobes.resume(self.gpu.errors)
+        if self.tls is not None and (self.gpu is None or self.tls.uprobes is not self.gpu.uprobes):
+            self.tls.uprobes.resume(self.tls.errors)
         self.paused = False
         took = time.perf_counter() - t0
         self.sink(schema.TracingPaused(ts=time.monotonic_ns(), paused=False, switch_s=took))
@@ -405,11 +425,32 @@ class CaptureSession:
         self.sink(self._process_info(pid))
         if self.gpu is not None:
             self.gpu.scan(pid)
+        self._tls_scan(pid)
         if self.stacks is not None:
             self.stacks.scan(pid)
         if existing_sockets:
             self._adopt_sockets(pid)
         self._watch_listeners(pid)
+
+    # ---- TLS (bpf/tls.c) ----------------------------------------------------------
+
+    def _start_tls(self) -> None:
+        """The TLS probes share the GPU probes' uprobe attacher (one choice of links or
+        perf events per BPF object, one lock for BCC's bookkeeping)."""
+        import threading
+
+        from tracer.probes.tls import TlsProbes
+        from tracer.probes.uprobes import Uprobes
+        uprobes = (self.gpu.uprobes if self.gpu is not None
+                   else Uprobes(self.bpf, threading.Lock(), self.config.uprobe_links))
+        self.tls = TlsProbes(self.bpf, uprobes)
+
+    def _tls_scan(self, pid: int) -> None:
+        """Probe the TLS libraries ``pid`` maps that are new; say what was found."""
+        if self.tls is None:
+            return
+        for lib in self.tls.scan(pid):
+            self.sink(lib)
 
     # ---- socket-level timing (bpf/netwait.c) -------------------------------------
 
@@ -559,10 +600,14 @@ class CaptureSession:
                 return  # a new thread, not a process
             self.pids.add(ev.pid)
             self.sink(self._process_info(ev.pid))
+            self._tls_scan(ev.pid)  # its probes are its parent's no more (per-pid links)
             self._adopt_sockets(ev.pid)
         elif ev.op == C["PROC_EXEC"]:
             self.pids.add(ev.pid)
             self.sink(self._process_info(ev.pid))
+            if self.tls is not None:
+                self.tls.forget(ev.pid)  # a new program: new libraries
+                self._tls_scan(ev.pid)
             if self.stacks is not None:
                 self.stacks.forget(ev.pid)  # another program: its interpreter, if any
         elif ev.op == C["PROC_EXIT"]:
@@ -570,6 +615,8 @@ class CaptureSession:
             self._forget_pid(ev.pid)
             if self.gpu is not None:
                 self.gpu.forget(ev.pid)
+            if self.tls is not None:
+                self.tls.forget(ev.pid)
             if self.stacks is not None:
                 self.stacks.forget(ev.pid)
 
@@ -605,6 +652,8 @@ class CaptureSession:
         if self.gpu is not None:
             counters["gpu_attach_errors"] = len(self.gpu.errors)
             counters.update(self.gpu.stubs.counters())
+        if self.tls is not None:
+            counters.update(self.tls.counters())
         if self.stacks is not None:
             counters.update(self.stacks.counters())
         if force or counters != self._last_counters:

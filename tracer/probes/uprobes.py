@@ -81,13 +81,16 @@ def sys_bpf(cmd: int, attr: Any) -> int:
     return int(fd)
 
 
-def _create_link(prog_fd: int, path: str, offsets: list[int], ret: bool) -> int:
+def _create_link(prog_fd: int, path: str, offsets: list[int], ret: bool, pid: int = 0) -> int:
+    """A uprobe_multi link; ``pid`` > 0 limits it to that process: the kernel then puts
+    the breakpoint only into that process's copy of the file's pages, so no other
+    process using the library pays a trap."""
     arr = (ctypes.c_uint64 * len(offsets))(*offsets)
     cpath = ctypes.create_string_buffer(path.encode())
     attr = _LinkCreateAttr(prog_fd=prog_fd, attach_type=BPF_TRACE_UPROBE_MULTI,
                            path=ctypes.addressof(cpath), offsets=ctypes.addressof(arr),
                            cnt=len(offsets),
-                           multi_flags=BPF_F_UPROBE_MULTI_RETURN if ret else 0, pid=0)
+                           multi_flags=BPF_F_UPROBE_MULTI_RETURN if ret else 0, pid=pid)
     return sys_bpf(BPF_LINK_CREATE, attr)
 
 
@@ -121,16 +124,19 @@ def uprobe_multi_support() -> tuple[bool, str]:
 @dataclass(frozen=True)
 class Site:
     """One uprobe: ``handler`` runs at ELF address ``vaddr`` of the file at ``path``
-    (at its return where ``ret``); ``name`` is what errors call it."""
+    (at its return where ``ret``); ``name`` is what errors call it. ``pid`` > 0: in that
+    process only (a uprobe otherwise fires in every process mapping the file)."""
     path: str
     vaddr: int
     handler: str
     ret: bool = False
     name: str = ""
+    pid: int = 0
 
     def describe(self) -> str:
         what = self.name or f"{self.vaddr:#x}"
-        return f"{self.path}:{what}" + (" (return)" if self.ret else "")
+        return (f"{self.path}:{what}" + (" (return)" if self.ret else "")
+                + (f" (pid {self.pid})" if self.pid else ""))
 
 
 @dataclass
@@ -199,17 +205,18 @@ class Uprobes:
                 try:
                     with self.lock:
                         how = self.bpf.attach_uretprobe if s.ret else self.bpf.attach_uprobe
-                        how(name=s.path.encode(), addr=s.vaddr, fn_name=s.handler.encode())
+                        how(name=s.path.encode(), addr=s.vaddr, fn_name=s.handler.encode(),
+                            pid=s.pid or -1)
                 except Exception as e:  # BCC raises bare Exception on attach failure
                     errors[s.describe()] = str(e)
                     continue
                 got.sites.append(s)
 
     def _attach_links(self, sites: list[Site], errors: dict[str, str], got: Attached) -> None:
-        groups: dict[tuple[str, str, bool], list[tuple[Site, int]]] = defaultdict(list)
+        groups: dict[tuple[str, str, bool, int], list[tuple[Site, int]]] = defaultdict(list)
         for s, off in _file_offsets(sites, errors):
-            groups[(s.path, s.handler, s.ret)].append((s, off))
-        for (path, handler, ret), members in groups.items():
+            groups[(s.path, s.handler, s.ret, s.pid)].append((s, off))
+        for (path, handler, ret, pid), members in groups.items():
             try:
                 with self.lock:
                     prog = self.bpf.load_func(handler.encode(), self.bpf.KPROBE,
@@ -219,14 +226,15 @@ class Uprobes:
                     errors[s.describe()] = str(e)
                 continue
             try:
-                got.links.append(_create_link(prog.fd, path, [o for _, o in members], ret))
+                got.links.append(_create_link(prog.fd, path, [o for _, o in members], ret,
+                                              pid))
                 got.sites.extend(s for s, _ in members)
                 continue
             except OSError:
                 pass  # one bad site fails the whole link: find which, one by one
             for s, off in members:
                 try:
-                    got.links.append(_create_link(prog.fd, path, [off], ret))
+                    got.links.append(_create_link(prog.fd, path, [off], ret, pid))
                 except OSError as e:
                     errors[s.describe()] = f"uprobe_multi link: {e.strerror}"
                     continue
@@ -295,7 +303,7 @@ class Uprobes:
                 try:
                     with self.lock:
                         how = self.bpf.detach_uretprobe if s.ret else self.bpf.detach_uprobe
-                        how(name=s.path.encode(), addr=s.vaddr)
+                        how(name=s.path.encode(), addr=s.vaddr, pid=s.pid or -1)
                 except Exception as e:  # BCC raises bare Exception
                     errors[f"{s.describe()} (detach)"] = str(e)
         for g in groups:

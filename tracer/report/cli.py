@@ -152,6 +152,7 @@ def main(args: argparse.Namespace) -> int:
          + (f", socket wait p95 {wait:.1f} ms" if wait is not None else "")
          + (f", {totals['syscall_timed']} timed by syscalls only"
             if totals["syscall_timed"] else "")
+         + (f", {totals['tls']} over TLS" if totals.get("tls") else "")
          + f"; wrote {', '.join(written)}")
     return 0
 

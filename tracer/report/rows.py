@@ -38,6 +38,8 @@ COLUMNS: dict[str, str] = {
     "send_hold_ms": "longest time a response write's bytes were held by the kernel, ms",
     "send_hold_cause": "why: nagle, cwnd, rwnd or cork",
     "network_timing": "socket (arrival and departure seen) or syscall (server times only)",
+    "tls": "TLS version of a request read through the TLS probes (1.2, 1.3; 'tls' when "
+           "the handshake was not seen); empty in the clear",
     "gpu_launches": "kernel launches charged to the request (its share)",
     "gpu_graph_launches": "CUDA graph launches charged to the request",
     "gpu_prefill_launches": "of the launches, in prefill",
@@ -155,6 +157,9 @@ class RowBuilder:
             version = a.get("network.protocol.version")
             r["protocol"] = f"{a['network.protocol.name']}/{version}" if version \
                 else str(a["network.protocol.name"])
+        if a.get("tls.protocol.name") is not None:
+            r["tls"] = self._label(a, "tls.protocol.version") or \
+                self._label(a, "tls.protocol.name")
         stream = a.get("tokentrace.request.stream")
         r["stream"] = stream if isinstance(stream, bool) else None
         if r["gpu_ms"] is not None and r["output_tokens"]:

@@ -27,6 +27,7 @@ SUMMARY_COLUMNS: dict[str, str] = {
     "socket_wait_p95_ms": "95th percentile of it (a saturated server: large), ms",
     "socket_wait_max_ms": "the longest of it, ms",
     "syscall_timed": "requests timed by the server's syscalls only (socket not seen)",
+    "tls": "requests that came over TLS (read through the TLS probes)",
     "gpu_ms": "sum of GPU-ms charged",
     "gpu_ms_per_output_token": "GPU-ms / output tokens, over requests with both",
     "cost_usd_total": "sum of cost_usd",
@@ -71,6 +72,7 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "socket_wait_p95_ms": None if s95 is None else round(s95, 3),
         "socket_wait_max_ms": round(max(waits), 3) if waits else None,
         "syscall_timed": sum(1 for r in rows if r.get("network_timing") == "syscall"),
+        "tls": sum(1 for r in rows if r.get("tls") is not None),
         "gpu_ms": _sum(_values(rows, "gpu_ms")),
         "gpu_ms_per_output_token":
             round(sum(r["gpu_ms"] for r in both) / out_tok, 6) if out_tok else None,
