@@ -54,14 +54,96 @@ def test_311_lines_match_the_interpreters_own_positions():
     assert checked > 10_000
 
 
-def test_310_line_table_as_lnotab_notes_describe_it():
-    # bytes [0, 6) line 10, [6, 10) line 12, [10, 14) no line, [14, 20) line 9, then a
-    # line delta of 0 moves the start of the next range on: [22, 24) line 10
-    table = bytes([6, 10, 4, 2, 4, 0x80, 6, 256 - 3, 2, 0, 2, 1])
-    assert list(ranges_310(table, 0)) == [(0, 6, 10), (6, 10, 12), (14, 20, 9), (22, 24, 10)]
+def _encode_310(lines: list[tuple[int, int, int | None]], firstlineno: int) -> bytes:
+    """A 3.10 line table for (start byte, end byte, line) ranges, written the way
+    CPython 3.10's compiler writes one (``assemble_line_range`` in Python/compile.c):
+    line deltas over 127 as (0, 127) pairs first, ranges over 254 bytes in 254-byte
+    chunks whose line delta after the first is 0 (or -128: no line)."""
+    out = bytearray()
+    prev = firstlineno
+    for start, end, line in lines:
+        bdelta = end - start
+        if bdelta == 0:
+            continue
+        if line is None:
+            ldelta = -128
+        else:
+            ldelta, prev = line - prev, line
+            while ldelta > 127:
+                out += bytes([0, 127])
+                ldelta -= 127
+            while ldelta < -127:
+                out += bytes([0, 256 - 127])
+                ldelta += 127
+        while bdelta > 254:
+            out += bytes([254, ldelta & 0xFF])
+            ldelta = -128 if line is None else 0
+            bdelta -= 254
+        out += bytes([bdelta, ldelta & 0xFF])
+    return bytes(out)
+
+
+def _merged(ranges) -> list[tuple[int, int, int | None]]:
+    out: list[list] = []
+    for start, end, line in ranges:
+        if end <= start:
+            continue
+        if out and out[-1][1] == start and out[-1][2] == line:
+            out[-1][1] = end
+        else:
+            out.append([start, end, line])
+    return [tuple(r) for r in out]
+
+
+def test_310_line_table_pairs_are_each_a_range():
+    """Every (bytecode delta, line delta) pair is a range, a line delta of 0 included
+    (CPython 3.10's advance() in Objects/codeobject.c): a one-line body, the 254-byte
+    chunks of a long range."""
+    assert list(ranges_310(bytes([8, 0]), 5)) == [(0, 8, 5)]
+    assert list(ranges_310(bytes([254, 2, 254, 0, 10, 0]), 7)) == [
+        (0, 254, 9), (254, 508, 9), (508, 518, 9)]
+    assert line_310(bytes([254, 2, 254, 0, 10, 0]), 7, 400) == 9
+    # [0, 6) line 10, [6, 10) 12, [10, 14) no line, [14, 20) 9, [20, 22) 9, [22, 24) 10;
+    # a pair with no bytes only moves the line
+    table = bytes([6, 10, 4, 2, 4, 0x80, 6, 256 - 3, 2, 0, 0, 5, 2, 256 - 4])
+    assert list(ranges_310(table, 0)) == [(0, 6, 10), (6, 10, 12), (14, 20, 9), (20, 22, 9),
+                                          (22, 24, 10)]
     assert line_310(table, 0, 4) == 10 and line_310(table, 0, 8) == 12
-    assert line_310(table, 0, 12) is None and line_310(table, 0, 19) == 9
+    assert line_310(table, 0, 12) is None and line_310(table, 0, 21) == 9
     assert line_310(table, 7, -2) == 7  # f_lasti -1: not started, the first line
+
+
+@pytest.mark.skipif(sys.version_info < (3, 10), reason="co_lines")
+def test_310_decoder_reads_what_the_310_compiler_writes_for_real_line_ranges():
+    """Real code objects' line ranges (this interpreter's ``co_lines``), written as
+    CPython 3.10's compiler writes them, read back range for range: long ranges, big
+    line jumps and line-less ranges included."""
+    checked = long = jumps = 0
+    tops = []
+    for name in ("json.decoder", "email.parser", "inspect", "tracer.correlate.attribution",
+                 "argparse"):
+        mod = importlib.import_module(name)
+        with open(mod.__file__) as f:
+            tops.append(compile(f.read(), mod.__file__, "exec"))
+    # a one-line body; one line of 400 calls (a range of thousands of bytes); a jump of
+    # 300 lines
+    tops.append(compile("def one(): return 1\n"
+                        "def wide(f):\n    return [" + ", ".join(["f()"] * 400) + "]\n"
+                        + "\n" * 300 + "x = 1\n", "<synthetic>", "exec"))
+    for top in tops:
+        for c in _codes(top):
+            want = _merged(c.co_lines())
+            table = _encode_310(want, c.co_firstlineno)
+            got = _merged((s, e, ln) for s, e, ln in ranges_310(table, c.co_firstlineno))
+            assert got == [r for r in want if r[2] is not None], c
+            checked += len(want)
+            long += sum(1 for s, e, _ in want if e - s > 254)
+            prev = c.co_firstlineno
+            for _s, _e, ln in want:
+                if ln is not None:
+                    jumps += abs(ln - prev) > 127
+                    prev = ln
+    assert checked > 5_000 and long > 0 and jumps > 0, (checked, long, jumps)
 
 
 # ---- interpreter layouts ------------------------------------------------------------------
