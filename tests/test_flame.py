@@ -214,6 +214,41 @@ def test_the_running_interpreter_is_found_and_checked(python):
     assert lay.code_fields["co_filename"] and lay.code_units
 
 
+LATE_CODE = r"""
+import ctypes, sys
+print("up", flush=True)
+sys.stdin.readline()
+ctypes.CDLL(None).mallopt(-3, 65536)  # M_MMAP_THRESHOLD: big blocks get mappings of their own
+ns = {}
+exec(compile("def lazily_imported():\n" + "    x = 1\n" * 20000, "/models/late.py", "exec"), ns)
+print(hex(id(ns["lazily_imported"].__code__)), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_code_objects_in_memory_mapped_after_the_first_read_are_named():
+    """A model imported on the first request: its code objects live in memory the
+    process mapped after the agent first read its mappings."""
+    from tracer.probes.pycode import MAPS_REFRESH_S, CodeReader
+
+    p = subprocess.Popen([sys.executable, "-c", LATE_CODE], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "up"
+        reader = CodeReader(p.pid, pystacks.find_interpreter(p.pid))
+        assert reader.frame(0x10, 0) is None  # a first stack's read, before the import
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        addr = int(p.stdout.readline(), 16)
+        snapshot = reader.mem.mem.ranges
+        assert not any(lo <= addr < hi for lo, hi in snapshot)  # the case at hand
+        time.sleep(MAPS_REFRESH_S)
+        assert reader.frame(addr, 0) == ("lazily_imported", "/models/late.py", 1)
+        assert reader.mem.mem.refreshes >= 1
+    finally:
+        p.kill()
+
+
 def test_a_process_without_python_says_why():
     p = subprocess.Popen(["sleep", "5"])
     try:

@@ -7,11 +7,14 @@ publishes (``pystacks.PyLayout.code_fields``); strings are read as CPython lays 
 ``bytes`` object. Lines come from the line table (``pylines``). Each code object is
 read once per process and kept: code objects of a server's modules live as long as it
 does (a code object freed and its memory reused by another would keep the first name;
-a process's cache is dropped when it exits).
+a process's cache is dropped when it exits). A code object that cannot be read is
+tried again after ``RETRY_S`` (it may lie in memory mapped since the process's mappings
+were read, which are then read again: lazily imported model code).
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -20,6 +23,8 @@ from tracer.probes.pystacks import OB_TYPE, PyLayout, _Memory
 
 MAX_STR = 4096
 MAX_TABLE = 1 << 20
+MAPS_REFRESH_S = 1.0  # an address outside the known mappings: maps read again, at most this often
+RETRY_S = 1.0  # a code object that could not be read is tried again after this
 
 
 @dataclass(frozen=True)
@@ -38,9 +43,10 @@ class CodeReader:
     def __init__(self, pid: int, layout: PyLayout, max_codes: int = 100_000) -> None:
         self.pid = pid
         self.layout = layout
-        self.mem = _Memory(pid)
+        self.mem = _Memory(pid, refresh_s=MAPS_REFRESH_S)
         self.max_codes = max_codes
-        self._codes: OrderedDict[int, CodeInfo | None] = OrderedDict()
+        self._codes: OrderedDict[int, CodeInfo] = OrderedDict()
+        self._failed: OrderedDict[int, float] = OrderedDict()  # addr -> when it failed
         self.reads = 0
         self.failed = 0
 
@@ -49,13 +55,24 @@ class CodeReader:
 
     def code(self, addr: int) -> CodeInfo | None:
         """The code object at ``addr`` (None: not a code object, or unreadable)."""
-        if addr in self._codes:
+        got = self._codes.get(addr)
+        if got is not None:
             self._codes.move_to_end(addr)
-            return self._codes[addr]
+            return got
+        now = time.monotonic()
+        when = self._failed.get(addr)
+        if when is not None and now - when < RETRY_S:
+            return None
         info = self._read_code(addr)
         self.reads += 1
         if info is None:
             self.failed += 1
+            self._failed[addr] = now
+            self._failed.move_to_end(addr)
+            while len(self._failed) > self.max_codes:
+                self._failed.popitem(last=False)
+            return None
+        self._failed.pop(addr, None)
         self._codes[addr] = info
         while len(self._codes) > self.max_codes:
             self._codes.popitem(last=False)

@@ -202,12 +202,13 @@ def _interpreter_file(pid: int, maps: list[procfs.Mapping]) -> tuple[str, str, i
 
 
 class _Memory:
-    """Reads of the traced process's memory (/proc/PID/mem)."""
+    """Reads of the traced process's memory (/proc/PID/mem); ``refresh_s``: see
+    ``ProcessMemory`` (a long-lived reader sees memory mapped after it was made)."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, refresh_s: float | None = None) -> None:
         from tracer.probes.prenames import ProcessMemory
 
-        self.mem = ProcessMemory(pid)
+        self.mem = ProcessMemory(pid, refresh_s)
 
     def read(self, addr: int, n: int) -> bytes:
         return self.mem.read(addr, n) if addr > 0 else b""
