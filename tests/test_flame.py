@@ -249,6 +249,49 @@ def test_code_objects_in_memory_mapped_after_the_first_read_are_named():
         p.kill()
 
 
+PRIVATE_CODE = r"""
+import sys
+def handler(): pass
+text = "what is my password? " + sys.argv[1]
+told = handler.__code__.replace(co_filename=text)  # a live str of a request's shape
+gone = compile("def freed(): pass", "/srv/app.py", "exec").co_consts[0]
+print(hex(id(handler.__code__)), hex(id(told)), hex(id(gone)), flush=True)
+sys.stdin.readline()
+del gone  # freed: its memory keeps the type pointer, its names point at live strings
+print("freed", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_frames_never_carry_text_that_is_not_a_name_or_a_path():
+    """A code object whose file name slot points at request-like text, and one freed
+    before the resolver read it: neither puts its strings into a frame (V1)."""
+    from tracer.probes.pycode import CodeReader, safe_name, safe_path
+
+    p = subprocess.Popen([sys.executable, "-c", PRIVATE_CODE, "x" * 40], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        ok, told, gone = (int(x, 16) for x in p.stdout.readline().split())
+        lay = pystacks.find_interpreter(p.pid)
+        assert lay.str_type and lay.bytes_type
+        reader = CodeReader(p.pid, lay)
+        assert reader.frame(ok, 0)[:2] == ("handler", "<string>")
+        assert reader.frame(gone, 0)[:2] == ("freed", "/srv/app.py")  # alive, so far
+        assert reader.frame(told, 0)[:2] == ("handler", "?") and reader.rejected == 1
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "freed"
+        assert CodeReader(p.pid, lay).frame(gone, 0) is None
+    finally:
+        p.kill()
+    assert safe_path("/usr/lib/python3.12/site-packages/transformers/models/llama/"
+                     "modeling_llama.py") and safe_path("<frozen importlib._bootstrap>")
+    assert safe_path("<eval_with_key>.12") and not safe_path("what is my password?")
+    assert not safe_path("/a/" + "b" * 300) and not safe_path("a\nb")
+    assert safe_name("Model.forward.<locals>.<lambda>") and safe_name("LlamaAttention.forward")
+    assert not safe_name("my password is hunter2") and not safe_name("")
+
+
 def test_a_process_without_python_says_why():
     p = subprocess.Popen(["sleep", "5"])
     try:

@@ -46,7 +46,8 @@ _LIBPYTHON = re.compile(r"/libpython3\.(\d+)[a-z]*\.so(\.[\d.]+)?$")
 _PYTHON_EXE = re.compile(r"/python3\.?(\d+)?[a-z]*$")
 _SYM64 = struct.Struct("<IBBHQQ")
 WANTED = ("_PyRuntime", "PyCode_Type", "Py_Version", "PyInterpreterState_Head",
-          "PyInterpreterState_ThreadHead", "PyThreadState_Next", "PyInterpreterState_Next")
+          "PyInterpreterState_ThreadHead", "PyThreadState_Next", "PyInterpreterState_Next",
+          "PyUnicode_Type", "PyBytes_Type")
 TP_BASICSIZE = 32  # offsetof(PyTypeObject, tp_basicsize): stable public layout
 TP_MEMBERS = 240  # offsetof(PyTypeObject, tp_members)
 MEMBER_DEF = struct.Struct("<QiiqiiQ")  # PyMemberDef: name, type, (pad), offset, flags, (pad), doc
@@ -85,6 +86,8 @@ class PyLayout:
     # user space: code objects and strings
     code_fields: dict[str, int] = field(default_factory=dict)  # co_* -> offset
     code_units: int = 0  # offsetof(PyCodeObject, co_code_adaptive) (3.11+)
+    str_type: int = 0  # &PyUnicode_Type, &PyBytes_Type in the process (0: not known)
+    bytes_type: int = 0
     ascii_size: int = 48  # sizeof(PyASCIIObject)
     compact_size: int = 72  # sizeof(PyCompactUnicodeObject)
     checks: list[str] = field(default_factory=list)  # what was verified, in words
@@ -355,6 +358,9 @@ def find_interpreter(pid: int) -> PyLayout:
         if version is None:
             raise PyLayoutError(f"{mapped}: Python version unknown")
         layout = _layout(mem, version, mapped, runtime, code_type)
+        for name, attr in (("PyUnicode_Type", "str_type"), ("PyBytes_Type", "bytes_type")):
+            if name in info.symbols:
+                setattr(layout, attr, info.symbols[name][0] + bias)
         layout.checks += _cross_check(path, info, layout)
         layout.checks += _check_live(pid, mem, layout)
     finally:
