@@ -11,6 +11,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import threading
 import time
 import types
 from collections import Counter
@@ -297,6 +298,52 @@ def test_a_process_without_python_says_why():
     try:
         with pytest.raises(pystacks.PyLayoutError, match="_PyRuntime|no libpython"):
             pystacks.find_interpreter(p.pid)
+    finally:
+        p.kill()
+
+
+BAD_LIB = r"""
+import mmap, sys
+f = open(sys.argv[1], "rb")
+m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+print("up", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_damaged_interpreter_file_is_a_reason_off_the_consumers_thread(tmp_path, monkeypatch):
+    """A process mapping a damaged file named like libpython (pyelftools raises
+    ValueError on it) gets native frames only, with the reason; the interpreter is
+    looked for on the resolver's thread, never the ring buffer consumer's (R1)."""
+    from tracer.probes import stacks as probe_stacks
+
+    python = "/usr/bin/python3.11"  # maps no libpython of its own (static interpreter)
+    if not os.path.exists(python):
+        pytest.skip(f"{python} is not installed")  # said, and not counted as a pass
+    bad = tmp_path / "libpython3.11.so.1.0"
+    data = bytearray(open("/bin/true", "rb").read())
+    struct.pack_into("<Q", data, 32, 1 << 63)  # e_phoff: out of any offset's range
+    bad.write_bytes(bytes(data))
+    p = subprocess.Popen([python, "-c", BAD_LIB, str(bad)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "up"
+        why = probe_stacks.scan_interpreter(p.pid)
+        assert isinstance(why, str) and "ValueError" in why, why
+        threads = []
+        real = probe_stacks.find_interpreter
+
+        def spy(pid: int):
+            threads.append(threading.current_thread().name)
+            return real(pid)
+
+        monkeypatch.setattr(probe_stacks, "find_interpreter", spy)
+        resolver = probe_stacks.StackResolver()
+        resolver.scan(p.pid, 7)
+        assert resolver.wait_idle(30)
+        (found,) = resolver.found()
+        assert (found.pid, found.generation, found.layout, found.why) == (p.pid, 7, None, why)
+        assert threads == ["tt-stacks"]
     finally:
         p.kill()
 

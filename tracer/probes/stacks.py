@@ -1,12 +1,19 @@
 """The user-space half of the launch-site stack sampler (bpf/stacks.c).
 
-``StackSampler`` configures the sampler, finds each traced process's Python
-interpreter (``pystacks``) and writes its layout into the kernel's ``py_procs`` map, and
-turns each new stack (a STACKDEF record: Python code objects, registers and a slice of
-the user stack) into a ``StackFrames`` event on a thread of its own: Python frames named
-from the process's memory (``pycode``), native frames unwound with ``.eh_frame``
-(``unwind``) and named from the ELF symbol tables, down to the interpreter. Raw stack
-memory never leaves this module: captures keep the ``StackFrames`` event.
+``StackSampler`` configures the sampler, has each traced process's Python interpreter
+found (``pystacks``) and writes its layout into the kernel's ``py_procs`` map, and has
+each new stack (a STACKDEF record: Python code objects, registers and a slice of the
+user stack) turned into a ``StackFrames`` event: Python frames named from the process's
+memory (``pycode``), native frames unwound with ``.eh_frame`` (``unwind``) and named
+from the ELF symbol tables, down to the interpreter. Raw stack memory never leaves this
+module: captures keep the ``StackFrames`` event.
+
+Everything that reads a traced process's files or memory runs on the resolver's thread
+(``StackResolver``), never on the thread that consumes the ring buffer: parsing a large
+static interpreter's symbol tables takes seconds, and what a traced process maps is
+not trusted (any failure to read it is that process's "no Python frames", with the
+reason). Only the BPF maps are written by the polling thread (``take``), which applies
+what the resolver found.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import threading
 import time
 from bisect import bisect_right
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 from elftools.common.exceptions import ELFError
@@ -56,7 +64,9 @@ class StackSampler:
         self.layouts: dict[int, PyLayout] = {}
         self.why_not: dict[int, str] = {}  # pid -> why it has no Python frames
         self._tries: Counter[int] = Counter()
-        self.resolver = StackResolver(self.layouts)
+        self._scanning: dict[int, int] = {}  # pid -> generation of the scan under way
+        self._generation = 0
+        self.resolver = StackResolver()
 
     def enable(self, on: bool) -> None:
         """Pause or resume sampling (the benchmark's alternating windows); while paused
@@ -67,31 +77,47 @@ class StackSampler:
     # ---- processes ---------------------------------------------------------------------
 
     def scan(self, pid: int) -> None:
-        """Find ``pid``'s interpreter (once; a few times while it is not ready)."""
-        if pid in self.layouts or self._tries[pid] >= SCAN_TRIES:
+        """Have ``pid``'s interpreter found (once; a few times while it is not ready),
+        on the resolver's thread; ``take`` applies the result."""
+        if pid in self.layouts or pid in self._scanning or self._tries[pid] >= SCAN_TRIES:
             return
         self._tries[pid] += 1
-        try:
-            lay = find_interpreter(pid)
-        except (PyLayoutError, OSError) as e:
-            self.why_not[pid] = str(e)
+        self._generation += 1
+        self._scanning[pid] = self._generation
+        self.resolver.scan(pid, self._generation)
+
+    def settle(self, timeout: float) -> None:
+        """Wait (at most ``timeout``) for the scans under way, and apply them: at start,
+        before the ring buffer is polled, so the processes traced from the start have
+        Python frames from their first sampled call."""
+        self.resolver.wait_idle(timeout)
+        for found in self.resolver.found():
+            self._apply(found)
+
+    def _apply(self, found: "Found") -> None:
+        """A scan's result, if it is still wanted: the layout into ``py_procs``."""
+        if self._scanning.get(found.pid) != found.generation:
+            return  # the process exited (or exec'd) since
+        del self._scanning[found.pid]
+        if found.layout is None:
+            self.why_not[found.pid] = found.why
             return
         leaf = self.bpf[b"py_procs"].Leaf()
-        for name, value in lay.bpf_fields().items():
+        for name, value in found.layout.bpf_fields().items():
             setattr(leaf, name, value)
         try:
-            self.bpf[b"py_procs"][ctypes.c_uint32(pid)] = leaf
+            self.bpf[b"py_procs"][ctypes.c_uint32(found.pid)] = leaf
         except Exception as e:  # a full map: the process gets native frames only
-            self.why_not[pid] = f"py_procs map: {e}"
+            self.why_not[found.pid] = f"py_procs map: {e}"
             return
-        self.why_not.pop(pid, None)
-        self.layouts[pid] = lay
-        self.resolver.layout(pid, lay)
+        self.why_not.pop(found.pid, None)
+        self.layouts[found.pid] = found.layout
 
     def forget(self, pid: int) -> None:
         """``pid`` exited (or exec'd another program: looked at afresh)."""
         self.layouts.pop(pid, None)
         self._tries.pop(pid, None)
+        self._scanning.pop(pid, None)
         self.why_not.pop(pid, None)
         try:
             del self.bpf[b"py_procs"][ctypes.c_uint32(pid)]
@@ -102,10 +128,10 @@ class StackSampler:
     def describe(self) -> list[str]:
         """One line per process: its interpreter and how its layout was checked."""
         out = []
-        for pid, lay in sorted(self.layouts.items()):
+        for pid, lay in sorted(list(self.layouts.items())):
             out.append(f"pid {pid}: Python {lay.version[0]}.{lay.version[1]} in {lay.path} "
                        f"({lay.source}; {'; '.join(lay.checks)})")
-        for pid, why in sorted(self.why_not.items()):
+        for pid, why in sorted(list(self.why_not.items())):
             out.append(f"pid {pid}: no Python frames: {why}")
         return out
 
@@ -119,6 +145,9 @@ class StackSampler:
             self.resolver.undecodable += 1
 
     def take(self) -> list[StackFrames]:
+        """Apply what the resolver found about processes; the stacks it named since."""
+        for found in self.resolver.found():
+            self._apply(found)
         return self.resolver.take()
 
     def drain(self) -> list[bytes]:
@@ -148,11 +177,34 @@ class StackSampler:
         return out
 
 
-class StackResolver:
-    """StackDef -> StackFrames, on a thread of its own (the first use of a library
-    reads its symbol table and unwind tables: up to seconds for libtorch_cuda.so)."""
+@dataclass
+class Found:
+    """What a scan found about a process's interpreter (``layout``), or why not."""
 
-    def __init__(self, layouts: dict[int, PyLayout]) -> None:
+    pid: int
+    generation: int
+    layout: PyLayout | None
+    why: str = ""
+
+
+def scan_interpreter(pid: int) -> PyLayout | str:
+    """``pid``'s interpreter layout, or why there is none. Never raises: the files and
+    memory of a traced process are not trusted (a damaged ELF file makes pyelftools
+    raise what it likes), and a process that cannot be read gets native frames only."""
+    try:
+        return find_interpreter(pid)
+    except (PyLayoutError, OSError) as e:
+        return str(e)
+    except Exception as e:  # a parser's error on what the process maps
+        return f"cannot read its interpreter: {type(e).__name__}: {e}"
+
+
+class StackResolver:
+    """StackDef -> StackFrames, and interpreters found, on a thread of its own (the
+    first use of a library reads its symbol table and unwind tables: up to seconds for
+    libtorch_cuda.so)."""
+
+    def __init__(self) -> None:
         self._layouts: dict[int, PyLayout] = {}
         self._readers: dict[int, CodeReader] = {}
         self._regions: dict[int, list[Region]] = {}
@@ -162,6 +214,7 @@ class StackResolver:
         self.symbols = Symbolizer(max_files=64)
         self._work: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._out: list[StackFrames] = []
+        self._found: list[Found] = []
         self._lock = threading.Lock()
         self._busy = 0
         self._idle = threading.Condition()
@@ -179,8 +232,9 @@ class StackResolver:
     def put(self, d: StackDef) -> None:
         self._put(("def", d))
 
-    def layout(self, pid: int, lay: PyLayout) -> None:
-        self._put(("layout", pid, lay))
+    def scan(self, pid: int, generation: int) -> None:
+        """Find ``pid``'s interpreter (``found`` hands the result back)."""
+        self._put(("scan", pid, generation))
 
     def forget(self, pid: int) -> None:
         self._put(("forget", pid))
@@ -188,6 +242,11 @@ class StackResolver:
     def take(self) -> list[StackFrames]:
         with self._lock:
             out, self._out = self._out, []
+        return out
+
+    def found(self) -> list[Found]:
+        with self._lock:
+            out, self._found = self._found, []
         return out
 
     def wait_idle(self, timeout: float) -> bool:
@@ -205,8 +264,16 @@ class StackResolver:
                     if got is not None:
                         with self._lock:
                             self._out.append(got)
-                elif item[0] == "layout":
-                    self._layouts[item[1]] = item[2]
+                elif item[0] == "scan":
+                    pid, generation = item[1], item[2]
+                    got = scan_interpreter(pid)
+                    if isinstance(got, str):
+                        found = Found(pid, generation, None, got)
+                    else:
+                        self._layouts[pid] = got
+                        found = Found(pid, generation, got)
+                    with self._lock:
+                        self._found.append(found)
                 elif item[0] == "forget":
                     pid = item[1]
                     self._layouts.pop(pid, None)
