@@ -83,6 +83,7 @@ class PyLayout:
     tid_is_pthread: int = 0
     instr_is_int: int = 0
     cstack_owner: int = 0xFF
+    stack_max: int = 8 << 20  # 3.10: a thread's stack size (default_stack_size)
     # user space: code objects and strings
     code_fields: dict[str, int] = field(default_factory=dict)  # co_* -> offset
     code_units: int = 0  # offsetof(PyCodeObject, co_code_adaptive) (3.11+)
@@ -96,7 +97,7 @@ class PyLayout:
         """The values of bpf/stacks.c's struct py_layout, by field name."""
         names = ("runtime", "interp_head", "interp_next", "threads_head", "ts_next", "ts_tid",
                  "ts_frame", "cframe_frame", "fr_prev", "fr_code", "fr_instr", "fr_owner",
-                 "fr_size", "tid_is_pthread", "instr_is_int", "cstack_owner")
+                 "fr_size", "tid_is_pthread", "instr_is_int", "cstack_owner", "stack_max")
         return {n: getattr(self, n) for n in names}
 
 
@@ -363,6 +364,7 @@ def find_interpreter(pid: int) -> PyLayout:
                 setattr(layout, attr, info.symbols[name][0] + bias)
         layout.checks += _cross_check(path, info, layout)
         layout.checks += _check_live(pid, mem, layout)
+        layout.stack_max = default_stack_size(pid)
     finally:
         mem.close()
     return layout
@@ -413,6 +415,53 @@ def _tids(pid: int) -> set[int]:
         return {int(t) for t in os.listdir(f"/proc/{pid}/task")}
     except OSError:
         return set()
+
+
+GLIBC_STACK_DEFAULT = 2 << 20  # x86-64 glibc's thread stack size with no stack rlimit
+THREADS_MAX = 4096  # thread states user space walks per process (the kernel: 128)
+
+
+def default_stack_size(pid: int) -> int:
+    """The stack size glibc gives ``pid``'s threads: its stack rlimit (soft), or
+    glibc's default where that is unlimited. 3.10's thread matching: a thread's own
+    descriptor lies within this above its stack pointer, another thread's farther."""
+    try:
+        with open(f"/proc/{pid}/limits") as f:
+            for line in f:
+                if line.startswith("Max stack size"):
+                    soft = line.split()[3]
+                    return GLIBC_STACK_DEFAULT if soft == "unlimited" else int(soft)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 8 << 20
+
+
+def thread_map(mem: _Memory, lay: PyLayout, pid: int, limit: int = THREADS_MAX
+               ) -> dict[int, int]:
+    """Thread id -> thread state, for the kernel's ``stk_tstate`` (it walks only the
+    newest 128 states itself; a server's main or engine thread is the oldest, behind
+    its pools' threads). 3.10 keeps no thread id: only the main thread's (the oldest
+    state of the main interpreter), keyed by the pid."""
+    if lay.tid_is_pthread:
+        interp, last = mem.u64(lay.runtime + lay.interp_head), 0
+        for _ in range(4):  # the main interpreter is the last of the list
+            if not interp:
+                break
+            last = interp
+            interp = mem.u64(interp + lay.interp_next)
+        ts, oldest = (mem.u64(last + lay.threads_head) if last else 0), 0
+        for _ in range(limit):
+            if not ts:
+                break
+            oldest = ts
+            ts = mem.u64(ts + lay.ts_next)
+        return {pid: oldest} if oldest else {}
+    out: dict[int, int] = {}
+    for ts in thread_states(mem, lay, limit):
+        tid = mem.u64(ts + lay.ts_tid)
+        if 0 < tid < 1 << 32:
+            out.setdefault(tid, ts)
+    return out
 
 
 def thread_states(mem: _Memory, lay: PyLayout, limit: int = 256) -> list[int]:

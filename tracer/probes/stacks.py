@@ -25,7 +25,7 @@ import threading
 import time
 from bisect import bisect_right
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from elftools.common.exceptions import ELFError
@@ -35,12 +35,13 @@ from tracer.events import schema
 from tracer.events.stacks import StackDef, StackFrames
 from tracer.probes import procfs
 from tracer.probes.pycode import CodeReader
-from tracer.probes.pystacks import PyLayout, PyLayoutError, find_interpreter
+from tracer.probes.pystacks import PyLayout, PyLayoutError, find_interpreter, thread_map
 from tracer.probes.symbols import ElfFunctions, SymbolError, Symbolizer
 from tracer.probes.unwind import Region, Unwinder
 
 DEFAULT_EVERY = 64  # mean GPU calls between a thread's samples (see docs/flame.md)
 SCAN_TRIES = 5  # a process whose interpreter is not ready yet is looked at again
+THREADS_EVERY_S = 5.0  # a Python process's thread states are mapped for the kernel this often
 COUNTER_NAMES = ("stack_samples", "stack_samples_new_site", "stack_defs", "stack_defs_lost",
                  "stack_py_no_thread", "stack_py_truncated", "stack_slots_sent_early",
                  "stack_maps_full")
@@ -66,6 +67,7 @@ class StackSampler:
         self._tries: Counter[int] = Counter()
         self._scanning: dict[int, int] = {}  # pid -> generation of the scan under way
         self._generation = 0
+        self._next_threads: dict[int, float] = {}  # pid -> when to map its threads again
         self.resolver = StackResolver()
 
     def enable(self, on: bool) -> None:
@@ -78,8 +80,15 @@ class StackSampler:
 
     def scan(self, pid: int) -> None:
         """Have ``pid``'s interpreter found (once; a few times while it is not ready),
-        on the resolver's thread; ``take`` applies the result."""
-        if pid in self.layouts or pid in self._scanning or self._tries[pid] >= SCAN_TRIES:
+        and then its threads mapped to their thread states every THREADS_EVERY_S, on the
+        resolver's thread; ``take`` applies the results."""
+        if pid in self.layouts:
+            now = time.monotonic()
+            if now >= self._next_threads.get(pid, 0.0):
+                self._next_threads[pid] = now + THREADS_EVERY_S
+                self.resolver.threads(pid, self._scanning.get(pid, 0))
+            return
+        if pid in self._scanning or self._tries[pid] >= SCAN_TRIES:
             return
         self._tries[pid] += 1
         self._generation += 1
@@ -95,13 +104,20 @@ class StackSampler:
             self._apply(found)
 
     def _apply(self, found: "Found") -> None:
-        """A scan's result, if it is still wanted: the layout into ``py_procs``."""
+        """A scan's result, if it is still wanted: the thread states into
+        ``stk_tstate``, the layout into ``py_procs``."""
+        if found.layout is None and found.why == THREADS_ONLY:
+            if found.pid in self.layouts:
+                self._write_threads(found.threads)
+            return
         if self._scanning.get(found.pid) != found.generation:
             return  # the process exited (or exec'd) since
         del self._scanning[found.pid]
         if found.layout is None:
             self.why_not[found.pid] = found.why
             return
+        self._write_threads(found.threads)
+        self._next_threads[found.pid] = time.monotonic() + THREADS_EVERY_S
         leaf = self.bpf[b"py_procs"].Leaf()
         for name, value in found.layout.bpf_fields().items():
             setattr(leaf, name, value)
@@ -113,9 +129,20 @@ class StackSampler:
         self.why_not.pop(found.pid, None)
         self.layouts[found.pid] = found.layout
 
+    def _write_threads(self, threads: dict[int, int]) -> None:
+        """Thread id -> thread state entries for the kernel (bpf/stacks.c checks each
+        at use): threads its own bounded walk of the newest states does not reach."""
+        table = self.bpf[b"stk_tstate"]
+        for tid, ts in threads.items():
+            try:
+                table[ctypes.c_uint32(tid)] = ctypes.c_uint64(ts)
+            except Exception:  # an LRU map does not fill; anything else: the walk's
+                break
+
     def forget(self, pid: int) -> None:
         """``pid`` exited (or exec'd another program: looked at afresh)."""
         self.layouts.pop(pid, None)
+        self._next_threads.pop(pid, None)
         self._tries.pop(pid, None)
         self._scanning.pop(pid, None)
         self.why_not.pop(pid, None)
@@ -177,14 +204,19 @@ class StackSampler:
         return out
 
 
+THREADS_ONLY = "threads"  # a Found that only maps a known process's threads again
+
+
 @dataclass
 class Found:
-    """What a scan found about a process's interpreter (``layout``), or why not."""
+    """What a scan found about a process's interpreter (``layout``), or why not, and
+    its threads' thread states (tid -> address, ``pystacks.thread_map``)."""
 
     pid: int
     generation: int
     layout: PyLayout | None
     why: str = ""
+    threads: dict[int, int] = field(default_factory=dict)
 
 
 def scan_interpreter(pid: int) -> PyLayout | str:
@@ -236,6 +268,10 @@ class StackResolver:
         """Find ``pid``'s interpreter (``found`` hands the result back)."""
         self._put(("scan", pid, generation))
 
+    def threads(self, pid: int, generation: int) -> None:
+        """Map ``pid``'s threads to their thread states again (``found``)."""
+        self._put(("threads", pid, generation))
+
     def forget(self, pid: int) -> None:
         self._put(("forget", pid))
 
@@ -271,9 +307,15 @@ class StackResolver:
                         found = Found(pid, generation, None, got)
                     else:
                         self._layouts[pid] = got
-                        found = Found(pid, generation, got)
+                        found = Found(pid, generation, got, threads=self._thread_map(pid))
                     with self._lock:
                         self._found.append(found)
+                elif item[0] == "threads":
+                    pid = item[1]
+                    if pid in self._layouts:
+                        found = Found(pid, item[2], None, THREADS_ONLY, self._thread_map(pid))
+                        with self._lock:
+                            self._found.append(found)
                 elif item[0] == "forget":
                     pid = item[1]
                     self._layouts.pop(pid, None)
@@ -289,6 +331,21 @@ class StackResolver:
                     self._busy -= 1
                     self._idle.notify_all()
 
+    def _reader(self, pid: int, lay: PyLayout) -> CodeReader:
+        reader = self._readers.get(pid)
+        if reader is None:
+            reader = self._readers[pid] = CodeReader(pid, lay)
+        return reader
+
+    def _thread_map(self, pid: int) -> dict[int, int]:
+        """``pid``'s thread ids -> thread states (never raises: a process that cannot be
+        read has its threads found by the kernel's own walk)."""
+        lay = self._layouts[pid]
+        try:
+            return thread_map(self._reader(pid, lay).mem, lay, pid)
+        except Exception:
+            return {}
+
     # ---- resolution ------------------------------------------------------------------
 
     def resolve(self, d: StackDef) -> StackFrames | None:
@@ -300,9 +357,7 @@ class StackResolver:
         lay = self._layouts.get(d.pid)
         python: list[str] = []
         if lay is not None and d.python:
-            reader = self._readers.get(d.pid)
-            if reader is None:
-                reader = self._readers[d.pid] = CodeReader(d.pid, lay)
+            reader = self._reader(d.pid, lay)
             for code, instr in d.python:
                 if not code:
                     continue
