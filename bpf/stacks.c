@@ -355,8 +355,11 @@ static __always_inline void stacks_call(struct pt_regs *ctx, u64 id, u16 what, u
     if (!stk_known.lookup(&kk)) {
         d->ts = bpf_ktime_get_ns();
         u8 one = 1;
+        /* marked first (another CPU sampling the same stack meanwhile sends no second
+         * copy), unmarked if the ring buffer had no room: sent again at its next sample */
         stk_known.update(&kk, &one);
-        stk_send_def(d, sp);
+        if (stk_send_def(d, sp) != 0)
+            stk_known.delete(&kk);
     }
 
     struct tt_kstacks *t = stk_threads.lookup(&tid);

@@ -434,6 +434,56 @@ def test_requests_share_a_steps_stacks_as_they_share_its_launches():
     assert fa[(1, 0, KERNEL, 0)][0] == 5  # its own burst: launches, no stack sampled
 
 
+def test_a_stack_that_fails_to_resolve_is_named_as_such(monkeypatch):
+    """The resolver's failure on one stack is a frame that says so (C4): records using
+    it do not wait for a name that will not come."""
+    from tracer.events.stacks import StackDef
+    from tracer.probes.stacks import StackResolver
+
+    r = StackResolver()
+
+    def broken(d, stop_at):
+        raise ValueError("bad unwind table")
+
+    monkeypatch.setattr(r, "_native", broken)
+    d = StackDef(pid=1, tid=1, stack_id=0x41, what=KERNEL, handle=0xA, flags=0, ts=0, ip=0,
+                 sp=0, bp=0, python=(), slice=b"")
+    r.put(d)
+    assert r.wait_idle(10)
+    (got,) = r.take()
+    assert (got.pid, got.stack_id, got.what, got.handle) == (1, 0x41, KERNEL, 0xA)
+    assert got.native == ("[unresolved: ValueError]\t",) and r.unresolved == 1
+
+
+def test_an_idle_services_last_records_leave_on_the_counter_reports_clock():
+    """A record waiting for its stacks' names leaves once the wait is over, on stream
+    time that the periodic counter report moves on an idle service (every second, live
+    and in the capture), or at once when its stack is named."""
+    from tracer.events.schema import DropReport
+    from tracer.pipeline import FLAME_WAIT_NS, Pipeline
+
+    out = []
+
+    class Sink:
+        def on_record(self, r):
+            out.append(r)
+
+        def close(self):
+            pass
+
+    p = Pipeline([Sink()])
+    waiting, named = rec(1, 5, 5, 0, 10), rec(1, 6, 6, 0, 10)
+    waiting.flame = Flame({(1, 0x99, KERNEL, 0xA): [1.0, 0.0, 1.0]})
+    named.flame = Flame({(1, 0x98, KERNEL, 0xA): [1.0, 0.0, 1.0]})
+    p._export_now(waiting)
+    p._export_now(named)
+    p.feed(StackFrames(pid=1, stack_id=0x98, what=KERNEL, handle=0xA, python=(), native=()))
+    assert out == [named]
+    for s in range(1, FLAME_WAIT_NS // 10**9 + 2):
+        p.feed(DropReport(ts=s * 10**9, counters={}))
+    assert out == [named, waiting] and p.stats["flame_stacks_unresolved_at_export"] == 1
+
+
 def test_frames_are_joined_root_first_with_the_kernel_on_top():
     book = StackBook()
     book.define(StackFrames(pid=1, stack_id=41, what=KERNEL, handle=0xA,

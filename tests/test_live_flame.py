@@ -444,3 +444,13 @@ def test_threads_matched_the_310_way_never_get_another_threads_frames(cases):
     for f in by_site["worker"]:  # its own frames, matched by its own descriptor
         py = [p.split("\t")[0] for p in f.python]
         assert "main.<locals>.worker" in py and "main_launch" not in py, py
+
+
+def test_stack_definitions_the_ring_buffer_lost_are_sent_again(cases):
+    """Definitions lost to a full ring buffer are sent again at the stack's next sample
+    (C4): every stack counted has its frames."""
+    got, pid = cases["got"], cases["handles"].pid
+    assert got.report["capture.stack_defs_lost"] > 0  # the case at hand
+    counted = {sid for (p, _u), sids in got.stacks.by_unit.items() if p == pid for sid in sids}
+    named = {sid for (p, sid) in got.stacks.frames if p == pid}
+    assert len(counted) >= HANDLES and counted <= named, len(counted - named)

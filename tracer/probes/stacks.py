@@ -295,7 +295,11 @@ class StackResolver:
             try:
                 if item[0] == "def":
                     t0 = time.perf_counter()
-                    got = self.resolve(item[1])
+                    try:
+                        got = self.resolve(item[1])
+                    except Exception as e:  # named as unresolved: records wait for no more
+                        self.unresolved += 1
+                        got = unresolved_frames(item[1], e)
                     self.seconds += time.perf_counter() - t0
                     if got is not None:
                         with self._lock:
@@ -432,6 +436,14 @@ class StackResolver:
             names.append(f"{native_name(sym)}\t{lib}" if sym
                          else f"\t{lib}+{pc - reg.bias:#x}")
         return names, got.stop
+
+
+def unresolved_frames(d: StackDef, error: Exception) -> StackFrames:
+    """What a stack that could not be resolved is named: one frame that says so (the
+    records using it need not wait for a name that will not come)."""
+    return StackFrames(pid=d.pid, stack_id=d.stack_id, what=d.what, handle=d.handle,
+                       python=(), native=(f"[unresolved: {type(error).__name__}]\t",),
+                       flags=d.flags, native_stop=f"error: {type(error).__name__}")
 
 
 def function_containing(symbols: Symbolizer, path: str, vaddr: int) -> str | None:
