@@ -542,6 +542,23 @@ def test_the_html_page_is_self_contained_and_carries_every_width():
     assert t["value"] == 4e6 and t["children"][0]["name"] == "main (b/app.py:3)"
 
 
+def test_the_gpu_benchs_spans_and_tarball_are_private(tmp_path):
+    """bench/flame.py runs as root: its spans and the tarball that packs them are 0600
+    (V2)."""
+    import tarfile
+
+    from bench.flame import pack, write_spans
+
+    write_spans(tmp_path / "spans.jsonl", [{"trace_id": "a" * 32, "attributes": {}}])
+    (tmp_path / "server.log").write_text("log")
+    pack(tmp_path)
+    tgz = tmp_path / "flame-files.tgz"
+    assert oct(tgz.stat().st_mode & 0o777) == "0o600"
+    with tarfile.open(tgz) as tar:
+        assert oct(tar.getmember("spans.jsonl").mode) == "0o600"
+        assert json.loads(tar.extractfile("spans.jsonl").read())["trace_id"] == "a" * 32
+
+
 def test_flame_of_spans_without_stacks_says_how_to_get_them(tmp_path):
     f = tmp_path / "spans.jsonl"
     f.write_text(json.dumps({"trace_id": "a" * 32, "span_id": "b" * 16, "kind": "SERVER",
