@@ -322,7 +322,7 @@ def test_a_c_programs_calls_all_get_stacks_and_counts_stay_exact(paths, tmp_path
 
 # ---- thread matching and stack definitions (samples/gpu/stack_cases.py) ----------------
 
-HANDLES = 200  # distinct kernels: their definitions (16 KiB each) overflow a 1 MiB ring
+HANDLES = 400  # distinct kernels: their definitions (up to 16 KiB each) overflow a 1 MiB ring
 
 
 class _Case:
@@ -367,8 +367,9 @@ def _as_310(lay, worker_ident: int, pid: int):
 def cases(paths):
     """One traced stretch (1 MiB ring, every call sampled) of: a process whose main
     thread is behind 200 newer Python threads; one with a native thread beside a Python
-    thread, its threads matched the 3.10 way; one launching 200 new kernels while the
-    ring buffer's consumer is held, so stack definitions are lost, then again."""
+    thread, its threads matched the 3.10 way; one launching 400 new kernels while the
+    ring buffer's consumer is held, so stack definitions are lost, then again while the
+    resolver's queue is full, then again."""
     from tracer.probes import session as probe_session
     from tracer.probes import stacks as probe_stacks
 
@@ -404,8 +405,20 @@ def cases(paths):
                 time.sleep(0.3)
                 hold.clear()
                 time.sleep(0.5)
-                handles.say("again")
+                got.sampler.resolver.max_defs = 0  # the resolver's queue is full
+                handles.say("again")  # definitions sent again, dropped, unmarked
+                time.sleep(0.5)
+                got.sampler.resolver.max_defs = probe_stacks.MAX_QUEUED_DEFS
+                lost = -1
+                for _ in range(8):  # ...and sent again, until the ring had room for all
+                    handles.say("again")
+                    time.sleep(0.5)
+                    now = got.sampler.counters()["stack_defs_lost"]
+                    if now == lost:
+                        break
+                    lost = now
                 time.sleep(1.0)  # the definitions sent again are resolved
+                got.sampler.on_def(b"\x13\x00\x00\x00cut short")  # as a damaged record
     finally:
         for c in (many, native, handles):
             c.close()
@@ -447,10 +460,17 @@ def test_threads_matched_the_310_way_never_get_another_threads_frames(cases):
 
 
 def test_stack_definitions_the_ring_buffer_lost_are_sent_again(cases):
-    """Definitions lost to a full ring buffer are sent again at the stack's next sample
-    (C4): every stack counted has its frames."""
+    """Definitions lost to a full ring buffer (C4), or dropped by a full resolver queue
+    (R2, counted), are sent again at the stack's next sample: every stack counted has
+    its frames."""
     got, pid = cases["got"], cases["handles"].pid
-    assert got.report["capture.stack_defs_lost"] > 0  # the case at hand
+    assert got.report["capture.stack_defs_lost"] > 0  # the cases at hand
+    assert got.report["capture.stack_defs_dropped"] > 0
     counted = {sid for (p, _u), sids in got.stacks.by_unit.items() if p == pid for sid in sids}
     named = {sid for (p, sid) in got.stacks.frames if p == pid}
     assert len(counted) >= HANDLES and counted <= named, len(counted - named)
+
+
+def test_an_undecodable_definition_is_counted_in_the_exit_report(cases):
+    """R3: the resolver's count of records it could not decode is exported."""
+    assert cases["got"].report["capture.stack_defs_undecodable"] == 1

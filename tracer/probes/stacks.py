@@ -42,6 +42,7 @@ from tracer.probes.unwind import Region, Unwinder
 DEFAULT_EVERY = 64  # mean GPU calls between a thread's samples (see docs/flame.md)
 SCAN_TRIES = 5  # a process whose interpreter is not ready yet is looked at again
 THREADS_EVERY_S = 5.0  # a Python process's thread states are mapped for the kernel this often
+MAX_QUEUED_DEFS = 1024  # stack definitions (16 KiB each) waiting for the resolver; more: dropped
 COUNTER_NAMES = ("stack_samples", "stack_samples_new_site", "stack_defs", "stack_defs_lost",
                  "stack_py_no_thread", "stack_py_truncated", "stack_slots_sent_early",
                  "stack_maps_full")
@@ -165,11 +166,25 @@ class StackSampler:
     # ---- records -------------------------------------------------------------------------
 
     def on_def(self, buf: bytes) -> None:
-        """A STACKDEF record: resolved on the resolver's thread."""
+        """A STACKDEF record: resolved on the resolver's thread. One the resolver has no
+        room for is dropped, counted, and unmarked in the kernel, which sends it again
+        at the stack's next sample."""
         try:
-            self.resolver.put(schema.decode(buf))
-        except schema.WireError:
+            d = schema.decode(buf)
+        except Exception:  # schema.WireError, or a decoder's error on a short record
             self.resolver.undecodable += 1
+            return
+        if not self.resolver.put(d):
+            self._unmark(d.pid, d.stack_id)
+
+    def _unmark(self, pid: int, stack_id: int) -> None:
+        table = self.bpf[b"stk_known"]
+        key = table.Key()
+        key.pid, key.stack_id = pid, stack_id
+        try:
+            del table[key]
+        except KeyError:
+            pass
 
     def take(self) -> list[StackFrames]:
         """Apply what the resolver found about processes; the stacks it named since."""
@@ -199,7 +214,7 @@ class StackSampler:
     def counters(self) -> dict[str, int]:
         table = self.bpf[b"stk_counters"]
         out = {name: int(sum(table[ctypes.c_int(i)])) for i, name in enumerate(COUNTER_NAMES)}
-        out["stack_unresolved"] = self.resolver.unresolved
+        out.update(self.resolver.counters())
         out["stack_python_processes"] = len(self.layouts)
         return out
 
@@ -252,6 +267,10 @@ class StackResolver:
         self._idle = threading.Condition()
         self.unresolved = 0
         self.undecodable = 0
+        self.dropped = 0
+        self.max_defs = MAX_QUEUED_DEFS
+        self._queued_defs = 0
+        self._rejected_closed = 0  # frames rejected by readers since closed
         self.seconds = 0.0
         self._thread = threading.Thread(target=self._run, name="tt-stacks", daemon=True)
         self._thread.start()
@@ -261,8 +280,25 @@ class StackResolver:
             self._busy += 1
         self._work.put(item)
 
-    def put(self, d: StackDef) -> None:
-        self._put(("def", d))
+    def put(self, d: StackDef) -> bool:
+        """Queue a stack to resolve; False (dropped, counted) when ``max_defs`` are
+        already waiting: a process making new stacks faster than they are resolved
+        does not grow the agent's memory."""
+        with self._idle:
+            if self._queued_defs >= self.max_defs:
+                self.dropped += 1
+                return False
+            self._queued_defs += 1
+            self._busy += 1
+        self._work.put(("def", d))
+        return True
+
+    def counters(self) -> dict[str, int]:
+        """What resolving could not do (the exit report's stack_* counters)."""
+        rejected = self._rejected_closed + sum(r.rejected for r in list(self._readers.values()))
+        return {"stack_unresolved": self.unresolved, "stack_defs_dropped": self.dropped,
+                "stack_defs_undecodable": self.undecodable,
+                "stack_frames_rejected": rejected}
 
     def scan(self, pid: int, generation: int) -> None:
         """Find ``pid``'s interpreter (``found`` hands the result back)."""
@@ -294,6 +330,8 @@ class StackResolver:
             item = self._work.get()
             try:
                 if item[0] == "def":
+                    with self._idle:
+                        self._queued_defs -= 1
                     t0 = time.perf_counter()
                     try:
                         got = self.resolve(item[1])
@@ -326,6 +364,7 @@ class StackResolver:
                     self._regions.pop(pid, None)
                     r = self._readers.pop(pid, None)
                     if r is not None:
+                        self._rejected_closed += r.rejected
                         r.close()
                     self._seen = {k for k in self._seen if k[0] != pid}
             except Exception:  # never let one stack stop the thread
