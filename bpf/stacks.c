@@ -26,7 +26,8 @@
 #define STK_CFG_JITTER 1 /* 1: random gaps of mean EVERY; 0: exactly every EVERY-th */
 #define STK_CFG_SLICE 2  /* bytes of user stack to send with a new stack (<= STACK_SLICE) */
 #define STK_CFG_ON 3     /* 0: sampling paused (a GPU call pays one array read) */
-#define STK_CFG_N 4
+#define STK_CFG_DEF_BUDGET 4 /* STACKDEFs sent per process at most (0: no limit) */
+#define STK_CFG_N 5
 BPF_ARRAY(stk_config, u64, STK_CFG_N); /* written by user space before attaching */
 
 static __always_inline u64 stk_cfg(u32 idx)
@@ -44,7 +45,8 @@ static __always_inline u64 stk_cfg(u32 idx)
 #define STK_CNT_PY_CUT 5      /* more Python frames than PY_FRAMES_N */
 #define STK_CNT_EARLY 6       /* a thread's slots sent before its burst (17th stack) */
 #define STK_CNT_FULL 7        /* a map was full: that call was not sampled */
-#define STK_CNT_N 8
+#define STK_CNT_OVER_BUDGET 8 /* samples of a new stack whose process's STACKDEF budget was spent */
+#define STK_CNT_N 9
 BPF_PERCPU_ARRAY(stk_counters, u64, STK_CNT_N);
 
 static __always_inline void stk_count(u32 which)
@@ -110,6 +112,11 @@ struct stk_known_key {
 };
 /* stacks whose STACKDEF was sent (evicted: sent again, user space keeps the first) */
 BPF_TABLE("lru_hash", struct stk_known_key, u8, stk_known, 65536);
+
+/* STACKDEFs sent per process: a process making ever new stacks (a new kernel handle is
+ * a new stack) gets at most STK_CFG_DEF_BUDGET of them (user space deletes its entry at
+ * exit); its further new stacks are counted, never defined */
+BPF_HASH(stk_defs_sent, u32, u32, 16384);
 
 /* a stack being taken: its STACKDEF, sent only if the stack is new; plus a frame's bytes */
 struct stk_scratch {
@@ -353,13 +360,26 @@ static __always_inline void stacks_call(struct pt_regs *ctx, u64 id, u16 what, u
 
     struct stk_known_key kk = {.pid = pid, .stack_id = sid};
     if (!stk_known.lookup(&kk)) {
-        d->ts = bpf_ktime_get_ns();
-        u8 one = 1;
-        /* marked first (another CPU sampling the same stack meanwhile sends no second
-         * copy), unmarked if the ring buffer had no room: sent again at its next sample */
-        stk_known.update(&kk, &one);
-        if (stk_send_def(d, sp) != 0)
-            stk_known.delete(&kk);
+        u64 budget = stk_cfg(STK_CFG_DEF_BUDGET);
+        u32 *sent = stk_defs_sent.lookup(&pid);
+        if (budget && sent && *sent >= budget) {
+            stk_count(STK_CNT_OVER_BUDGET);
+        } else {
+            d->ts = bpf_ktime_get_ns();
+            u8 one = 1;
+            /* marked first (another CPU sampling the same stack meanwhile sends no
+             * second copy), unmarked if the ring buffer had no room: sent again at its
+             * next sample */
+            stk_known.update(&kk, &one);
+            if (stk_send_def(d, sp) != 0) {
+                stk_known.delete(&kk);
+            } else if (sent) {
+                __sync_fetch_and_add(sent, 1);
+            } else {
+                u32 first = 1;
+                stk_defs_sent.update(&pid, &first);
+            }
+        }
     }
 
     struct tt_kstacks *t = stk_threads.lookup(&tid);

@@ -369,12 +369,13 @@ def cases(paths):
     thread is behind 200 newer Python threads; one with a native thread beside a Python
     thread, its threads matched the 3.10 way; one launching 400 new kernels while the
     ring buffer's consumer is held, so stack definitions are lost, then again while the
-    resolver's queue is full, then again."""
+    resolver's queue is full, then again; one making 101 new stacks on a budget of 10."""
     from tracer.probes import session as probe_session
     from tracer.probes import stacks as probe_stacks
 
     many, native, handles = (_Case(paths, "threads", 200), _Case(paths, "native"),
                              _Case(paths, "handles", HANDLES))
+    spender = _Case(paths, "handles", 100)
     hold, held = threading.Event(), threading.Event()
     real_on_record = probe_session.CaptureSession._on_record
     real_find = probe_stacks.find_interpreter
@@ -394,7 +395,7 @@ def cases(paths):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(probe_session.CaptureSession, "_on_record", on_record)
             mp.setattr(probe_stacks, "find_interpreter", find)
-            with traced(pids=[many.pid, native.pid, handles.pid], stack_every=1,
+            with traced(pids=[many.pid, native.pid, handles.pid, spender.pid], stack_every=1,
                         ringbuf_mb=1, concerns=("cuda", "process")) as got:
                 many.say("go")
                 native.say("go")
@@ -419,10 +420,15 @@ def cases(paths):
                     lost = now
                 time.sleep(1.0)  # the definitions sent again are resolved
                 got.sampler.on_def(b"\x13\x00\x00\x00cut short")  # as a damaged record
+                defs = got.sampler.counters()["stack_defs"]
+                got.sampler.set_budget(10)
+                spender.say("go")  # 101 new stacks: main_launch's, then 100 handles'
+                time.sleep(0.5)
+                spent = got.sampler.counters()["stack_defs"] - defs
     finally:
-        for c in (many, native, handles):
+        for c in (many, native, handles, spender):
             c.close()
-    return {"got": got, "many": many, "native": native, "handles": handles}
+    return {"got": got, "many": many, "native": native, "handles": handles, "spent": spent}
 
 
 def _frames_of(got, pid: int) -> list:
@@ -474,3 +480,10 @@ def test_stack_definitions_the_ring_buffer_lost_are_sent_again(cases):
 def test_an_undecodable_definition_is_counted_in_the_exit_report(cases):
     """R3: the resolver's count of records it could not decode is exported."""
     assert cases["got"].report["capture.stack_defs_undecodable"] == 1
+
+
+def test_a_process_sends_no_more_stack_definitions_than_its_budget(cases):
+    """R2: a process making ever new stacks gets its budget of definitions; the rest
+    are counted, never sent (the agent's memory for it is bounded)."""
+    assert cases["spent"] == 10
+    assert cases["got"].report["capture.stack_defs_over_budget"] == 101 - 10

@@ -43,16 +43,17 @@ DEFAULT_EVERY = 64  # mean GPU calls between a thread's samples (see docs/flame.
 SCAN_TRIES = 5  # a process whose interpreter is not ready yet is looked at again
 THREADS_EVERY_S = 5.0  # a Python process's thread states are mapped for the kernel this often
 MAX_QUEUED_DEFS = 1024  # stack definitions (16 KiB each) waiting for the resolver; more: dropped
+DEFS_BUDGET = 4096  # stack definitions a process sends at most (bpf/stacks.c; HF serve: ~120)
 COUNTER_NAMES = ("stack_samples", "stack_samples_new_site", "stack_defs", "stack_defs_lost",
                  "stack_py_no_thread", "stack_py_truncated", "stack_slots_sent_early",
-                 "stack_maps_full")
+                 "stack_maps_full", "stack_defs_over_budget")
 
 
 class StackSampler:
     """Configures bpf/stacks.c and resolves the stacks it finds."""
 
     def __init__(self, bpf: Any, every: int = DEFAULT_EVERY, jitter: bool = True,
-                 slice_bytes: int = 16384) -> None:
+                 slice_bytes: int = 16384, defs_budget: int = DEFS_BUDGET) -> None:
         from tracer.events import wire
 
         self.bpf = bpf
@@ -61,6 +62,7 @@ class StackSampler:
         cfg[ctypes.c_int(1)] = ctypes.c_uint64(1 if jitter else 0)
         cfg[ctypes.c_int(2)] = ctypes.c_uint64(
             max(0, min(slice_bytes, wire.CONSTANTS["STACK_SLICE"])) // 1024 * 1024)
+        self.set_budget(defs_budget)
         self.enable(True)
         self.every = every
         self.layouts: dict[int, PyLayout] = {}
@@ -70,6 +72,12 @@ class StackSampler:
         self._generation = 0
         self._next_threads: dict[int, float] = {}  # pid -> when to map its threads again
         self.resolver = StackResolver()
+
+    def set_budget(self, defs: int) -> None:
+        """Stack definitions each process sends at most (0: no limit): a process that
+        makes ever new stacks (random kernel handles) costs the agent at most this many
+        resolved stacks; its further new stacks are counted (stack_defs_over_budget)."""
+        self.bpf[b"stk_config"][ctypes.c_int(4)] = ctypes.c_uint64(max(0, defs))
 
     def enable(self, on: bool) -> None:
         """Pause or resume sampling (the benchmark's alternating windows); while paused
@@ -147,10 +155,11 @@ class StackSampler:
         self._tries.pop(pid, None)
         self._scanning.pop(pid, None)
         self.why_not.pop(pid, None)
-        try:
-            del self.bpf[b"py_procs"][ctypes.c_uint32(pid)]
-        except KeyError:
-            pass
+        for table in (b"py_procs", b"stk_defs_sent"):
+            try:
+                del self.bpf[table][ctypes.c_uint32(pid)]
+            except KeyError:
+                pass
         self.resolver.forget(pid)
 
     def describe(self) -> list[str]:
