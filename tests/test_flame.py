@@ -484,6 +484,30 @@ def test_an_idle_services_last_records_leave_on_the_counter_reports_clock():
     assert out == [named, waiting] and p.stats["flame_stacks_unresolved_at_export"] == 1
 
 
+def test_an_exited_processs_stacks_are_forgotten_once_nothing_can_need_them():
+    """R2: what the book keeps per process goes once the process exited and its records
+    are out; a process that shows up again under the pid keeps its own."""
+    from tracer.events.schema import DropReport, ProcEvent
+    from tracer.pipeline import STACKS_KEPT_AFTER_EXIT_NS, Pipeline
+
+    p = Pipeline([])
+    for pid in (1, 2):
+        p.feed(counts(pid, pid, 0, (0x41, KERNEL, 0xA, 2)))
+        p.feed(StackFrames(pid=pid, stack_id=0x41, what=KERNEL, handle=0xA, python=(), native=()))
+        p.feed(ProcEvent(pid=pid, tid=pid, ppid=0, ts=10**9, op=C["PROC_EXIT"], exit_code=0,
+                         comm="x"))
+    p.feed(counts(2, 7, 0, (0x55, KERNEL, 0xB, 1)))  # pid 2 again: a new process
+    book = p.stacks
+    assert {k[0] for k in book.frames} == {1, 2}
+    p.feed(DropReport(ts=10**9 + STACKS_KEPT_AFTER_EXIT_NS - 1, counters={}))
+    assert (1, 0x41) in book.frames  # not yet
+    p.feed(DropReport(ts=10**9 + STACKS_KEPT_AFTER_EXIT_NS, counters={}))
+    assert not [k for d in (book.frames, book.by_unit, book.pending) for k in d if k[0] == 1]
+    assert 1 not in book.pids and 1 not in book.kernel_handles
+    assert (2, 0x41) in book.frames and (2, (KERNEL, 0xB)) in book.by_unit
+    assert book.stats["stack_processes_pruned"] == 1
+
+
 def test_frames_are_joined_root_first_with_the_kernel_on_top():
     book = StackBook()
     book.define(StackFrames(pid=1, stack_id=41, what=KERNEL, handle=0xA,
