@@ -293,6 +293,30 @@ def test_frames_never_carry_text_that_is_not_a_name_or_a_path():
     assert not safe_name("my password is hunter2") and not safe_name("")
 
 
+def test_a_processs_code_objects_are_kept_within_a_byte_budget():
+    """R2: the code objects kept per process are bounded by their bytes (a line table
+    can be 1 MiB), the least recently used let go and counted."""
+    from tracer.probes.pycode import CodeReader
+
+    p = subprocess.Popen([sys.executable, "-c", "import sys, json, inspect, email.parser\n"
+                          "fs = [f for m in (json, inspect, email.parser) for f in vars(m).values()"
+                          " if inspect.isfunction(f)]\n"
+                          "print(' '.join(hex(id(f.__code__)) for f in fs), flush=True)\n"
+                          "sys.stdin.readline()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        codes = [int(x, 16) for x in p.stdout.readline().split()]
+        reader = CodeReader(p.pid, pystacks.find_interpreter(p.pid), max_bytes=8192)
+        names = [reader.frame(c, 0) for c in codes]
+        assert len(codes) > 50 and all(n is not None and n[0] != "?" for n in names)
+        assert reader.bytes <= 8192 and reader.evicted >= len(codes) - 8192 // 200
+        reads = reader.reads
+        assert reader.frame(codes[0], 0) == names[0]  # let go: read again when needed
+        assert reader.reads == reads + 1
+    finally:
+        p.kill()
+
+
 def test_a_process_without_python_says_why():
     p = subprocess.Popen(["sleep", "5"])
     try:

@@ -5,9 +5,10 @@ The code object's fields are read from ``/proc/PID/mem`` at the offsets its type
 publishes (``pystacks.PyLayout.code_fields``); strings are read as CPython lays out a
 ``str`` (compact ASCII, compact 1/2/4-byte kinds, or a separate buffer) and bytes as a
 ``bytes`` object. Lines come from the line table (``pylines``). Each code object is
-read once per process and kept: code objects of a server's modules live as long as it
-does (a code object freed and its memory reused by another would keep the first name;
-a process's cache is dropped when it exits). A code object that cannot be read is
+read once per process and kept, the least recently used let go past 100,000 code
+objects or MAX_CACHED_BYTES (counted: read again when needed): code objects of a
+server's modules live as long as it does (a code object freed and its memory reused by
+another would keep the first name; a process's cache is dropped when it exits). A code object that cannot be read is
 tried again after ``RETRY_S`` (it may lie in memory mapped since the process's mappings
 were read, which are then read again: lazily imported model code).
 
@@ -37,6 +38,7 @@ MAX_REFCNT = 1 << 40  # a live object's count (immortal ones: 2^32 - 1); a freed
 #                       first word is the allocator's free-list pointer, or 0
 _NAME = re.compile(r"[\w.<>]+")  # qualified names: identifiers, dots, <locals>, <lambda>
 _PATH = re.compile(r"(<[\w.\- ]+>)?[\w./\-+@~:,=<>]*")  # paths, <frozen x>, <string>
+MAX_CACHED_BYTES = 32 << 20  # per process: code objects kept (line tables mostly), LRU
 MAPS_REFRESH_S = 1.0  # an address outside the known mappings: maps read again, at most this often
 RETRY_S = 1.0  # a code object that could not be read is tried again after this
 
@@ -54,11 +56,15 @@ class CodeInfo:
 class CodeReader:
     """Code objects of one process, read on demand and kept (LRU)."""
 
-    def __init__(self, pid: int, layout: PyLayout, max_codes: int = 100_000) -> None:
+    def __init__(self, pid: int, layout: PyLayout, max_codes: int = 100_000,
+                 max_bytes: int = MAX_CACHED_BYTES) -> None:
         self.pid = pid
         self.layout = layout
         self.mem = _Memory(pid, refresh_s=MAPS_REFRESH_S)
         self.max_codes = max_codes
+        self.max_bytes = max_bytes
+        self.bytes = 0  # what the kept code objects hold (their line tables and strings)
+        self.evicted = 0  # code objects let go to stay under max_codes and max_bytes
         self._codes: OrderedDict[int, CodeInfo] = OrderedDict()
         self._failed: OrderedDict[int, float] = OrderedDict()  # addr -> when it failed
         self.reads = 0
@@ -89,8 +95,11 @@ class CodeReader:
             return None
         self._failed.pop(addr, None)
         self._codes[addr] = info
-        while len(self._codes) > self.max_codes:
-            self._codes.popitem(last=False)
+        self.bytes += _size(info)
+        while len(self._codes) > 1 and (len(self._codes) > self.max_codes
+                                        or self.bytes > self.max_bytes):
+            self.bytes -= _size(self._codes.popitem(last=False)[1])
+            self.evicted += 1
         return info
 
     def frame(self, code: int, instr: int) -> tuple[str, str, int | None] | None:
@@ -185,6 +194,11 @@ class CodeReader:
             data = self.mem.read(buf, length * kind)
         codec = {1: "latin-1", 2: "utf-16-le", 4: "utf-32-le"}[kind]
         return data.decode(codec, "replace")
+
+
+def _size(info: CodeInfo) -> int:
+    """Roughly what keeping ``info`` costs, in bytes."""
+    return 200 + len(info.linetable) + len(info.name) + len(info.filename)
 
 
 def safe_name(text: str) -> bool:

@@ -280,6 +280,7 @@ class StackResolver:
         self.max_defs = MAX_QUEUED_DEFS
         self._queued_defs = 0
         self._rejected_closed = 0  # frames rejected by readers since closed
+        self._evicted_closed = 0
         self.seconds = 0.0
         self._thread = threading.Thread(target=self._run, name="tt-stacks", daemon=True)
         self._thread.start()
@@ -304,10 +305,12 @@ class StackResolver:
 
     def counters(self) -> dict[str, int]:
         """What resolving could not do (the exit report's stack_* counters)."""
-        rejected = self._rejected_closed + sum(r.rejected for r in list(self._readers.values()))
+        readers = list(self._readers.values())
         return {"stack_unresolved": self.unresolved, "stack_defs_dropped": self.dropped,
                 "stack_defs_undecodable": self.undecodable,
-                "stack_frames_rejected": rejected}
+                "stack_frames_rejected": self._rejected_closed + sum(r.rejected for r in readers),
+                "stack_code_objects_evicted": self._evicted_closed
+                + sum(r.evicted for r in readers)}
 
     def scan(self, pid: int, generation: int) -> None:
         """Find ``pid``'s interpreter (``found`` hands the result back)."""
@@ -374,6 +377,7 @@ class StackResolver:
                     r = self._readers.pop(pid, None)
                     if r is not None:
                         self._rejected_closed += r.rejected
+                        self._evicted_closed += r.evicted
                         r.close()
                     self._seen = {k for k in self._seen if k[0] != pid}
             except Exception:  # never let one stack stop the thread
