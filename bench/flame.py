@@ -55,6 +55,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tracer.privacy import open_private  # noqa: E402 (after the path)
+
 WORDS = "the model reads a prompt then writes one token at a time while others share".split()
 SETTLE_S = 8.0  # load before the first window
 HF_FUNCTIONS = ("LlamaAttention.forward", "LlamaMLP.forward", "LlamaDecoderLayer.forward",
@@ -85,7 +87,7 @@ class Server:
         cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(model),
                "--device", device, "--port", str(self.port), "--host", "127.0.0.1",
                "--continuous-batching"]
-        self.log = open(log, "w")
+        self.log = open_private(log)  # the server's own log: may name what it served
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True, text=True)
 
@@ -316,9 +318,7 @@ def main() -> int:
     finally:
         server.stop()
     spans = [json.loads(x) for x in spans_out.getvalue().splitlines() if x.strip()]
-    with open(out / "spans.jsonl", "w") as f:
-        for s in spans:
-            f.write(json.dumps(s) + "\n")
+    write_spans(out / "spans.jsonl", spans)
     reqs = [s for s in spans if s.get("kind") == "SERVER" and "flame" in s]
     result["request_spans"] = sum(1 for s in spans if s.get("kind") == "SERVER")
     result["request_spans_with_stacks"] = len(reqs)
@@ -360,7 +360,8 @@ def main() -> int:
     result["seconds"] = round(time.monotonic() - t_start, 1)
     result["problems"] = problems
     pack(out)
-    (out / "flame.json").write_text(json.dumps(result, indent=1) + "\n")
+    with open_private(out / "flame.json") as f:
+        f.write(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
     return 1 if problems else 0
 
@@ -390,14 +391,24 @@ def start_tracer(pid: int, every: int, capture: Path) -> tuple[Any, Any]:
     return run, buf
 
 
+def write_spans(path: Path, spans: list[dict[str, Any]]) -> None:
+    """The spans as JSONL, 0600 like every file tokentrace writes (they carry request
+    attributes; the benchmark runs as root)."""
+    with open_private(path) as f:
+        for s in spans:
+            f.write(json.dumps(s) + "\n")
+
+
 def pack(out: Path) -> None:
-    """Everything but flame.json and the service's page into flame-files.tgz."""
+    """Everything but flame.json and the service's page into flame-files.tgz (0600:
+    it holds the spans and the capture)."""
     import shutil
     import tarfile
 
     keep = {"flame.json", "flame-service.html", "flame-files.tgz"}
     files = [p for p in sorted(out.iterdir()) if p.is_file() and p.name not in keep]
-    with tarfile.open(out / "flame-files.tgz", "w:gz") as tar:
+    with open_private(out / "flame-files.tgz", "wb") as raw, \
+            tarfile.open(fileobj=raw, mode="w:gz") as tar:
         for p in files + ([out / "flame-service.html"] if (out / "flame-service.html").exists()
                           else []):
             tar.add(p, arcname=p.name)

@@ -26,7 +26,8 @@
 #define STK_CFG_JITTER 1 /* 1: random gaps of mean EVERY; 0: exactly every EVERY-th */
 #define STK_CFG_SLICE 2  /* bytes of user stack to send with a new stack (<= STACK_SLICE) */
 #define STK_CFG_ON 3     /* 0: sampling paused (a GPU call pays one array read) */
-#define STK_CFG_N 4
+#define STK_CFG_DEF_BUDGET 4 /* STACKDEFs sent per process at most (0: no limit) */
+#define STK_CFG_N 5
 BPF_ARRAY(stk_config, u64, STK_CFG_N); /* written by user space before attaching */
 
 static __always_inline u64 stk_cfg(u32 idx)
@@ -44,7 +45,8 @@ static __always_inline u64 stk_cfg(u32 idx)
 #define STK_CNT_PY_CUT 5      /* more Python frames than PY_FRAMES_N */
 #define STK_CNT_EARLY 6       /* a thread's slots sent before its burst (17th stack) */
 #define STK_CNT_FULL 7        /* a map was full: that call was not sampled */
-#define STK_CNT_N 8
+#define STK_CNT_OVER_BUDGET 8 /* samples of a new stack whose process's STACKDEF budget was spent */
+#define STK_CNT_N 9
 BPF_PERCPU_ARRAY(stk_counters, u64, STK_CNT_N);
 
 static __always_inline void stk_count(u32 which)
@@ -75,11 +77,17 @@ struct py_layout {
     u8 instr_is_int;   /* 3.10: f_lasti is an int index */
     u8 cstack_owner;   /* owner value of C-stack shim frames to skip; 0xff: none */
     u8 pad[3];
+    u64 stack_max;     /* 3.10: a thread's default stack size (a descriptor farther above
+                        * the stack pointer is another thread's) */
 };
 BPF_HASH(py_procs, u32, struct py_layout, 1024);
 
-/* tid -> its PyThreadState, found once by walking the interpreter's thread list and
- * checked at every use (a freed thread state can be reused by another thread) */
+/* tid -> its PyThreadState, found by walking the interpreter's thread list here (the
+ * newest STK_PY_THREADS) or written by user space from its own walk of all of them
+ * (tracer/probes/stacks.py: a main thread behind more than STK_PY_THREADS newer
+ * states), and checked at every use (a freed thread state can be reused by another
+ * thread). 3.10 keeps no thread id to check: user space writes only the main thread's
+ * (key: the pid), the oldest state. */
 BPF_TABLE("lru_hash", u32, u64, stk_tstate, 16384);
 
 /* each thread's stack counts since its last burst; calls/countdown persist */
@@ -104,6 +112,11 @@ struct stk_known_key {
 };
 /* stacks whose STACKDEF was sent (evicted: sent again, user space keeps the first) */
 BPF_TABLE("lru_hash", struct stk_known_key, u8, stk_known, 65536);
+
+/* STACKDEFs sent per process: a process making ever new stacks (a new kernel handle is
+ * a new stack) gets at most STK_CFG_DEF_BUDGET of them (user space deletes its entry at
+ * exit); its further new stacks are counted, never defined */
+BPF_HASH(stk_defs_sent, u32, u32, 16384);
 
 /* a stack being taken: its STACKDEF, sent only if the stack is new; plus a frame's bytes */
 struct stk_scratch {
@@ -131,13 +144,15 @@ static __always_inline u64 stk_read_u64(u64 addr)
     return v;
 }
 
-/* The thread state of thread tid in the process L describes, or 0. */
-static __always_inline u64 py_tstate(struct py_layout *L, u32 tid, u64 sp)
+/* The thread state of thread tid of process pid (layout L), or 0. */
+static __always_inline u64 py_tstate(struct py_layout *L, u32 pid, u32 tid, u64 sp)
 {
+    u64 *cached = stk_tstate.lookup(&tid);
     if (!L->tid_is_pthread) {
-        u64 *cached = stk_tstate.lookup(&tid);
         if (cached && *cached && stk_read_u64(*cached + L->ts_tid) == tid)
             return *cached;
+    } else if (cached && *cached && tid == pid) {
+        return *cached; /* 3.10's main thread, from user space */
     }
     u64 interp = stk_read_u64(L->runtime + L->interp_head);
     u64 best = 0, best_gap = ~0ULL, oldest = 0;
@@ -155,9 +170,10 @@ static __always_inline u64 py_tstate(struct py_layout *L, u32 tid, u64 sp)
                     return ts;
                 }
             } else if (id > sp && id - sp < best_gap) {
-                /* 3.10 keeps only pthread_self(): glibc puts a thread's descriptor just
-                 * above its stack, so the nearest one above the stack pointer is this
-                 * thread's; the main thread's is elsewhere (the oldest state) */
+                /* 3.10 keeps only pthread_self(): glibc puts a thread's descriptor at
+                 * the top of its stack mapping, so the nearest one above the stack
+                 * pointer, within a stack's size, is this thread's; the main thread's
+                 * is elsewhere (the oldest state) */
                 best = ts;
                 best_gap = id - sp;
             }
@@ -166,17 +182,20 @@ static __always_inline u64 py_tstate(struct py_layout *L, u32 tid, u64 sp)
         }
         interp = stk_read_u64(interp + L->interp_next);
     }
+    /* a thread with no state of its own must not get another's: a descriptor farther
+     * than a stack's size is another thread's (thread stacks are adjacent mappings),
+     * and only the main thread takes the oldest state */
     if (L->tid_is_pthread)
-        return best_gap < (64ULL << 20) ? best : oldest;
+        return best_gap < L->stack_max ? best : (tid == pid ? oldest : 0);
     return 0;
 }
 
 /* Read the thread's Python frames into d (innermost first); their hash. */
-static __always_inline u64 py_frames(struct stk_scratch *s, struct py_layout *L, u32 tid,
-                                     u64 sp)
+static __always_inline u64 py_frames(struct stk_scratch *s, struct py_layout *L, u32 pid,
+                                     u32 tid, u64 sp)
 {
     struct tt_stackdef *d = &s->def;
-    u64 ts = py_tstate(L, tid, sp);
+    u64 ts = py_tstate(L, pid, tid, sp);
     if (!ts) {
         d->flags |= TT_STK_PY_NO_THREAD;
         stk_count(STK_CNT_NO_THREAD);
@@ -219,8 +238,8 @@ static __always_inline u64 py_frames(struct stk_scratch *s, struct py_layout *L,
     return h;
 }
 
-/* Send the STACKDEF being built, with the first bytes of the user stack. */
-static __always_inline void stk_send_def(struct tt_stackdef *d, u64 sp)
+/* Send the STACKDEF being built, with the first bytes of the user stack; 0 if sent. */
+static __always_inline int stk_send_def(struct tt_stackdef *d, u64 sp)
 {
     u32 want = stk_cfg(STK_CFG_SLICE);
     u32 got = 0;
@@ -238,10 +257,12 @@ static __always_inline void stk_send_def(struct tt_stackdef *d, u64 sp)
     u32 size = TT_TT_STACKDEF_HDR + got;
     if (size > sizeof(*d))
         size = sizeof(*d);
-    if (events.ringbuf_output(d, size, BPF_RB_FORCE_WAKEUP) < 0)
+    if (events.ringbuf_output(d, size, BPF_RB_FORCE_WAKEUP) < 0) {
         stk_count(STK_CNT_DEFS_LOST);
-    else
-        stk_count(STK_CNT_DEFS);
+        return -1;
+    }
+    stk_count(STK_CNT_DEFS);
+    return 0;
 }
 
 /* A thread's stack counts go out (before its burst, or when its slots are full). */
@@ -328,7 +349,7 @@ static __always_inline void stacks_call(struct pt_regs *ctx, u64 id, u16 what, u
     u64 h = 0;
     struct py_layout *L = py_procs.lookup(&pid);
     if (L)
-        h = py_frames(s, L, tid, sp);
+        h = py_frames(s, L, pid, tid, sp);
     u64 ret = 0;
 #if defined(bpf_target_x86) /* at a function's entry the return address is at sp */
     ret = stk_read_u64(sp);
@@ -339,10 +360,26 @@ static __always_inline void stacks_call(struct pt_regs *ctx, u64 id, u16 what, u
 
     struct stk_known_key kk = {.pid = pid, .stack_id = sid};
     if (!stk_known.lookup(&kk)) {
-        d->ts = bpf_ktime_get_ns();
-        u8 one = 1;
-        stk_known.update(&kk, &one);
-        stk_send_def(d, sp);
+        u64 budget = stk_cfg(STK_CFG_DEF_BUDGET);
+        u32 *sent = stk_defs_sent.lookup(&pid);
+        if (budget && sent && *sent >= budget) {
+            stk_count(STK_CNT_OVER_BUDGET);
+        } else {
+            d->ts = bpf_ktime_get_ns();
+            u8 one = 1;
+            /* marked first (another CPU sampling the same stack meanwhile sends no
+             * second copy), unmarked if the ring buffer had no room: sent again at its
+             * next sample */
+            stk_known.update(&kk, &one);
+            if (stk_send_def(d, sp) != 0) {
+                stk_known.delete(&kk);
+            } else if (sent) {
+                __sync_fetch_and_add(sent, 1);
+            } else {
+                u32 first = 1;
+                stk_defs_sent.update(&pid, &first);
+            }
+        }
     }
 
     struct tt_kstacks *t = stk_threads.lookup(&tid);

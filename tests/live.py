@@ -37,6 +37,7 @@ class Collected:
         self.reconciliation: dict[str, Any] = {}
         self.naming: dict[str, Any] | None = None  # stub naming and before-attach state
         self.stacks: Any = None
+        self.sampler: Any = None  # the session's StackSampler, while it runs (stack_every=N)
         self._jsonl = io.StringIO()
 
     def on_record(self, rec: Any) -> None:
@@ -66,6 +67,7 @@ def traced(pids: list[int] | None = None, ports: list[int] | None = None,
                    [*extra_sinks, c, spans],
                    TrackerOptions(keep_content=keep), record=record, ctx=ctx, pricing=pricing)
     run.start()
+    c.sampler = run.session.stacks
     try:
         yield c
     finally:

@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections import Counter, defaultdict
@@ -29,9 +30,12 @@ import pytest
 from samples.gpu import flame_server
 from samples.gpu.build import build_paths
 from tests.live import traced, traced_cli
+from tracer.events import wire
 from tracer.flame import pprof
 
 pytestmark = pytest.mark.bpf
+
+C = wire.CONSTANTS
 
 EVERY = 7
 REQUESTS = [("tiny", 3), ("deep", 4), ("tiny", 5), ("deep", 2), ("tiny", 6), ("deep", 5)]
@@ -314,3 +318,172 @@ def test_a_c_programs_calls_all_get_stacks_and_counts_stay_exact(paths, tmp_path
         native = [x.split("\t")[0] for x in f.native]
         assert not f.python and "run" in native, (f.what, native, f.native_stop)
     assert got.report["capture.lost_gpu"] == 0
+
+
+# ---- thread matching and stack definitions (samples/gpu/stack_cases.py) ----------------
+
+HANDLES = 400  # distinct kernels: their definitions (up to 16 KiB each) overflow a 1 MiB ring
+
+
+class _Case:
+    def __init__(self, paths, case: str, n: int = 0) -> None:
+        self.p = subprocess.Popen([sys.executable, "-m", "samples.gpu.stack_cases",
+                                   str(paths["libcuda"]), str(paths["libttpaths"]), case, str(n)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.ready = json.loads(self.p.stdout.readline())
+        self.pid = self.p.pid
+
+    def say(self, cmd: str) -> dict:
+        self.p.stdin.write(cmd + "\n")
+        self.p.stdin.flush()
+        return json.loads(self.p.stdout.readline())
+
+    def close(self) -> None:
+        try:
+            self.say("quit")
+        except (OSError, ValueError):
+            pass
+        self.p.kill()
+
+
+def _as_310(lay, worker_ident: int, pid: int):
+    """A 3.11 layout made to match threads as 3.10's is (by ``thread_id``, the
+    pthread_t, 8 bytes before ``native_thread_id``), after checking that field holds
+    the worker thread's pthread_t: bpf/stacks.c's 3.10 thread matching, live."""
+    import dataclasses
+
+    from tracer.probes import pystacks
+
+    mem = pystacks._Memory(pid)
+    try:
+        idents = {mem.u64(ts + lay.ts_tid - 8) for ts in pystacks.thread_states(mem, lay)}
+    finally:
+        mem.close()
+    assert worker_ident in idents, "thread_id is not 8 bytes before native_thread_id"
+    return dataclasses.replace(lay, ts_tid=lay.ts_tid - 8, tid_is_pthread=1, checks=[])
+
+
+@pytest.fixture(scope="module")
+def cases(paths):
+    """One traced stretch (1 MiB ring, every call sampled) of: a process whose main
+    thread is behind 200 newer Python threads; one with a native thread beside a Python
+    thread, its threads matched the 3.10 way; one launching 400 new kernels while the
+    ring buffer's consumer is held, so stack definitions are lost, then again while the
+    resolver's queue is full, then again; one making 101 new stacks on a budget of 10."""
+    from tracer.probes import session as probe_session
+    from tracer.probes import stacks as probe_stacks
+
+    many, native, handles = (_Case(paths, "threads", 200), _Case(paths, "native"),
+                             _Case(paths, "handles", HANDLES))
+    spender = _Case(paths, "handles", 100)
+    hold, held = threading.Event(), threading.Event()
+    real_on_record = probe_session.CaptureSession._on_record
+    real_find = probe_stacks.find_interpreter
+
+    def on_record(self, ctx, data, size):
+        if hold.is_set():
+            held.set()
+            while hold.is_set():
+                time.sleep(0.01)
+        return real_on_record(self, ctx, data, size)
+
+    def find(pid: int):
+        lay = real_find(pid)
+        return _as_310(lay, native.ready["worker"], pid) if pid == native.pid else lay
+
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(probe_session.CaptureSession, "_on_record", on_record)
+            mp.setattr(probe_stacks, "find_interpreter", find)
+            with traced(pids=[many.pid, native.pid, handles.pid, spender.pid], stack_every=1,
+                        ringbuf_mb=1, concerns=("cuda", "process")) as got:
+                many.say("go")
+                native.say("go")
+                time.sleep(0.5)  # their records are in before the consumer is held
+                hold.set()
+                handles.say("go")
+                assert held.wait(10)
+                time.sleep(0.3)
+                hold.clear()
+                time.sleep(0.5)
+                got.sampler.resolver.max_defs = 0  # the resolver's queue is full
+                handles.say("again")  # definitions sent again, dropped, unmarked
+                time.sleep(0.5)
+                got.sampler.resolver.max_defs = probe_stacks.MAX_QUEUED_DEFS
+                lost = -1
+                for _ in range(8):  # ...and sent again, until the ring had room for all
+                    handles.say("again")
+                    time.sleep(0.5)
+                    now = got.sampler.counters()["stack_defs_lost"]
+                    if now == lost:
+                        break
+                    lost = now
+                time.sleep(1.0)  # the definitions sent again are resolved
+                got.sampler.on_def(b"\x13\x00\x00\x00cut short")  # as a damaged record
+                defs = got.sampler.counters()["stack_defs"]
+                got.sampler.set_budget(10)
+                spender.say("go")  # 101 new stacks: main_launch's, then 100 handles'
+                time.sleep(0.5)
+                spent = got.sampler.counters()["stack_defs"] - defs
+    finally:
+        for c in (many, native, handles, spender):
+            c.close()
+    return {"got": got, "many": many, "native": native, "handles": handles, "spent": spent}
+
+
+def _frames_of(got, pid: int) -> list:
+    return [f for (p, _sid), f in got.stacks.frames.items() if p == pid]
+
+
+def test_a_main_thread_behind_many_newer_threads_gets_its_python_frames(cases):
+    """The kernel walks only the 128 newest thread states; the main thread's is the
+    oldest of 201: user space maps every thread to its state for the kernel (C5)."""
+    frames = _frames_of(cases["got"], cases["many"].pid)
+    assert frames
+    for f in frames:
+        assert not f.flags & C["STK_PY_NO_THREAD"], f
+        assert any(p.startswith("main_launch\t") for p in f.python), f.python
+
+
+def test_threads_matched_the_310_way_never_get_another_threads_frames(cases):
+    """3.10 keeps only pthread_t: a thread is matched to the nearest thread descriptor
+    above its stack pointer. A native thread (no Python state) beside a Python thread
+    must get no Python frames, not its neighbour's or the main thread's (C3)."""
+    frames = _frames_of(cases["got"], cases["native"].pid)
+    by_site = defaultdict(list)
+    for f in frames:
+        natives = [x.split("\t")[0] for x in f.native]
+        py = [p.split("\t")[0] for p in f.python]
+        site = ("native" if "tt_worker_run" in natives else
+                "worker" if "worker_launch" in py else "main" if "main_launch" in py else "?")
+        by_site[site].append(f)
+    assert set(by_site) == {"native", "worker", "main"}, {k: len(v) for k, v in by_site.items()}
+    for f in by_site["native"]:
+        assert f.python == () and f.flags & C["STK_PY_NO_THREAD"], f
+    for f in by_site["worker"]:  # its own frames, matched by its own descriptor
+        py = [p.split("\t")[0] for p in f.python]
+        assert "main.<locals>.worker" in py and "main_launch" not in py, py
+
+
+def test_stack_definitions_the_ring_buffer_lost_are_sent_again(cases):
+    """Definitions lost to a full ring buffer (C4), or dropped by a full resolver queue
+    (R2, counted), are sent again at the stack's next sample: every stack counted has
+    its frames."""
+    got, pid = cases["got"], cases["handles"].pid
+    assert got.report["capture.stack_defs_lost"] > 0  # the cases at hand
+    assert got.report["capture.stack_defs_dropped"] > 0
+    counted = {sid for (p, _u), sids in got.stacks.by_unit.items() if p == pid for sid in sids}
+    named = {sid for (p, sid) in got.stacks.frames if p == pid}
+    assert len(counted) >= HANDLES and counted <= named, len(counted - named)
+
+
+def test_an_undecodable_definition_is_counted_in_the_exit_report(cases):
+    """R3: the resolver's count of records it could not decode is exported."""
+    assert cases["got"].report["capture.stack_defs_undecodable"] == 1
+
+
+def test_a_process_sends_no_more_stack_definitions_than_its_budget(cases):
+    """R2: a process making ever new stacks gets its budget of definitions; the rest
+    are counted, never sent (the agent's memory for it is bounded)."""
+    assert cases["spent"] == 10
+    assert cases["got"].report["capture.stack_defs_over_budget"] == 101 - 10

@@ -11,7 +11,7 @@ import struct
 from collections import Counter, deque
 from typing import Any, Iterator, Protocol
 
-from tracer.correlate.attribution import GpuAttribution, Pricing
+from tracer.correlate.attribution import MAX_SETTLE_LAG_NS, GpuAttribution, Pricing
 from tracer.correlate.connections import (MAX_SOCKET_THREADS, ConnectionTracker,
                                           TrackerOptions, count_parser_error)
 from tracer.correlate.gpu import GpuLedger
@@ -33,6 +33,9 @@ _DATA_HDR = wire.DATA.header_size
 # each new stack on a thread of its own; a library's first stack reads its .eh_frame,
 # seconds for libtorch) waits for them this long in stream time.
 FLAME_WAIT_NS = 15 * 10**9
+# An exited process's stacks are forgotten once its last steps are settled (at most
+# MAX_SETTLE_LAG_NS) and the records using them waited for their names.
+STACKS_KEPT_AFTER_EXIT_NS = MAX_SETTLE_LAG_NS + FLAME_WAIT_NS + 10 * 10**9
 
 
 class RecordSink(Protocol):
@@ -232,6 +235,7 @@ class Pipeline:
             self.last_ts = max(self.last_ts, ev.ts)
             if ev.op == C["PROC_EXIT"]:
                 t.process_exit(ev.pid, ev.ts)
+                self.stacks.exit(ev.pid, ev.ts, STACKS_KEPT_AFTER_EXIT_NS)
         elif isinstance(ev, stacks.StackCounts):
             self.stacks.counts(ev)
         elif isinstance(ev, stacks.StackFrames):
@@ -260,6 +264,8 @@ class Pipeline:
         self.net.advance(self.last_ts)
         if self._flame_wait:
             self._release_flames()
+        if self.stacks.exited:
+            self.stacks.prune(self.last_ts)
         if self.last_ts >= self._next_expire:
             if self._next_expire:
                 self.tracker.expire(self.last_ts)

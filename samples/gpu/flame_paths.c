@@ -6,7 +6,10 @@
  *   tt_attention(qkv, score) -> tt_launch(qkv), tt_launch(score) -> cuLaunchKernel
  *   tt_mlp(up, down)         -> tt_launch(up), tt_launch(down)   -> cuLaunchKernel
  *   tt_copy_out(dst, n)      -> cuMemcpyDtoH_v2
+ *   tt_native_thread(f, n)   -> a new thread: n x tt_launch(f) -> cuLaunchKernel
  */
+#include <pthread.h>
+
 typedef void *CUfunction;
 typedef void *CUstream;
 int cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
@@ -44,4 +47,26 @@ __attribute__((noinline)) int tt_copy_out(void *dst, unsigned long n)
 {
     volatile int rc = cuMemcpyDtoH_v2(dst, 0x7f0000001000ULL, n);
     return rc;
+}
+
+/* A thread of the process that no Python code runs on (a C++ worker, NCCL's proxy):
+ * it launches n times and is joined. It has no Python thread state, so it must get
+ * no Python frames (tests/test_live_flame.py). */
+struct tt_worker { CUfunction f; int n; };
+
+static void *tt_worker_run(void *p)
+{
+    struct tt_worker *w = p;
+    for (int i = 0; i < w->n; i++)
+        tt_launch(w->f, 2);
+    return 0;
+}
+
+int tt_native_thread(CUfunction f, int n)
+{
+    pthread_t t;
+    struct tt_worker w = {f, n};
+    if (pthread_create(&t, 0, tt_worker_run, &w) != 0)
+        return -1;
+    return pthread_join(t, 0);
 }

@@ -97,6 +97,7 @@ class StackBook:
 
     pids: set[int] = field(default_factory=set)  # processes stacks were sampled in
     enabled: bool = False  # the capture said stack sampling runs (StackSampling)
+    exited: dict[int, int] = field(default_factory=dict)  # pid -> when its state goes
 
     def sampled(self, pid: int) -> bool:
         """Whether ``pid``'s GPU work gets flames: once stack sampling runs, all of it
@@ -104,9 +105,30 @@ class StackBook:
         the process's samples so far)."""
         return self.enabled or pid in self.pids
 
+    def exit(self, pid: int, ts: int, after_ns: int) -> None:
+        """Process ``pid`` exited at ``ts``: its state goes at ``ts + after_ns`` (once its
+        last steps are settled and its records exported), unless it shows up again
+        first (a new process with the same pid)."""
+        if pid in self.pids or any(k[0] == pid for k in self.frames):
+            self.exited[pid] = ts + after_ns
+
+    def prune(self, now: int) -> None:
+        """Forget the processes whose time came (``exit``)."""
+        for pid in [p for p, at in self.exited.items() if at <= now]:
+            del self.exited[pid]
+            self.pids.discard(pid)
+            self.kernel_handles.pop(pid, None)
+            self.unattributed.pop(pid, None)
+            for d in (self.pending, self.frames, self.by_unit):
+                for k in [k for k in d if k[0] == pid]:
+                    del d[k]
+            self.stats["stack_processes_pruned"] += 1
+
     def counts(self, ev: StackCounts) -> None:
         """A thread's sampled stacks: held for its next burst."""
         self.stats["stack_count_records"] += 1
+        if self.exited:
+            self.exited.pop(ev.pid, None)
         self.pending.setdefault((ev.pid, ev.tid), []).append(ev)
         self.pids.add(ev.pid)
         for sid, what, handle, n in ev.entries:
@@ -116,6 +138,8 @@ class StackBook:
                 self.kernel_handles.setdefault(ev.pid, set()).add(u[1])
 
     def define(self, ev: StackFrames) -> None:
+        if self.exited:
+            self.exited.pop(ev.pid, None)
         self.frames.setdefault((ev.pid, ev.stack_id), ev)
 
     def take(self, b: KernelBurst) -> Counter[tuple[int, Unit]] | None:

@@ -83,24 +83,43 @@ class LibraryEvidence:
 
 
 class ProcessMemory:
-    """Reads another process's memory (``/proc/PID/mem``); a failed read gives b""."""
+    """Reads another process's memory (``/proc/PID/mem``); a failed read gives b"".
 
-    def __init__(self, pid: int) -> None:
+    Reads are limited to the readable mappings of ``/proc/PID/maps`` as read at
+    creation. With ``refresh_s``, an address outside them has the mappings read again
+    (at most once per ``refresh_s``): memory the process mapped since (new allocator
+    arenas, a grown heap) becomes readable for a reader that lives as long as the
+    process."""
+
+    def __init__(self, pid: int, refresh_s: float | None = None) -> None:
         self.pid = pid
         self.reads = 0
         self.bytes = 0
+        self.refreshes = 0
+        self.refresh_s = refresh_s
         try:
             self._fd: int | None = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
         except OSError:
             self._fd = None
-        self.ranges = _readable_ranges(pid)
+        self._load_ranges()
+
+    def _load_ranges(self) -> None:
+        self.ranges = _readable_ranges(self.pid)
         self._starts = [lo for lo, _hi in self.ranges]
+        self._loaded = time.monotonic()
 
     def _end_of(self, addr: int) -> int:
         """The end of the readable mapping holding ``addr`` (0: none)."""
         i = bisect_right(self._starts, addr) - 1
         if i >= 0 and addr < self.ranges[i][1]:
             return self.ranges[i][1]
+        if (self.refresh_s is not None and self._fd is not None and addr > 0
+                and time.monotonic() - self._loaded >= self.refresh_s):
+            self.refreshes += 1
+            self._load_ranges()
+            i = bisect_right(self._starts, addr) - 1
+            if i >= 0 and addr < self.ranges[i][1]:
+                return self.ranges[i][1]
         return 0
 
     def readable(self, addr: int, n: int = 8) -> bool:

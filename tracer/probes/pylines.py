@@ -4,8 +4,11 @@ Two formats (pure functions of bytes, checked against the interpreter's own
 ``co_positions``/``co_lines`` in tests):
 
 - 3.10 ``co_linetable`` (``Objects/lnotab_notes.txt``): (bytecode delta: unsigned
-  byte, line delta: signed byte) pairs; a line delta of -128 means no line, 0 only
-  extends the current range.
+  byte, line delta: signed byte) pairs, each pair one range of its bytecode delta's
+  bytes at the line so far plus its line delta (as ``advance()`` in CPython 3.10's
+  ``codeobject.c`` reads them): a line delta of 0 is a range at the same line (a
+  one-line body, the 254-byte chunks of a longer range), -128 a range with no line,
+  and a pair with a bytecode delta of 0 only moves the line (deltas over 127).
 - 3.11+ location table (``Objects/locations.md``): one entry per run of code units,
   first byte ``1cccclll`` (code, length - 1); code 15 no location, 14 the long form
   (signed varint line delta, then end line, column, end column varints), 13 a line
@@ -25,12 +28,9 @@ def ranges_310(table: bytes, firstlineno: int) -> Iterator[tuple[int, int, int]]
     for i in range(0, len(table) - 1, 2):
         sdelta = table[i]
         ldelta = table[i + 1] - 256 if table[i + 1] >= 128 else table[i + 1]
-        if ldelta == 0:
-            end += sdelta
-            continue
         start, end = end, end + sdelta
         if ldelta == -128:
-            continue
+            continue  # a range with no line (the line so far stays)
         line += ldelta
         if end > start:
             yield start, end, line

@@ -46,7 +46,8 @@ _LIBPYTHON = re.compile(r"/libpython3\.(\d+)[a-z]*\.so(\.[\d.]+)?$")
 _PYTHON_EXE = re.compile(r"/python3\.?(\d+)?[a-z]*$")
 _SYM64 = struct.Struct("<IBBHQQ")
 WANTED = ("_PyRuntime", "PyCode_Type", "Py_Version", "PyInterpreterState_Head",
-          "PyInterpreterState_ThreadHead", "PyThreadState_Next", "PyInterpreterState_Next")
+          "PyInterpreterState_ThreadHead", "PyThreadState_Next", "PyInterpreterState_Next",
+          "PyUnicode_Type", "PyBytes_Type")
 TP_BASICSIZE = 32  # offsetof(PyTypeObject, tp_basicsize): stable public layout
 TP_MEMBERS = 240  # offsetof(PyTypeObject, tp_members)
 MEMBER_DEF = struct.Struct("<QiiqiiQ")  # PyMemberDef: name, type, (pad), offset, flags, (pad), doc
@@ -82,9 +83,12 @@ class PyLayout:
     tid_is_pthread: int = 0
     instr_is_int: int = 0
     cstack_owner: int = 0xFF
+    stack_max: int = 8 << 20  # 3.10: a thread's stack size (default_stack_size)
     # user space: code objects and strings
     code_fields: dict[str, int] = field(default_factory=dict)  # co_* -> offset
     code_units: int = 0  # offsetof(PyCodeObject, co_code_adaptive) (3.11+)
+    str_type: int = 0  # &PyUnicode_Type, &PyBytes_Type in the process (0: not known)
+    bytes_type: int = 0
     ascii_size: int = 48  # sizeof(PyASCIIObject)
     compact_size: int = 72  # sizeof(PyCompactUnicodeObject)
     checks: list[str] = field(default_factory=list)  # what was verified, in words
@@ -93,7 +97,7 @@ class PyLayout:
         """The values of bpf/stacks.c's struct py_layout, by field name."""
         names = ("runtime", "interp_head", "interp_next", "threads_head", "ts_next", "ts_tid",
                  "ts_frame", "cframe_frame", "fr_prev", "fr_code", "fr_instr", "fr_owner",
-                 "fr_size", "tid_is_pthread", "instr_is_int", "cstack_owner")
+                 "fr_size", "tid_is_pthread", "instr_is_int", "cstack_owner", "stack_max")
         return {n: getattr(self, n) for n in names}
 
 
@@ -202,12 +206,13 @@ def _interpreter_file(pid: int, maps: list[procfs.Mapping]) -> tuple[str, str, i
 
 
 class _Memory:
-    """Reads of the traced process's memory (/proc/PID/mem)."""
+    """Reads of the traced process's memory (/proc/PID/mem); ``refresh_s``: see
+    ``ProcessMemory`` (a long-lived reader sees memory mapped after it was made)."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, refresh_s: float | None = None) -> None:
         from tracer.probes.prenames import ProcessMemory
 
-        self.mem = ProcessMemory(pid)
+        self.mem = ProcessMemory(pid, refresh_s)
 
     def read(self, addr: int, n: int) -> bytes:
         return self.mem.read(addr, n) if addr > 0 else b""
@@ -354,8 +359,12 @@ def find_interpreter(pid: int) -> PyLayout:
         if version is None:
             raise PyLayoutError(f"{mapped}: Python version unknown")
         layout = _layout(mem, version, mapped, runtime, code_type)
+        for name, attr in (("PyUnicode_Type", "str_type"), ("PyBytes_Type", "bytes_type")):
+            if name in info.symbols:
+                setattr(layout, attr, info.symbols[name][0] + bias)
         layout.checks += _cross_check(path, info, layout)
         layout.checks += _check_live(pid, mem, layout)
+        layout.stack_max = default_stack_size(pid)
     finally:
         mem.close()
     return layout
@@ -406,6 +415,53 @@ def _tids(pid: int) -> set[int]:
         return {int(t) for t in os.listdir(f"/proc/{pid}/task")}
     except OSError:
         return set()
+
+
+GLIBC_STACK_DEFAULT = 2 << 20  # x86-64 glibc's thread stack size with no stack rlimit
+THREADS_MAX = 4096  # thread states user space walks per process (the kernel: 128)
+
+
+def default_stack_size(pid: int) -> int:
+    """The stack size glibc gives ``pid``'s threads: its stack rlimit (soft), or
+    glibc's default where that is unlimited. 3.10's thread matching: a thread's own
+    descriptor lies within this above its stack pointer, another thread's farther."""
+    try:
+        with open(f"/proc/{pid}/limits") as f:
+            for line in f:
+                if line.startswith("Max stack size"):
+                    soft = line.split()[3]
+                    return GLIBC_STACK_DEFAULT if soft == "unlimited" else int(soft)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 8 << 20
+
+
+def thread_map(mem: _Memory, lay: PyLayout, pid: int, limit: int = THREADS_MAX
+               ) -> dict[int, int]:
+    """Thread id -> thread state, for the kernel's ``stk_tstate`` (it walks only the
+    newest 128 states itself; a server's main or engine thread is the oldest, behind
+    its pools' threads). 3.10 keeps no thread id: only the main thread's (the oldest
+    state of the main interpreter), keyed by the pid."""
+    if lay.tid_is_pthread:
+        interp, last = mem.u64(lay.runtime + lay.interp_head), 0
+        for _ in range(4):  # the main interpreter is the last of the list
+            if not interp:
+                break
+            last = interp
+            interp = mem.u64(interp + lay.interp_next)
+        ts, oldest = (mem.u64(last + lay.threads_head) if last else 0), 0
+        for _ in range(limit):
+            if not ts:
+                break
+            oldest = ts
+            ts = mem.u64(ts + lay.ts_next)
+        return {pid: oldest} if oldest else {}
+    out: dict[int, int] = {}
+    for ts in thread_states(mem, lay, limit):
+        tid = mem.u64(ts + lay.ts_tid)
+        if 0 < tid < 1 << 32:
+            out.setdefault(tid, ts)
+    return out
 
 
 def thread_states(mem: _Memory, lay: PyLayout, limit: int = 256) -> list[int]:

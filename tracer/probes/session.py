@@ -24,6 +24,7 @@ from tracer.probes.gpu import GpuProbes
 C = wire.CONSTANTS
 CaptureItem = bytes | schema.Event
 POLL_MS = 20  # see poll()
+STACK_SCAN_WAIT_S = 10.0  # at start: the traced interpreters found before polling begins
 Sink = Callable[[CaptureItem], None]
 
 
@@ -159,6 +160,8 @@ class CaptureSession:
         self.sink(NetTimingMode(ts=time.monotonic_ns(), mode=self.net_timing.mode,
                                 reason=self.net_timing.reason))
         self.rescan()
+        if self.stacks is not None:  # the first calls after attach get Python frames too
+            self.stacks.settle(STACK_SCAN_WAIT_S)
 
     def poll(self, timeout_ms: int = POLL_MS) -> None:
         """Deliver what the ring buffer holds, and run the periodic work. Records do
