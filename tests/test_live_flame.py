@@ -174,7 +174,7 @@ def test_every_request_has_exactly_its_calls_per_stack(run):
         assert kernel_calls == pytest.approx(launches)
     assert run["got"].report["capture.lost_gpu"] == 0
     assert run["got"].report["capture.stack_defs_lost"] == 0
-    assert run["got"].report["capture.stack_python_processes"] >= 0
+    assert run["got"].report["capture.stack_python_processes"] >= 1  # the server
 
 
 def test_frames_are_the_known_python_and_native_paths(run):

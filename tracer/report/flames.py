@@ -37,7 +37,8 @@ def write_flames(spans_path: str, rows: list[dict[str, Any]], out_dir: str
             continue
         svc = str((span.get("resource") or {}).get("service.name", "?"))
         by_service.setdefault(svc, []).extend(stacks)
-        flames[str(span.get("trace_id"))] = stacks
+        # a trace with two GPU SERVER spans (a proxy and its engine) draws both
+        flames.setdefault(str(span.get("trace_id")), []).extend(stacks)
     if not flames:
         return []
     out = os.path.join(out_dir, "flame")
