@@ -15,8 +15,10 @@ its samples in that step were taken in, in proportion to their samples; a unit w
 no sample in the step is split like that unit's samples in the process so far (in
 stream order, so a replay gives the same split), launches past a burst's 16 kernel
 slots (no handle) like the process's samples of the kernels not in its slots; a unit
-never sampled stays one ``[no stack sampled]`` stack under its kernel. So per request and per kernel the
-launch widths are exact, and only their division among call sites is estimated. The
+never sampled stays one ``[no stack sampled]`` stack under its kernel. So a request's
+launch width is exact, and so is its width per kernel for kernels in the burst slots;
+launches past the slots are divided among kernels by samples, and every division
+among call sites is estimated. The
 GPU time of a step (its span, ``steps.py``) is shared by its calls equally: tokentrace
 does not time kernels one by one. The raw sample counts are kept beside both.
 """

@@ -311,6 +311,7 @@ def _debug_offsets(mem: _Memory, runtime: int) -> dict[str, int] | None:
         d["fr_size"] = min(128, (max(fr[1], fr[2], fr[3], fr[5]) + 8 + 7) // 8 * 8)
         d["code_units"] = co[9]
         d["version_hex"] = words[1]
+        d["free_threaded"] = words[2] if free_threaded else 0
         return d
     return None
 
@@ -372,10 +373,16 @@ def find_interpreter(pid: int) -> PyLayout:
 
 def _layout(mem: _Memory, version: tuple[int, int], mapped: str, runtime: int,
             code_type: int) -> PyLayout:
+    if version > (3, 13):
+        raise PyLayoutError(f"Python {version[0]}.{version[1]} is not supported (3.10-3.13:"
+                            " 3.14 changed the frame layout)")
     debug = _debug_offsets(mem, runtime) if version >= (3, 13) else None
     if debug is not None:
         code_units = debug.pop("code_units")
         debug.pop("version_hex")
+        if debug.pop("free_threaded"):
+            raise PyLayoutError("a free-threaded build (its frames and thread states "
+                                "differ from the GIL build's)")
         lay = PyLayout(version, mapped, runtime, code_type, "_Py_DebugOffsets", **debug)
         lay.code_units = code_units
     elif version in _HEADERS:
