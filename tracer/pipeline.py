@@ -62,7 +62,8 @@ class Pipeline:
         self.net = NetTimer(self._export_now, self.stats)
         self.stacks = StackBook()
         # records waiting for their stacks' names, in deadline order
-        self._flame_wait: deque[tuple[int, RequestRecord]] = deque()
+        # (deadline, record, the (pid, stack id) it still waits for)
+        self._flame_wait: deque[tuple[int, RequestRecord, set[tuple[int, int]]]] = deque()
         self._named = False  # a stack was named since the waiting records were checked
         self.attribution = GpuAttribution(self._export, self._open_records, self.stats,
                                           ipc=self.ipc, pricing=pricing,
@@ -117,14 +118,16 @@ class Pipeline:
     def _export_now(self, rec: RequestRecord) -> None:
         """Export, once the record's stacks are named (or have waited FLAME_WAIT_NS):
         driven by the stream's own order and time, so a replay waits alike."""
-        if rec.flame and self._unresolved(rec):
-            self._flame_wait.append((self.last_ts + FLAME_WAIT_NS, rec))
+        missing = self._unnamed(rec) if rec.flame else None
+        if missing:
+            self._flame_wait.append((self.last_ts + FLAME_WAIT_NS, rec, missing))
             return
         self._sink_record(rec)
 
-    def _unresolved(self, rec: RequestRecord) -> bool:
+    def _unnamed(self, rec: RequestRecord) -> set[tuple[int, int]]:
+        """The (pid, stack id) of the record's stacks not named yet."""
         frames = self.stacks.frames
-        return any(sid and (pid, sid) not in frames for pid, sid, _w, _h in rec.flame)
+        return {(pid, sid) for pid, sid, _w, _h in rec.flame if sid and (pid, sid) not in frames}
 
     def _release_flames(self, final: bool = False) -> None:
         """Export the waiting records whose stacks are all named now, or whose wait is
@@ -132,19 +135,22 @@ class Pipeline:
         look; otherwise only those whose deadline passed (the oldest first)."""
         if final or self._named:
             self._named = False
-            keep: deque[tuple[int, RequestRecord]] = deque()
-            for deadline, rec in self._flame_wait:
-                if final or deadline <= self.last_ts or not self._unresolved(rec):
-                    self._release(rec)
+            frames = self.stacks.frames
+            keep: deque[tuple[int, RequestRecord, set[tuple[int, int]]]] = deque()
+            for deadline, rec, missing in self._flame_wait:
+                missing.difference_update([k for k in missing if k in frames])
+                if final or deadline <= self.last_ts or not missing:
+                    self._release(rec, missing)
                 else:
-                    keep.append((deadline, rec))
+                    keep.append((deadline, rec, missing))
             self._flame_wait = keep
             return
         while self._flame_wait and self._flame_wait[0][0] <= self.last_ts:
-            self._release(self._flame_wait.popleft()[1])
+            _, rec, missing = self._flame_wait.popleft()
+            self._release(rec, {k for k in missing if k not in self.stacks.frames})
 
-    def _release(self, rec: RequestRecord) -> None:
-        if self._unresolved(rec):
+    def _release(self, rec: RequestRecord, missing: set[tuple[int, int]]) -> None:
+        if missing:
             self.stats["flame_stacks_unresolved_at_export"] += 1
         self._sink_record(rec)
 
