@@ -9,63 +9,18 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-try:
-    import cxxfilt
-except ImportError:  # pragma: no cover - a dependency; kept optional at run time
-    cxxfilt = None
+from tracer.probes.cxxnames import demangle, split_top, without_params
 
 MAX_LEN = 80
-
-
-def demangle(name: str) -> str:
-    """The demangled name, or ``name`` if it is not a mangled C++ symbol."""
-    if cxxfilt is None or not name.startswith("_Z"):
-        return name
-    try:
-        return cxxfilt.demangle(name)
-    except (cxxfilt.InvalidName, ValueError, UnicodeError):
-        return name
-
-
-def _split_top(text: str, sep: str) -> list[str]:
-    """``text`` split at ``sep`` where no <...>, (...) or {...} is open."""
-    out, depth, i, start = [], 0, 0, 0
-    while i < len(text):
-        ch = text[i]
-        if ch in "<({":
-            depth += 1
-        elif ch in ">)}":
-            depth -= 1
-        elif depth == 0 and text.startswith(sep, i):
-            out.append(text[start:i].strip())
-            i += len(sep)
-            start = i
-            continue
-        i += 1
-    out.append(text[start:].strip())
-    return [x for x in out if x]
-
-
-def _without_params(text: str) -> str:
-    """``ret ns::f<a>(int, x)`` -> ``ret ns::f<a>``: cut at the first '(' outside <>."""
-    depth = 0
-    for i, ch in enumerate(text):
-        if ch == "<":
-            depth += 1
-        elif ch == ">":
-            depth -= 1
-        elif ch == "(" and depth == 0 and i > 0:
-            return text[:i]
-    return text
 
 
 def _short(text: str) -> str:
     """``ns::a::Name<x, y>`` -> ``Name``; a lambda is named by the function it is in
     (``ns::f<...>(args)::{lambda(int)#1}`` -> ``f``)."""
-    parts = _split_top(text, "::")
+    parts = split_top(text, "::")
     while len(parts) > 1 and parts[-1].startswith("{"):
         parts.pop()
-    last = _without_params(parts[-1] if parts else text)
+    last = without_params(parts[-1] if parts else text)
     i = last.find("<")
     return last[:i] if i > 0 else last
 
@@ -106,14 +61,14 @@ def readable(name: str) -> str:
 
 def shorten(full: str) -> str:
     """The short form of a demangled name (as profilers print them)."""
-    words = _split_top(_without_params(full), " ")
+    words = split_top(without_params(full), " ")
     qualified = words[-1] if words else full  # the return type goes
-    last = (_split_top(qualified, "::") or [qualified])[-1]
+    last = (split_top(qualified, "::") or [qualified])[-1]
     base = _short(last)
     args = ""
     lt = last.find("<")
     if lt > 0 and last.endswith(">"):
-        for arg in _split_top(last[lt + 1:-1], ","):
+        for arg in split_top(last[lt + 1:-1], ","):
             if not _is_value(arg):
                 args = _short(arg)
                 break

@@ -36,6 +36,7 @@ from tracer.events.stacks import StackDef, StackFrames
 from tracer.probes import procfs
 from tracer.probes.pycode import CodeReader
 from tracer.probes.pystacks import PyLayout, PyLayoutError, find_interpreter, thread_map
+from tracer.probes.cxxnames import native_name
 from tracer.probes.symbols import ElfFunctions, SymbolError, Symbolizer
 from tracer.probes.unwind import Region, Unwinder
 
@@ -504,32 +505,6 @@ def function_containing(symbols: Symbolizer, path: str, vaddr: int) -> str | Non
         elf: ElfFunctions = symbols.functions(path)
     except SymbolError:
         return None
-    for t in elf.tables.values():
-        k = bisect_right(t.values, vaddr) - 1
-        if k >= 0 and t.values[k] <= vaddr < t.values[k] + max(t.sizes[k], 1):
-            return elf._name(path, t, t.name_offs[k])
-    return None
+    return elf.containing(vaddr, path)
 
 
-def native_name(symbol: str) -> str:
-    """A readable frame name: demangled, parameters and return type dropped, template
-    arguments folded (``at::native::gpu_kernel_impl<...>``)."""
-    from tracer.correlate.kernelnames import _split_top, _without_params, demangle
-
-    full = demangle(symbol)
-    if full == symbol:
-        return symbol
-    text = _without_params(full)
-    words = _split_top(text, " ")
-    text = words[-1] if words else text
-    out, depth = [], 0
-    for ch in text:
-        if ch == "<":
-            if depth == 0:
-                out.append("<...>")
-            depth += 1
-        elif ch == ">":
-            depth = max(0, depth - 1)
-        elif depth == 0:
-            out.append(ch)
-    return "".join(out)[:160]

@@ -82,6 +82,15 @@ class ElfFunctions:
                 return file_offset - off + vaddr
         return None
 
+    def containing(self, vaddr: int, path: str | None = None) -> str | None:
+        """The function symbol whose [start, start + size) holds ``vaddr``, or None.
+        Names are read from ``path`` (default: the file it was parsed from)."""
+        for t in self.tables.values():
+            k = bisect_right(t.values, vaddr) - 1
+            if k >= 0 and t.values[k] <= vaddr < t.values[k] + max(t.sizes[k], 1):
+                return self._name(path or self.path, t, t.name_offs[k])
+        return None
+
     def function_at(self, vaddr: int, path: str | None = None) -> tuple[str, str]:
         """(name, table) of the function starting at ``vaddr``; SymbolError if none
         does or the names there disagree. Names are read from ``path`` (another path
