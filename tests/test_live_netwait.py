@@ -80,10 +80,12 @@ class RawClient:
         if not _complete(c["buf"]):
             return None
         rid = self.id_re.search(c["buf"])
-        assert rid and c["first"] is not None, c["buf"][:300]
+        assert rid, c["buf"][:300]
         self.cur = None
         sent = c["sent"]
-        return {"id": rid.group(1).decode(), "ttft": (c["first"] - sent) / 1e9,
+        # no first text: a reply of random weights can be all end-of-text
+        ttft = (c["first"] - sent) / 1e9 if c["first"] is not None else None
+        return {"id": rid.group(1).decode(), "ttft": ttft,
                 "duration": (last - sent) / 1e9, "stream": c["stream"],
                 "client_wait": max(c["waits"]) / 1e9,
                 "send_wait": (sent - c["sent_user"]) / 1e9}
@@ -125,7 +127,10 @@ def _compare(calls: list[dict], spans: dict[str, dict]) -> tuple[list[float], li
         s = spans[c["id"]]
         a = s["attributes"]
         assert a["tokentrace.network.timing"] == "socket", a
-        ttft.append(abs(a["tokentrace.time_to_first_token"] - c["ttft"]))
+        if c["ttft"] is None:  # a reply with no text has no TTFT on either side
+            assert "tokentrace.time_to_first_token" not in a, (c, a)
+        else:
+            ttft.append(abs(a["tokentrace.time_to_first_token"] - c["ttft"]))
         dur.append(abs((s["end_time_unix_nano"] - s["start_time_unix_nano"]) / 1e9
                        - c["duration"]))
     return ttft, dur
@@ -275,6 +280,7 @@ def test_hf_transformers_serve_at_concurrency_32(tmp_path, no_gc):
     spans = _spans(got.spans)
     assert len(results) == 64 and set(spans) >= {r["id"] for r in results}, got.stderr
     ttft, dur = _compare(results, spans)
+    assert len(ttft) >= 56, "most replies have text"
     _client_waits(results)
     _bar("TTFT", ttft)
     _bar("duration", dur)
