@@ -56,3 +56,25 @@ def test_whole_responses_are_not_charged_for_their_lifetime():
     # one stream was already under way at attach: its tokens came before the capture
     assert len(per_token[True]) == 287 and len(per_token[False]) == 96
     assert whole == pytest.approx(streamed, rel=0.15), (whole, streamed)
+
+
+def test_an_engine_whose_first_steps_take_seconds_is_split_by_a_provisional_model():
+    """``samples/batching`` with steps of 6 launches + 4 per member + 25 per prefilling
+    member, 64 requests at concurrency 12 on the stand-in libcuda whose kernels take
+    their modelled time (``bench/accuracy.py --layouts thread --concurrency 12
+    --step-cost 6,4,25``): 12 prompts at once make the first steps ~2 s each, so the
+    32 steps a full model needs take a minute. Steps that waited 10 s are split by a
+    model fitted on the steps so far (equal shares charged a decoding member as much as
+    a prefilling one: kernel share MAE/mean 0.053, p95 0.43)."""
+    name = "batching-slow-steps-c12"
+    with gzip.open(CAPTURES / f"{name}.truth.jsonl.gz", "rt") as f:
+        truth = f.read().splitlines()
+    spans, pipeline = replay(str(CAPTURES / f"{name}.ttcap"))
+    report = pipeline.report()
+    r = score(truth, spans, report)
+    assert r["requests_traced"] == 64 and r["requests_with_wrong_step_count"] == 0
+    assert report["gpu_steps_provisional_model"] > 0
+    assert r["kernel_share"]["mae_over_mean"] <= 0.001, r["kernel_share"]
+    assert not [s for s in spans
+                if s["attributes"].get("tokentrace.gpu.attribution") == "step_equal"]
+    assert pipeline.reconciliation()["balanced"]

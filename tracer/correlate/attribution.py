@@ -31,7 +31,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
 
-from tracer.correlate.costmodel import Learner, Member, StepModel, allocate
+from tracer.correlate.costmodel import MIN_STEPS, Learner, Member, StepModel, allocate
 from tracer.correlate.ipc import IpcGraph
 from tracer.correlate.ledger import EVICTED, NO_REQUEST, UNJOINED_RANK, Ledger
 from tracer.correlate.membership import Membership, Occupancy, arrival_ns, request_range
@@ -52,7 +52,9 @@ MAX_HOLD_NS = 5 * 10**9  # a trailing rank is not waited for longer than this
 # then counted in by the tokens it has written so far.
 MAX_SETTLE_LAG_NS = 60 * 10**9
 KEEP_SETTLED_NS = 10 * 10**9  # settled steps kept for requests that arrived before them
-MAX_PENDING_NS = 10 * 10**9  # decided steps wait at most this long for a usable model
+MAX_PENDING_NS = 10 * 10**9  # decided steps wait this long for a usable model...
+# ...then take a provisional one (fitted on fewer steps), or wait for one up to this
+MAX_PENDING_HARD_NS = 60 * 10**9
 TOP_KERNELS = 5  # kernels named on a span, by its share of their launches
 
 
@@ -518,11 +520,20 @@ class GpuAttribution:
         # a first fit on an engine's first steps can find them all alike (a cold start:
         # all prefilling, or all decoding): those steps wait for a model that can tell
         # their members apart, up to MAX_PENDING_NS
-        if not (now or (kernel.model.usable and time.model.usable) or
-                pending[0][0].end_ts + MAX_PENDING_NS <= self.now):
-            return
+        kmodel, tmodel = kernel.model, time.model
+        if not (kmodel.usable and tmodel.usable):
+            waited = self.now - pending[0][0].end_ts
+            if not now and waited < MAX_PENDING_NS:
+                return
+            # an engine whose first steps take seconds: a model from the steps so far
+            # splits them better than equal shares would
+            kmodel, tmodel = kernel.provisional(), time.provisional()
+            if not (now or (kmodel.usable and tmodel.usable) or waited >= MAX_PENDING_HARD_NS):
+                return
+            if kmodel.steps < MIN_STEPS and kmodel.usable or tmodel.steps < MIN_STEPS and tmodel.usable:
+                self.stats["gpu_steps_provisional_model"] += len(pending)
         for step, fsteps, members in pending:
-            self._split(step, fsteps, members, kernel.model, time.model)
+            self._split(step, fsteps, members, kmodel, tmodel)
         self._settled_to(log.key, pending[-1][0].index + 1)
         pending.clear()
 

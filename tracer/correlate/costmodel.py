@@ -24,6 +24,9 @@ from typing import Sequence
 import numpy as np
 
 MIN_STEPS = 32  # fewer steps than this: equal shares
+# a model fitted on fewer steps, only for steps that waited too long for a full one
+# (an engine whose first steps take seconds each): still held to the same fit tests
+MIN_PROVISIONAL_STEPS = 8
 # per_prefill alone is kept over per_token only if it fits this much better (see fit)
 TOKEN_PREFERENCE = 0.05
 MIN_R2 = 0.5  # a model explaining less of the variance than this is not trusted...
@@ -149,12 +152,14 @@ def _members_matter(x: np.ndarray, y: np.ndarray, w: np.ndarray, coef: np.ndarra
     return ((sse_fixed - sse) / k) / (sse / df) >= MIN_F
 
 
-def fit(rows: Sequence[tuple[float, float, float, float]]) -> StepModel:
+def fit(rows: Sequence[tuple[float, float, float, float]], min_steps: int = MIN_STEPS
+        ) -> StepModel:
     """Fit the step-cost model to ``rows`` of (sequences, prefilling, prefill tokens,
-    cost); equal shares (``usable`` False) when there are too few steps, too little
-    variety in them, or the model explains too little of the variation."""
-    if len(rows) < MIN_STEPS:
-        return StepModel(steps=len(rows), reason=f"{len(rows)} steps < {MIN_STEPS}")
+    cost); equal shares (``usable`` False) when there are too few steps (fewer than
+    ``min_steps``), too little variety in them, or the model explains too little of
+    the variation."""
+    if len(rows) < min_steps:
+        return StepModel(steps=len(rows), reason=f"{len(rows)} steps < {min_steps}")
     a = np.asarray(rows, dtype=float)
     x = np.column_stack([np.ones(len(a)), a[:, 0], a[:, 1], a[:, 2]])
     y = a[:, 3]
@@ -234,6 +239,13 @@ class Learner:
             self._since = 0
             self.fitted = True
             self.model = fit(list(self.rows))
+
+    def provisional(self) -> StepModel:
+        """The model, or while it is not usable one fitted on the steps so far (at
+        least ``MIN_PROVISIONAL_STEPS``), for steps that cannot wait any longer."""
+        if self.model.usable:
+            return self.model
+        return fit(list(self.rows), MIN_PROVISIONAL_STEPS)
 
 
 def allocate(members: Sequence[Member], kernel_model: StepModel, time_model: StepModel
