@@ -109,6 +109,10 @@ class _TimedSocket(httpcore2.NetworkStream):
             self._tail = b""
             self._reading = False
         first = "sent" not in self.timing and len(buffer) > 0
+        if first:  # the connection that carries the request (a kept-alive one or new)
+            sock = self.inner.get_extra_info("socket")
+            if sock is not None:
+                self.timing["port"] = sock.getsockname()[1]
         if first and self.stamped is None:
             # stamped before the send: on loopback the send can wake the server, which
             # may then run before this thread gets the CPU back
@@ -235,7 +239,8 @@ class TimedClient:
             done = time.monotonic()
             return {"id": resp.id, "output_tokens": resp.usage.completion_tokens,
                     "input_tokens": resp.usage.prompt_tokens, "ttft": self._wire_ttft(),
-                    "ttft_sdk": done - self._last_sent}
+                    "ttft_sdk": done - self._last_sent,
+                    "client_port": self.transport.timing.get("port")}
         sent = self._last_sent
         first = None
         out = {"id": None, "text_chunks": 0, "output_tokens": None, "input_tokens": None}
@@ -250,6 +255,7 @@ class TimedClient:
                 out["input_tokens"] = ch.usage.prompt_tokens
         out["ttft"] = self._wire_ttft()
         out["ttft_sdk"] = (first - sent) if first else None
+        out["client_port"] = self.transport.timing.get("port")
         return out
 
 
