@@ -503,11 +503,16 @@ def _say_gpu(gpu: Any) -> None:
         _say(f"warning: GPU probe not attached: {where}: {why}")
 
 
-def _say_tls(tls: Any) -> None:
-    """Which TLS libraries got probes (and which cannot be read) at attach."""
-    if tls is None:
+def _say_tls(tls: Any, said: set[Any]) -> None:
+    """Which TLS libraries got probes (and which cannot be read): at attach, and as a
+    rescan finds more (a process that loads libssl later, a new child). ``said``: the
+    libraries already said."""
+    if tls is None or len(tls.libraries) == len(said):
         return
-    for lib in tls.libraries.values():
+    for key, lib in list(tls.libraries.items()):
+        if key in said:
+            continue
+        said.add(key)
         if lib.status == "probed":
             _say(f"TLS probes: pid {lib.pid} {lib.path} ({lib.name})"
                  + (f": {lib.reason}" if lib.reason else ""))
@@ -558,11 +563,13 @@ def _drive(args: argparse.Namespace, open_: Callable[[], Any], poll: Callable[[]
     desc = ", ".join(str(p) for p in sorted(pids())) or "none yet"
     _say(f"attached to {len(pids())} process(es) (pids: {desc}); {timing}"
          + (f"tracing for {args.duration:g}s" if args.duration else "Ctrl-C to stop"))
-    _say_tls(tls())  # after the 'attached' line: scripts wait for that one first
+    said_tls: set[Any] = set()
+    _say_tls(tls(), said_tls)  # after the 'attached' line: scripts wait for that one first
     stop.arm()
     try:
         while not stop:
             poll()
+            _say_tls(tls(), said_tls)
             if ctl is not None:
                 ctl.poll()
     finally:
