@@ -228,3 +228,41 @@ def test_prompt_tokens_from_usage_ids_or_characters_at_the_learned_rate():
     for n in range(PromptTokens.MIN_SAMPLES):
         p.learn(rec(chars=600 + n, usage=100))  # a word-level tokenizer: ~6 chars a token
     assert p.of(rec(chars=60)) == pytest.approx(10, rel=0.02)
+
+
+def test_steps_that_waited_take_a_provisional_model_but_not_for_ever():
+    """``models_for``: usable models at once; else wait 10 s; then a learner short of
+    its full fit offers a model from its steps so far (8 or more, same fit tests), or
+    the steps wait up to 60 s; a learner whose full fit found no usable model is not
+    waited for (equal shares)."""
+    from tracer.correlate.attribution import MAX_PENDING_HARD_NS, MAX_PENDING_NS, models_for
+    from tracer.correlate.costmodel import Learner
+
+    def learner(steps: list[list[Member]], cost) -> Learner:
+        lr = Learner()
+        for m in steps:
+            lr.learn(m, cost(m))
+        return lr
+
+    few = varied_steps(12)
+    k, t = learner(few, stand_in_cost), learner(few, stand_in_cost)
+    assert not k.model.usable and not k.fitted  # 12 steps < 32: no full fit yet
+    assert models_for(k, t, MAX_PENDING_NS - 1, now=False) is None
+    km, tm, provisional = models_for(k, t, MAX_PENDING_NS, now=False)
+    assert provisional and km.usable and tm.usable and km.steps == 12
+    assert km.fixed == pytest.approx(FIXED) and km.per_seq == pytest.approx(PER_SEQ)
+    # too few steps for even a provisional model: wait, up to the hard limit
+    k3, t3 = learner(few[:5], stand_in_cost), learner(few[:5], stand_in_cost)
+    assert models_for(k3, t3, MAX_PENDING_HARD_NS - 1, now=False) is None
+    km, tm, provisional = models_for(k3, t3, MAX_PENDING_HARD_NS, now=False)
+    assert not provisional and not km.usable and not tm.usable
+    # a full fit that found nothing usable (steps all alike): no waiting past 10 s
+    alike = [[Member(), Member()] for _ in range(40)]
+    rng = np.random.default_rng(3)
+    noisy = learner(alike, lambda m: float(rng.normal(100, 20)))
+    assert noisy.fitted and not noisy.model.usable
+    km, tm, provisional = models_for(learner(varied_steps(40), stand_in_cost), noisy,
+                                     MAX_PENDING_NS, now=False)
+    assert km.usable and not tm.usable and not provisional
+    # the stream's end: no waiting at all
+    assert models_for(k3, t3, 0, now=True) is not None

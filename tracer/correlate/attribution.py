@@ -31,7 +31,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
 
-from tracer.correlate.costmodel import MIN_STEPS, Learner, Member, StepModel, allocate
+from tracer.correlate.costmodel import Learner, Member, StepModel, allocate
 from tracer.correlate.ipc import IpcGraph
 from tracer.correlate.ledger import EVICTED, NO_REQUEST, UNJOINED_RANK, Ledger
 from tracer.correlate.membership import Membership, Occupancy, arrival_ns, request_range
@@ -195,6 +195,32 @@ class _Ready:
     rec: RequestRecord
     logs: list[LogKey] = field(default_factory=list)
     seq: int = 0  # order of becoming ready (ties in end order are released in it)
+
+
+def models_for(kernel: Learner, time: Learner, waited_ns: int, now: bool
+               ) -> tuple[StepModel, StepModel, bool] | None:
+    """The (launch, time) models to split steps with that have waited ``waited_ns`` for
+    usable ones, and whether one is provisional; None: wait longer. ``now``: the
+    stream ends or a step is forced, so no more waiting.
+
+    Usable models are used at once. Otherwise steps wait up to MAX_PENDING_NS; then a
+    learner that has not had its full fit yet (an engine whose first steps take seconds)
+    offers a model fitted on the steps so far, and the steps wait for one that passes
+    the fit tests up to MAX_PENDING_HARD_NS. A learner whose full fit found no usable
+    model is not waited for: equal shares."""
+    kmodel, tmodel = kernel.model, time.model
+    if kmodel.usable and tmodel.usable:
+        return kmodel, tmodel, False
+    if not now and waited_ns < MAX_PENDING_NS:
+        return None
+    kp = None if kernel.fitted else kernel.provisional()
+    tp = None if time.fitted else time.provisional()
+    young = [m for m in (kp, tp) if m is not None]
+    if not now and waited_ns < MAX_PENDING_HARD_NS and not all(m.usable for m in young):
+        return None
+    return (kp if kp is not None and kp.usable else kmodel,
+            tp if tp is not None and tp.usable else tmodel,
+            any(m.usable for m in young))
 
 
 class GpuAttribution:
@@ -520,18 +546,12 @@ class GpuAttribution:
         # a first fit on an engine's first steps can find them all alike (a cold start:
         # all prefilling, or all decoding): those steps wait for a model that can tell
         # their members apart, up to MAX_PENDING_NS
-        kmodel, tmodel = kernel.model, time.model
-        if not (kmodel.usable and tmodel.usable):
-            waited = self.now - pending[0][0].end_ts
-            if not now and waited < MAX_PENDING_NS:
-                return
-            # an engine whose first steps take seconds: a model from the steps so far
-            # splits them better than equal shares would
-            kmodel, tmodel = kernel.provisional(), time.provisional()
-            if not (now or (kmodel.usable and tmodel.usable) or waited >= MAX_PENDING_HARD_NS):
-                return
-            if kmodel.steps < MIN_STEPS and kmodel.usable or tmodel.steps < MIN_STEPS and tmodel.usable:
-                self.stats["gpu_steps_provisional_model"] += len(pending)
+        chosen = models_for(kernel, time, self.now - pending[0][0].end_ts, now)
+        if chosen is None:
+            return
+        kmodel, tmodel, provisional = chosen
+        if provisional:
+            self.stats["gpu_steps_provisional_model"] += len(pending)
         for step, fsteps, members in pending:
             self._split(step, fsteps, members, kmodel, tmodel)
         self._settled_to(log.key, pending[-1][0].index + 1)
