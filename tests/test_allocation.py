@@ -266,3 +266,27 @@ def test_steps_that_waited_take_a_provisional_model_but_not_for_ever():
     assert km.usable and not tm.usable and not provisional
     # the stream's end: no waiting at all
     assert models_for(k3, t3, 0, now=True) is not None
+
+
+def test_the_engines_prefill_chunk_is_learned_and_a_prompt_is_split_by_it():
+    """Chunked prefill (32 tokens a step): a 49-token prompt is 32 then 17, not 24.5 and
+    24.5; prompts that agree with no single chunk leave the even split in place."""
+    from tracer.correlate.membership import PrefillChunk
+
+    chunk = PrefillChunk()
+    assert chunk.split(49.0, 2, 0) == 24.5  # nothing learned yet
+    rng = np.random.default_rng(11)
+    for _ in range(40):
+        p = int(rng.integers(33, 200))
+        chunk.learn(p, -(-p // 32))
+    chunk.learn(500, 2)  # one misplaced prefill does not move it
+    assert chunk.chunk == 32
+    assert [chunk.split(49.0, 2, j) for j in range(2)] == [32.0, 17.0]
+    assert [chunk.split(96.0, 3, j) for j in range(3)] == [32.0, 32.0, 32.0]
+    assert chunk.split(49.0, 3, 0) == pytest.approx(49 / 3)  # 3 steps: not this chunk
+    assert chunk.split(20.0, 1, 0) == 20.0
+    # no agreement: no chunk
+    noisy = PrefillChunk()
+    for _ in range(40):
+        noisy.learn(int(rng.integers(40, 400)), int(rng.integers(2, 6)))
+    assert noisy.chunk is None

@@ -75,6 +75,10 @@ def test_an_engine_whose_first_steps_take_seconds_is_split_by_a_provisional_mode
     assert r["requests_traced"] == 64 and r["requests_with_wrong_step_count"] == 0
     assert report["gpu_steps_provisional_model"] > 0
     assert r["kernel_share"]["mae_over_mean"] <= 0.001, r["kernel_share"]
+    # GPU time against the engine's step stamps: the 32-token chunks learned put a
+    # prompt's tokens in the steps that prefilled them (spread evenly: 0.062)
+    wall = score(truth, spans, time="wall")["gpu_time_share"]
+    assert wall["mae_over_mean"] <= 0.03, wall
     assert not [s for s in spans
                 if s["attributes"].get("tokentrace.gpu.attribution") == "step_equal"]
     assert pipeline.reconciliation()["balanced"]

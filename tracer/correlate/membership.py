@@ -16,6 +16,7 @@ ratio is learned per thread from finished streamed requests (``StepsPerToken``).
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -60,6 +61,16 @@ class PromptTokens:
         if len(self.samples) >= self.MIN_SAMPLES:
             self.per_char = statistics.median(self.samples)
 
+    @staticmethod
+    def exact(rec: RequestRecord) -> int | None:
+        """The prompt tokens if known exactly (usage, or the token ids sent), else None."""
+        r, q = rec.llm_response, rec.llm_request
+        if r is not None and r.input_tokens:
+            return int(r.input_tokens)
+        if q is not None and q.prompt_token_ids:
+            return int(q.prompt_token_ids)
+        return None
+
     def of(self, rec: RequestRecord) -> float:
         r, q = rec.llm_response, rec.llm_request
         if r is not None and r.input_tokens:
@@ -69,6 +80,48 @@ class PromptTokens:
         if q is not None and q.prompt_chars:
             return q.prompt_chars * self.per_char
         return rec.request_bytes / 4.0
+
+
+class PrefillChunk:
+    """The engine's prefill chunk: the most prompt tokens one request prefills in one
+    step (chunked prefill: full chunks, then the rest). A prompt of P tokens prefilled
+    over k steps says ceil(P / C) == k; the chunk C that agrees with the most requests
+    whose prompts were long enough to be chunked (the smallest of equals) is kept, once
+    ``MIN_SAMPLES`` of them and ``MIN_AGREE`` of their share agree. Until then, or for
+    a request it does not fit, a prompt's tokens are spread evenly over its prefill."""
+
+    MIN_SAMPLES = 8
+    MIN_AGREE = 0.8
+    SAMPLES = 256
+
+    def __init__(self) -> None:
+        self.samples: deque[tuple[int, int]] = deque(maxlen=self.SAMPLES)  # (P, k >= 2)
+        self.chunk: int | None = None
+        self._since = 0
+
+    def learn(self, tokens: int, steps: int) -> None:
+        if tokens <= 0 or steps < 2:
+            return  # one step says only C >= P: no chunking seen
+        self.samples.append((tokens, steps))
+        self._since += 1
+        if len(self.samples) >= self.MIN_SAMPLES and self._since >= max(1, len(self.samples) // 8):
+            self._since = 0
+            self.chunk = self._best()
+
+    def _best(self) -> int | None:
+        best, agree = None, 0
+        for c in sorted({math.ceil(p / k) for p, k in self.samples}):
+            n = sum(1 for p, k in self.samples if math.ceil(p / c) == k)
+            if n > agree:
+                best, agree = c, n
+        return best if agree >= self.MIN_AGREE * len(self.samples) else None
+
+    def split(self, tokens: float, steps: int, j: int) -> float:
+        """The prompt tokens of prefill step ``j`` (0-based) of ``steps``."""
+        c = self.chunk
+        if c is None or steps < 2 or math.ceil(tokens / c) != steps:
+            return tokens / max(1, steps)
+        return float(c) if j < steps - 1 else tokens - (steps - 1) * c
 
 
 @dataclass
@@ -259,6 +312,7 @@ class Membership:
         self.ratio = StepsPerToken()
         self.lag = HandOffLag()
         self.prompt = PromptTokens()
+        self.chunk = PrefillChunk()
 
     def add(self, occ: Occupancy) -> None:
         key = occ.rec.key
@@ -346,6 +400,9 @@ class Membership:
         o.begin = a
         for j in range(a, o.first):
             self.committed[j] += 1
+        exact = self.prompt.exact(o.rec)
+        if exact:
+            self.chunk.learn(exact, o.first - a + 1)
 
     def _emitting_ahead(self, i: int) -> Counter[int]:
         """Step -> requests its tokens place in it, for steps from ``i`` on (kept
@@ -378,4 +435,5 @@ class Membership:
     def _member(self, o: Occupancy, i: int) -> Member:
         if not o.by_tokens or i > o.first:
             return Member(prefill=False)
-        return Member(prefill=True, tokens=self.prompt.of(o.rec) / max(1, o.first - o.start + 1))
+        return Member(prefill=True, tokens=self.chunk.split(
+            self.prompt.of(o.rec), o.first - o.start + 1, i - o.start))
