@@ -31,11 +31,15 @@ def libs(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", ["thread", "process", "tp2"])
 def test_requests_are_charged_their_share_of_the_steps_they_were_in(layout, libs, tmp_path):
-    r = run_case(layout, concurrency=8, requests=48, device="cpu", libs=libs,
+    # 96 requests: the first few, which arrive at once, and the last few, in a
+    # batch that empties, are placed a step off more often than the rest; with 48 a
+    # loaded VM's run scored 0.0513 on the process layout (quiet: 0.010-0.040), with
+    # 96 0.015-0.021 beside three busy loops
+    r = run_case(layout, concurrency=8, requests=96, device="cpu", libs=libs,
                  work=tmp_path, max_batch=16)
     t = r["tracer"]
-    assert r["requests_traced"] == r["requests_truth"] == 48
-    assert r["kernel_share"]["n"] == 48
+    assert r["requests_traced"] == r["requests_truth"] == 96
+    assert r["kernel_share"]["n"] == 96
     assert r["kernel_share"]["mae_over_mean"] <= MAX_SHARE_ERROR[layout], r
     # nothing lost, and (almost) every launch charged to someone
     assert all(v == 0 for k, v in t.items() if k.startswith("capture.lost"))
