@@ -80,6 +80,17 @@ def traced(pids: list[int] | None = None, ports: list[int] | None = None,
         c.reconciliation = run.pipeline.reconciliation()
 
 
+def spans_by_response_id(spans: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Request spans by ``gen_ai.response.id``; a response id on two spans fails."""
+    out: dict[str, dict[str, Any]] = {}
+    for s in spans:
+        rid = s["attributes"].get("gen_ai.response.id")
+        if rid:
+            assert rid not in out, f"two spans for {rid}"
+            out[rid] = s
+    return out
+
+
 FIRST_TEXT = re.compile(rb'"(?:content|text)": ?"(?:[^"\\]|\\.)')
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from samples.gpu.build import build
-from tests.live import traced
+from tests.live import spans_by_response_id, traced
 
 KERNELS = 3
 MAX_TOKENS = [1, 2, 3, 5, 8, 13, 4, 7, 11, 6, 1, 9, 16, 2, 10, 3, 12, 5, 20, 7]
@@ -52,12 +52,7 @@ def test_every_span_carries_exactly_its_own_launches(server):
         answers = [complete(port, n) for n in MAX_TOKENS]
     truth = json.loads(truth_path.read_text())
     assert [truth[a["id"]]["steps"] for a in answers] == MAX_TOKENS
-    spans = {}
-    for s in got.spans:
-        rid = s["attributes"].get("gen_ai.response.id")
-        if rid:
-            assert rid not in spans, f"two spans for {rid}"
-            spans[rid] = s["attributes"]
+    spans = {rid: s["attributes"] for rid, s in spans_by_response_id(got.spans).items()}
     assert set(spans) == set(truth)
     for rid, a in spans.items():
         assert a["tokentrace.gpu.kernel_launches"] == truth[rid]["launches"], rid

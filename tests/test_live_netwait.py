@@ -26,7 +26,7 @@ import pytest
 from samples.launch import SampleServer
 from tests.conftest import free_port
 from tests.kstamps import StampedSocket, drive, realtime_thread
-from tests.live import traced, traced_cli
+from tests.live import spans_by_response_id, traced, traced_cli
 
 pytestmark = pytest.mark.bpf
 
@@ -110,16 +110,6 @@ def _complete(buf: bytes) -> bool:
     return rest.endswith(b"0\r\n\r\n")
 
 
-def _spans(spans: list[dict]) -> dict[str, dict]:
-    out = {}
-    for s in spans:
-        rid = s["attributes"].get("gen_ai.response.id")
-        if rid:
-            assert rid not in out
-            out[rid] = s
-    return out
-
-
 def _compare(calls: list[dict], spans: dict[str, dict]) -> tuple[list[float], list[float]]:
     """|span - client| for TTFT and duration, seconds."""
     ttft, dur = [], []
@@ -167,7 +157,7 @@ def test_nagle_hold_of_stdlib_http_server_is_in_the_span_and_named(tmp_path, no_
             client = RawClient(srv.port)
             calls = [client.chat(stream=i % 2 == 1, max_tokens=3) for i in range(24)]
             client.close()
-    spans = _spans(got.spans)
+    spans = spans_by_response_id(got.spans)
     assert len(spans) == 24, got.stderr
     ttft, dur = _compare(calls, spans)
     _client_waits(calls)
@@ -208,7 +198,7 @@ def test_single_threaded_server_backlog_is_socket_wait(tmp_path, no_gc):
                     t.start()
                 for t in threads:
                     t.join()
-    spans = _spans(got.spans)
+    spans = spans_by_response_id(got.spans)
     assert len(results) == 18 and len(spans) == 18, got.stderr
     ttft, _ = _compare(results, spans)
     _client_waits(results)
@@ -233,7 +223,7 @@ def test_forced_off_spans_keep_syscall_times_and_say_so(tmp_path, monkeypatch):
             client = RawClient(srv.port)
             calls = [client.chat(stream=True, max_tokens=2) for _ in range(4)]
             client.close()
-    spans = _spans(got.spans)
+    spans = spans_by_response_id(got.spans)
     assert len(spans) == 4
     for c in calls:
         a = spans[c["id"]]["attributes"]
@@ -277,7 +267,7 @@ def test_hf_transformers_serve_at_concurrency_32(tmp_path, no_gc):
                 c.close()
     finally:
         srv.stop()
-    spans = _spans(got.spans)
+    spans = spans_by_response_id(got.spans)
     assert len(results) == 64 and set(spans) >= {r["id"] for r in results}, got.stderr
     ttft, dur = _compare(results, spans)
     assert len(ttft) >= 56, "most replies have text"

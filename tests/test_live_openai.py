@@ -19,7 +19,7 @@ import pytest
 from samples.launch import SampleServer
 from tests.conftest import free_port
 from tests.kstamps import realtime_thread
-from tests.live import TimedClient, traced, traced_cli
+from tests.live import TimedClient, spans_by_response_id, traced, traced_cli
 
 pytestmark = pytest.mark.bpf
 
@@ -32,16 +32,6 @@ def server(tmp_path_factory):
         for stream in (True, False):  # warm up torch and the server
             c.chat(stream=stream, max_tokens=4)
         yield s
-
-
-def spans_by_response_id(spans):
-    out = {}
-    for s in spans:
-        rid = s["attributes"].get("gen_ai.response.id")
-        if rid:
-            assert rid not in out, f"two spans for {rid}"
-            out[rid] = s
-    return out
 
 
 def test_openai_client_streamed_and_plain_requests_match_usage_and_ttft(server, tmp_path):

@@ -35,7 +35,7 @@ from samples.launch import SampleServer
 from samples.launch_grpc import GrpcSampleServer
 from samples.tlscert import make_cert
 from tests.conftest import ROOT, free_port
-from tests.live import TimedClient, traced_cli
+from tests.live import TimedClient, spans_by_response_id, traced_cli
 from tests.test_live_grpc import realtime_thread
 
 pytestmark = pytest.mark.bpf
@@ -59,16 +59,6 @@ def https_server(tmp_path_factory, cert, trust):
         for stream in (True, False):  # warm up torch and the server
             c.chat(stream=stream, max_tokens=4)
         yield s
-
-
-def by_response_id(spans: list[dict]) -> dict[str, dict]:
-    out = {}
-    for s in spans:
-        rid = s["attributes"].get("gen_ai.response.id")
-        if rid:
-            assert rid not in out, f"two spans for {rid}"
-            out[rid] = s
-    return out
 
 
 def check_ttft(diffs: list[float], label: str) -> None:
@@ -109,7 +99,7 @@ def test_openai_client_over_https_sample_server(https_server, trust, tmp_path):
     finally:
         gc.enable()
     assert got.returncode == 0, got.stderr
-    spans = by_response_id(got.spans)
+    spans = spans_by_response_id(got.spans)
     assert len(spans) == 43, got.stderr
     diffs = []
     for stream, c in calls:
@@ -145,7 +135,7 @@ def test_openai_client_over_https_sample_server(https_server, trust, tmp_path):
     r = subprocess.run([sys.executable, "-m", "tracer", "replay", str(cap), "--jsonl", str(out),
                         "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    replayed = by_response_id([json.loads(line) for line in out.read_text().splitlines()])
+    replayed = spans_by_response_id([json.loads(line) for line in out.read_text().splitlines()])
     assert replayed.keys() == spans.keys()
     for rid, s in spans.items():
         a, b = s["attributes"], replayed[rid]["attributes"]
@@ -207,7 +197,7 @@ def test_hf_transformers_serve_over_https_50_requests(hf_https, trust, tmp_path)
                                                   content="the model reads prompt")))
     finally:
         gc.enable()
-    spans = by_response_id(got.spans)
+    spans = spans_by_response_id(got.spans)
     assert len(spans) == 50, got.stderr
     diffs = []
     for stream, c in calls:
@@ -311,7 +301,7 @@ def test_ssl_socket_server_requests_timed_as_its_client_sees_them(mixed):
     """ssl.SSLSocket: OpenSSL reads and writes the socket itself (SSL_set_fd). The
     server leaves Nagle on: a TLS record per write, held for the client's delayed ACK,
     inside the client's TTFT and the span's alike."""
-    spans = by_response_id(_spans_of(mixed, "stdlib"))
+    spans = spans_by_response_id(_spans_of(mixed, "stdlib"))
     assert len(spans) == 8
     diffs = []
     for c in mixed["stdlib"]:
@@ -348,7 +338,7 @@ def test_memory_bio_client_tied_by_the_records_it_sends(mixed):
     """httpx on asyncio (the async openai client): the client's SSL object writes its
     ClientHello before it reads anything; the record's first bytes, seen again in the
     send, tie it to the socket."""
-    spans = by_response_id(_spans_of(mixed, "async"))
+    spans = spans_by_response_id(_spans_of(mixed, "async"))
     assert len(mixed["async"]) == 6 and len(spans) == 6
     for c in mixed["async"]:
         a = spans[c["id"]]["attributes"]
