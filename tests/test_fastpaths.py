@@ -27,6 +27,7 @@ from bench.streamgen import generate
 from protocols import http1, openai
 from protocols.openai import ResponseFollower
 from protocols.sse import SSEParser
+from tracer.correlate import ipc as ipc_mod
 from tracer.correlate.connections import ConnectionTracker, TrackerOptions
 from tracer.correlate.ipc import IpcGraph
 from tracer.events import capture
@@ -291,6 +292,30 @@ def test_a_reader_from_the_start_is_not_a_writers_later_bytes():
     assert ipc.edges() == []
     ipc.data(8, 4, 2, True, msg[10:], 120, start=False)  # attached mid-stream: a substring
     assert ipc.edges() == [(1, 8, ["payload"])]
+
+
+def test_a_writer_from_the_start_searches_only_readers_found_open():
+    """A writer seen from its start is searched against the readers found open at
+    attach only (a reader seen from its start would have matched by its first bytes):
+    the many readers of new connections are not scanned, and an evicted one is gone."""
+    ipc = IpcGraph()
+    msg = b"\x00\x00\x01\x6d" + b'{"step": 1, "members": [{"id": "cmpl-7b12d8e0f1514c32"}]}'
+    for i in range(ipc_mod.MAX_PENDING):  # new connections' requests, seen from the start
+        ipc.data(100 + i, 4, i, True, b"GET /v1/models HTTP/1.1\r\nHost: x%04d\r\n\r\n...." % i,
+                 110, start=True)
+    ipc.data(5, 4, 1, True, msg[4:], 115)  # found open at attach, mid-message
+    assert ipc._open_readers and len(ipc._readers) == ipc_mod.MAX_PENDING
+    ipc.data(4, 5, 1, False, msg, 120, start=True)
+    assert ipc.edges() == [(4, 5, ["payload"])]
+    assert not ipc._open_readers  # matched: out of both lists
+
+    evicted = IpcGraph()
+    evicted.data(5, 4, 1, True, msg[4:], 115)
+    for i in range(ipc_mod.MAX_PENDING):  # pushes the open reader out, oldest first
+        evicted.data(100 + i, 4, i, True, b"%04d" % i * 12, 116, start=True)
+    assert not evicted._open_readers
+    evicted.data(4, 5, 1, False, msg, 120, start=True)
+    assert evicted.edges() == []
 
 
 def test_a_writer_head_growing_write_by_write_finds_a_reader_across_writes():

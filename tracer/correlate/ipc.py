@@ -62,6 +62,10 @@ class IpcGraph:
         self._heads: dict[tuple[int, int, int, bool], _Head] = {}
         self._writers: list[_Head] = []  # unmatched, oldest first
         self._readers: list[_Head] = []
+        # the pending heads found open at attach (not start), in the same order: the
+        # only ones a head seen from its start is searched against
+        self._open_writers: list[_Head] = []
+        self._open_readers: list[_Head] = []
         # heads seen from their start, by their first FINGERPRINT_BYTES bytes
         self._start_writers: dict[bytes, list[_Head]] = {}
         self._start_readers: dict[bytes, list[_Head]] = {}
@@ -103,6 +107,8 @@ class IpcGraph:
             h = self._heads[key] = _Head(pid, ts, inbound, start)
             pending = self._readers if inbound else self._writers
             pending.append(h)
+            if not start:
+                (self._open_readers if inbound else self._open_writers).append(h)
             if len(pending) > MAX_PENDING:
                 self._forget(pending.pop(0))
         elif h.full or h.matched:
@@ -128,7 +134,12 @@ class IpcGraph:
 
     def _forget(self, h: _Head) -> None:
         """``h`` leaves the pending heads (matched, or the oldest of too many)."""
-        if not (h.start and len(h.data) >= FINGERPRINT_BYTES):
+        if not h.start:
+            opened = self._open_readers if h.inbound else self._open_writers
+            if h in opened:
+                opened.remove(h)
+            return
+        if len(h.data) < FINGERPRINT_BYTES:
             return
         index = self._start_readers if h.inbound else self._start_writers
         fp = bytes(h.data[:FINGERPRINT_BYTES])
@@ -149,7 +160,7 @@ class IpcGraph:
             for w in self._start_writers.get(fp, ()):  # or one found open at attach
                 if self._pair(r, w):
                     return self._link(r, w)
-            cands = [w for w in self._writers if not w.start]
+            cands = self._open_writers
         else:
             cands = self._writers
         for w in cands:
@@ -167,9 +178,9 @@ class IpcGraph:
             for r in self._start_readers.get(bytes(w.data[:FINGERPRINT_BYTES]), ()):
                 if self._pair(r, w):
                     return self._link(r, w)
-        for r in self._readers:
-            if (len(r.data) >= FINGERPRINT_BYTES and not (r.start and w.start)
-                    and self._pair(r, w) and bytes(r.data[:FINGERPRINT_BYTES]) in new):
+        for r in self._open_readers if w.start else self._readers:
+            if (len(r.data) >= FINGERPRINT_BYTES and self._pair(r, w)
+                    and bytes(r.data[:FINGERPRINT_BYTES]) in new):
                 return self._link(r, w)
 
     def _link(self, r: _Head, w: _Head) -> None:
