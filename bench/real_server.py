@@ -1,18 +1,20 @@
-"""What tracing costs a real server, to 1% where the host allows: many short windows,
-traced and untraced, in one run, with the agent kept running and only its probes
-taken out and put back (`tokentrace run --control`, docs of `tokentrace ctl`).
+"""What tracing costs a real server, to 1% where the host allows: traced and untraced
+stretches of the same server under the same load, many of them in one run, with the
+agent kept running and only its probes taken out and put back (`tokentrace run
+--control`, docs of `tokentrace ctl`).
 
     python bench/real_server.py [--servers hf-cb,hf-plain,batching,grpc] [--device cpu]
-        [--requests 32] [--concurrency 8] [--max-tokens 16:48] [--min-pairs 8]
-        [--max-pairs 40] [--target 0.01] [--budget-s 240] [--breakdown]
-        [--breakdown-every N] [--out bench/results/real_server.json]
+        [--mode slices|windows] [--requests 32] [--concurrency 8] [--max-tokens 16:48]
+        [--slice-s 3] [--settle-s 0.5] [--warmup-s 10] [--min-pairs 8] [--max-pairs 400]
+        [--target 0.01] [--budget-s 240] [--breakdown] [--breakdown-every N] [--keep-eos]
+        [--out bench/results/real_server.json]
 
 On an H100/H200 host (after `eval "$(.gpu/setup-bcc.sh)"`, as bench/accuracy.py runs
-there), one command, under 7 minutes, writes OUT_DIR/real_server.json:
+there), one command, under 10 minutes:
 
     python3 bench/real_server.py --servers hf-cb --device cuda --requests 96 \\
-        --concurrency 32 --max-tokens 24:150 --min-pairs 6 --max-pairs 60 --budget-s 270 \\
-        --breakdown --breakdown-every 3 --out OUT_DIR/real_server-hf-cb-h100.json
+        --concurrency 32 --max-tokens 24:150 --slice-s 3 --budget-s 420 \\
+        --out OUT_DIR/real_server-hf-cb-h200.json
 
 Servers: HF ``transformers serve`` with ``--continuous-batching`` (``hf-cb``) and
 without (``hf-plain``) on a tiny Llama built offline (a server nobody here wrote); the
@@ -21,20 +23,35 @@ its GPU probes fire); the KServe gRPC sample (``grpc``, streamed ModelStreamInfe
 calls). The server, the load generator and the agent run on separate CPUs where the
 host has them (on 2 CPUs: the agent alone on one, server and client on the other).
 
-A window sends the same fixed mix (``--requests`` at ``--concurrency``, the same
-prompts and max_tokens every window) and measures, client side, output tokens/s and
-each streamed request's TTFT; and from /proc, the CPU seconds the server and the agent
-used. Windows come in pairs, one traced and one untraced, the order alternating (ABBA)
-so drift cancels; per pair the ratio traced/untraced. Pairs are added until the 95%
-interval of the mean ratio (t over the pairs' log ratios) is narrower than
-``--target`` either side, or ``--max-pairs`` / ``--budget-s`` run out: the interval is
-reported either way. Reported per server: tokens/s ratio, p50 and p99 TTFT ratios
-(pooled; interval by resampling pairs), server CPU per output token ratio (probe work
-runs in the server's own CPU time: robust to a busy host), agent CPU per 1k requests
-and per 1M kernel launches, records the agent read per second, and the switch times.
+Fixed work per request: the tiny Llama is built with an end-of-sequence id no logit
+can produce and a tokenizer that decodes every token to text of its own, so every
+request generates exactly its max_tokens and streams one chunk per token (the requests
+that did not are counted, ``short_requests``). ``--keep-eos`` serves the model as built.
 
-``--breakdown`` adds windows with one part of the tracer off while the rest traces
-(payload copies: capture-limit 1 byte; the agent's analysis: records read and
+``--mode slices`` (the default): the client keeps ``--concurrency`` streamed requests in
+flight all the time, a new one as soon as one ends, from a fixed repeating mix
+(``--requests`` different prompts and max_tokens), and time-stamps every token chunk it
+receives. The run is a sequence of time slices of ``--slice-s`` seconds, untraced and
+traced in ABBA order (U T T U U T ...): one pause or resume per pair, then
+``--settle-s`` before the next slice; two slices of the same mode follow each other with
+no gap. A slice counts the output tokens whose chunks arrived inside it, the TTFTs of
+the requests sent inside it, and from /proc the CPU seconds the server, the agent and
+the client used in it. No ramp-up or drain per measurement, and the same work each
+request. ``--mode windows`` (the earlier design): each window sends the whole mix once
+and waits for the last response, untraced and traced windows in ABBA order.
+
+Per pair the ratio traced/untraced. Pairs are added until the 95% interval of the mean
+ratio (t over the pairs' log ratios) is narrower than ``--target`` either side, or
+``--max-pairs`` / ``--budget-s`` run out: the interval is reported either way, with the
+per-pair noise (standard deviation of the log ratios) and the pairs and seconds a
+``--target`` interval would take at that noise. Reported per server: tokens/s ratio, p50
+and p99 TTFT ratios (pooled; interval by resampling pairs), server CPU per output token
+ratio (probe work runs in the server's own CPU time: robust to a busy host), agent CPU
+per 1k requests and per 1M kernel launches, records the agent read per second, and the
+switch times.
+
+``--breakdown`` adds slices (windows) with one part of the tracer off while the rest
+traces (payload copies: capture-limit 1 byte; the agent's analysis: records read and
 dropped; on GPU servers the kernel-launch uprobes, the stub-naming window, and
 ``--burst-min-us 1000``), and reports each part's share of the server's added CPU.
 """
@@ -152,10 +169,37 @@ def wait_http(url: str, proc: subprocess.Popen[Any], log: Path, timeout: float =
     raise RuntimeError(f"server did not start: {log.read_text()[-3000:]}")
 
 
+def fixed_work(model: Path) -> None:
+    """Make the tiny Llama at ``model`` generate exactly max_tokens every request and
+    stream one chunk per token: its end-of-sequence id becomes the vocabulary's size
+    (no logit is that token, so no request ends early; continuous batching and
+    ``generate`` both stop on ids only), and its tokenizer decodes every token to text
+    of its own (no byte-level decoder, whose partial UTF-8 bytes decode to nothing
+    until a later token completes them; no special tokens, which the server's streamer
+    skips). What is sampled and computed per step is unchanged."""
+    for name in ("config.json", "generation_config.json"):
+        f = model / name
+        cfg = json.loads(f.read_text())
+        cfg["eos_token_id"] = json.loads((model / "config.json").read_text())["vocab_size"]
+        f.write_text(json.dumps(cfg, indent=1))
+    f = model / "tokenizer.json"
+    tok = json.loads(f.read_text())
+    tok["decoder"] = None
+    for t in tok.get("added_tokens", []):
+        t["special"] = False
+    f.write_text(json.dumps(tok))
+    f = model / "tokenizer_config.json"
+    cfg = json.loads(f.read_text())
+    for k in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        cfg.pop(k, None)  # named, they would be marked special again at load
+    f.write_text(json.dumps(cfg, indent=1))
+
+
 class Server:
     """One server process (group), its URL or gRPC target, and how to load it."""
 
-    def __init__(self, kind: str, device: str, work: Path, cpus: set[int]) -> None:
+    def __init__(self, kind: str, device: str, work: Path, cpus: set[int],
+                 keep_eos: bool = False) -> None:
         self.kind = kind
         self.log = work / f"{kind}.log"
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -165,6 +209,8 @@ class Server:
         if kind in ("hf-cb", "hf-plain"):
             from samples.hf.model import build
             self.model = str(build(work / "tiny-llama"))
+            if not keep_eos:
+                fixed_work(Path(self.model))
             cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", self.model,
                    "--device", device, "--port", str(self.port), "--host", "127.0.0.1",
                    *(["--continuous-batching"] if kind == "hf-cb" else [])]
@@ -209,51 +255,156 @@ class Server:
 
 
 def client_main(args: argparse.Namespace) -> int:
-    """``--client``: one window per line on stdin ("window"), one JSON line back."""
+    """``--client``: commands on stdin, one JSON line back for each.
+
+    ``window``: the whole mix once at ``--concurrency`` (``--mode windows``).
+    ``start``: keep ``--concurrency`` requests in flight from then on, the mix repeated,
+    every token chunk time-stamped (``--mode slices``). ``slice T0 T1`` (monotonic
+    seconds, the clock is the host's): the tokens that arrived in [T0, T1) and the
+    requests sent in it. ``stop``: no new requests; the totals."""
     from samples.batching.load import Mix, make_jobs
     lo, hi = (int(x) for x in args.max_tokens.split(":"))
     jobs = make_jobs(args.requests, 7, Mix(model=args.model, max_tokens=(lo, hi),
                                            words=(5, 60), stream_share=1.0, usage_share=1.0,
                                            chat_share=0.5))
-    if args.client_kind == "grpc":
-        one = _grpc_sender(args.url)
-    else:
-        one = _openai_sender(args.url, args.model)
+    load: Load | None = None
     for line in sys.stdin:
-        if line.strip() != "window":
+        words = line.split()
+        if not words:
             continue
-        results: list[tuple[float | None, int]] = []
-        errors = [0]
-        lock = threading.Lock()
-        queue = list(jobs)
-
-        def worker() -> None:
-            while True:
-                with lock:
-                    if not queue:
-                        return
-                    job = queue.pop()
-                try:
-                    r = one(job)
-                except Exception:  # counted: a window with errors is reported as such
-                    with lock:
-                        errors[0] += 1
-                    continue
-                with lock:
-                    results.append(r)
-
-        t0 = time.monotonic()
-        threads = [threading.Thread(target=worker) for _ in range(args.concurrency)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.monotonic() - t0
-        print(json.dumps({"wall_s": wall, "requests": len(results), "errors": errors[0],
-                          "tokens": sum(n for _, n in results),
-                          "ttft_ms": [round(t * 1e3, 3) for t, _ in results if t is not None]}),
-              flush=True)
+        if words[0] == "window":
+            one = (_grpc_sender(args.url) if args.client_kind == "grpc"
+                   else _openai_sender(args.url, args.model))
+            reply = window(one, jobs, args.concurrency)
+        elif words[0] == "start" and load is None:
+            one = (_grpc_sender(args.url) if args.client_kind == "grpc"
+                   else _http_sender(args.url, args.model))
+            load = Load(one, jobs, args.concurrency)
+            reply = {"started": True}
+        elif words[0] == "slice" and load is not None:
+            reply = load.slice(float(words[1]), float(words[2]))
+        elif words[0] == "stop" and load is not None:
+            reply = load.stop()
+        else:
+            reply = {"error": f"unknown command {line.strip()!r}"}
+        print(json.dumps(reply), flush=True)
     return 0
+
+
+def window(one: Any, jobs: list[Any], concurrency: int) -> dict[str, Any]:
+    """Send every job once over ``concurrency`` threads; what the client saw."""
+    results: list[tuple[float | None, int]] = []
+    errors = [0]
+    lock = threading.Lock()
+    queue = list(jobs)
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                job = queue.pop()
+            try:
+                r = one(job)
+            except Exception:  # counted: a window with errors is reported as such
+                with lock:
+                    errors[0] += 1
+                continue
+            with lock:
+                results.append(r)
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - t0
+    return {"wall_s": wall, "requests": len(results), "errors": errors[0],
+            "tokens": sum(n for _, n in results),
+            "ttft_ms": [round(t * 1e3, 3) for t, _ in results if t is not None]}
+
+
+class Load:
+    """Continuous closed-loop load: ``concurrency`` threads, each sending the next job
+    of the repeating mix as soon as its last request ended. Each thread keeps its own
+    time-ordered lists (token chunk arrival times; per request, at its first token:
+    sent and TTFT; at its end: sent, tokens, max_tokens, error), so a slice is a binary
+    search in each."""
+
+    def __init__(self, one: Any, jobs: list[Any], concurrency: int) -> None:
+        import itertools
+        self.one = one
+        self.jobs = itertools.cycle(jobs)
+        self.lock = threading.Lock()
+        self.running = True
+        n = concurrency
+        self.stamps: list[list[float]] = [[] for _ in range(n)]
+        self.first: list[list[tuple[float, float | None]]] = [[] for _ in range(n)]
+        self.done: list[list[tuple[float, int, int, bool]]] = [[] for _ in range(n)]
+        self.threads = [threading.Thread(target=self.worker, args=(i,), daemon=True)
+                        for i in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def worker(self, i: int) -> None:
+        stamps, first, done = self.stamps[i], self.first[i], self.done[i]
+        tick = time.monotonic
+        while self.running:
+            with self.lock:
+                job = next(self.jobs)
+            n = [0]
+            t0 = tick()
+
+            def token() -> None:
+                t = tick()
+                stamps.append(t)
+                if not n[0]:
+                    first.append((t0, t - t0))
+                n[0] += 1
+            try:
+                self.one(job, token)
+                err = False
+            except Exception:  # counted in the slice the request was sent in
+                err = True
+            if not n[0]:
+                first.append((t0, None))
+            done.append((t0, n[0], job.max_tokens, err))
+            if err:
+                time.sleep(0.05)
+
+    def slice(self, t0: float, t1: float) -> dict[str, Any]:
+        """Tokens that arrived in [t0, t1); TTFTs of the requests sent in it that have
+        had their first token; errors and short requests among those that ended."""
+        from bisect import bisect_left
+        while time.monotonic() < t1 + 0.05:  # a chunk stamped just before t1 is listed
+            time.sleep(0.01)
+        tokens = sum(bisect_left(s, t1) - bisect_left(s, t0) for s in self.stamps)
+        ttft: list[float] = []
+        started = errors = short = 0
+        for first, done in zip(self.first, self.done):
+            keys = [f[0] for f in first]
+            for k in range(bisect_left(keys, t0), bisect_left(keys, t1)):
+                started += 1
+                if first[k][1] is not None:
+                    ttft.append(round(first[k][1] * 1e3, 3))
+            keys = [d[0] for d in done]
+            for k in range(bisect_left(keys, t0), bisect_left(keys, t1)):
+                _, n, mx, err = done[k]
+                errors += err
+                short += (not err and n != mx)
+        return {"tokens": tokens, "requests": started, "errors": errors,
+                "short_requests": short, "ttft_ms": ttft}
+
+    def stop(self) -> dict[str, Any]:
+        self.running = False
+        for t in self.threads:
+            t.join(120)
+        done = [d for ds in self.done for d in ds]
+        return {"requests": len(done), "errors": sum(d[3] for d in done),
+                "short_requests": sum(1 for d in done if not d[3] and d[1] != d[2]),
+                "tokens": sum(d[1] for d in done),
+                "still_running": sum(t.is_alive() for t in self.threads)}
 
 
 def _openai_sender(url: str, model: str) -> Any:
@@ -271,6 +422,65 @@ def _openai_sender(url: str, model: str) -> Any:
     return one
 
 
+def _http_sender(url: str, model: str) -> Any:
+    """The same requests as the ``openai`` client sends (chat or completions, streamed,
+    with usage), over one keep-alive connection per thread, read line by line: a
+    lighter client, so that the client's own CPU does not pace a fast server. Calls
+    ``token()`` at each chunk with text (one per token: ``fixed_work``)."""
+    import http.client
+    from urllib.parse import urlsplit
+    u = urlsplit(url)
+    local = threading.local()
+    headers = {"Content-Type": "application/json", "Authorization": "Bearer none"}
+
+    def one(job: Any, token: Any = None) -> tuple[float | None, int]:
+        conn = getattr(local, "conn", None)
+        if conn is None:
+            conn = local.conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
+        body: dict[str, Any] = {"model": model, "max_tokens": job.max_tokens, "stream": True,
+                                "stream_options": {"include_usage": True}}
+        if job.chat:
+            path, key = "/v1/chat/completions", "delta"
+            body["messages"] = [{"role": "user", "content": job.prompt}]
+        else:
+            path, key = "/v1/completions", None
+            body["prompt"] = job.prompt
+        t0 = time.monotonic()
+        first, n = None, 0
+        try:
+            conn.request("POST", path, json.dumps(body), headers)
+            r = conn.getresponse()
+            if r.status != 200:
+                raise RuntimeError(f"HTTP {r.status}: {r.read()[:200]!r}")
+            while True:
+                line = r.readline()
+                if not line:
+                    break
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    r.read()  # the chunked body's end: the connection is reused
+                    break
+                doc = json.loads(data)
+                if "error" in doc:
+                    raise RuntimeError(str(doc["error"])[:200])
+                for c in doc.get("choices") or ():
+                    text = (c.get("delta") or {}).get("content") if key else c.get("text")
+                    if text:
+                        n += 1
+                        if first is None:
+                            first = time.monotonic() - t0
+                        if token is not None:
+                            token()
+        except Exception:
+            conn.close()
+            local.conn = None
+            raise
+        return first, n
+    return one
+
+
 def _grpc_sender(url: str) -> Any:
     import grpc
 
@@ -281,7 +491,7 @@ def _grpc_sender(url: str) -> Any:
     target = url.replace("http://", "")
     local = threading.local()
 
-    def one(job: Any) -> tuple[float | None, int]:
+    def one(job: Any, token: Any = None) -> tuple[float | None, int]:
         if not hasattr(local, "stub"):
             local.stub = pbg.GRPCInferenceServiceStub(grpc.insecure_channel(target))
         req = pb.ModelInferRequest(model_name="tiny-gpt", id=f"r{random.getrandbits(32)}")
@@ -298,6 +508,8 @@ def _grpc_sender(url: str) -> Any:
                 n += 1
                 if first is None:
                     first = time.monotonic() - t0
+                if token is not None:
+                    token()
         return first, n  # read to its end: leaving early would cancel (reset) the stream
     return one
 
@@ -312,14 +524,27 @@ class Client:
                                      stdout=subprocess.PIPE, text=True,
                                      preexec_fn=lambda: os.sched_setaffinity(0, cpus))
 
-    def window(self) -> dict[str, Any]:
+    def ask(self, command: str) -> dict[str, Any]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write("window\n")
+        self.proc.stdin.write(command + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError("the load generator died")
-        return json.loads(line)
+        reply = json.loads(line)
+        if "error" in reply and isinstance(reply["error"], str):
+            raise RuntimeError(reply["error"])
+        return reply
+
+    def window(self) -> dict[str, Any]:
+        return self.ask("window")
+
+    def slice(self, t0: float, t1: float) -> dict[str, Any]:
+        return self.ask(f"slice {t0!r} {t1!r}")
+
+    @property
+    def cpu(self) -> float:
+        return cpu_seconds(self.proc.pid)
 
     def close(self) -> None:
         if self.proc.stdin:
@@ -449,17 +674,27 @@ def ttft_ratios(pairs: list[tuple[dict[str, Any], dict[str, Any]]], q: float,
 
 def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     cpus = plan_cpus()
-    server = Server(kind, args.device, work, cpus["server"])
+    server = Server(kind, args.device, work, cpus["server"], keep_eos=args.keep_eos)
     client = agent = None
-    out: dict[str, Any] = {"server": kind, "device": args.device,
+    out: dict[str, Any] = {"server": kind, "device": args.device, "mode": args.mode,
                            "cpus": {k: sorted(v) for k, v in cpus.items()},
+                           "requests_in_mix" if args.mode == "slices" else
                            "requests_per_window": args.requests,
-                           "concurrency": args.concurrency, "max_tokens": args.max_tokens}
+                           "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+                           "fixed_work": not args.keep_eos and kind in ("hf-cb", "hf-plain")}
+    mode_s: dict[str, float] = {}
+    loaded = False
     try:
         client = Client(server, args, cpus["client"])
-        for _ in range(args.warmup):
-            client.window()  # the engine built, kernels loaded, caches warm
+        if args.mode == "windows":
+            for _ in range(args.warmup):
+                client.window()  # the engine built, kernels loaded, caches warm
+        else:
+            client.ask("start")
+            loaded = True
+            time.sleep(args.warmup_s)  # the same, under the load the slices measure
         agent = Agent(server, work, cpus["agent"], args.agent_args.split())
+        t_attached = time.monotonic()
         pin(server.pid, cpus["server"])  # threads the server started since
         gpu = int(agent.ctl("status").rsplit("gpu_libs=", 1)[1].split()[0]) > 0
         if gpu:  # the window kernel naming opens at attach closes by itself once naming
@@ -470,69 +705,198 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
             modes += ["no-payload", "no-analysis"]
             if gpu:
                 modes += ["no-launch-probes", "burst-min-1ms", "stub-naming-open"]
-        windows: list[dict[str, Any]] = []
-        switches: list[float] = []
-        t_start = time.monotonic()
-        order = 0
-        while True:
-            # one round: untraced and full in alternating order (ABBA), the parts after
-            rnd = ["untraced", "full"] if order % 2 == 0 else ["full", "untraced"]
-            if order % args.breakdown_every == 0:
-                rnd += [m for m in modes if m not in ("untraced", "full")]
-            order += 1
-            for mode in rnd:
-                for cmd in MODES[mode]:
-                    reply = agent.ctl(cmd)
-                    if cmd in ("pause", "resume"):
-                        switches.append(float(reply.split()[-1].rstrip("s")))
-                time.sleep(args.settle_s)
-                a0, s0, r0 = agent.cpu, tree_cpu(server.pid), agent.records()
-                w = client.window()
-                w.update(mode=mode, round=order, agent_cpu_s=agent.cpu - a0,
-                         server_cpu_s=tree_cpu(server.pid) - s0,
-                         agent_records=agent.records() - r0)
-                windows.append(w)
-                for cmd in UNDO[mode]:
-                    reply = agent.ctl(cmd)
-                    if cmd in ("pause", "resume"):
-                        switches.append(float(reply.split()[-1].rstrip("s")))
-            stats = summarise(windows, modes)
-            elapsed = time.monotonic() - t_start
-            hw = stats["tokens_per_s"].get("half_width")
-            print(f"{kind}: round {order}, {elapsed:.0f}s: tokens/s ratio "
-                  f"{stats['tokens_per_s'].get('ratio')} +-{hw}; server CPU/token ratio "
-                  f"{stats['server_cpu_per_token'].get('ratio')} "
-                  f"+-{stats['server_cpu_per_token'].get('half_width')}", file=sys.stderr,
-                  flush=True)
-            per_round = elapsed / order
-            if order >= args.min_pairs and hw is not None and hw <= args.target:
-                break
-            if order >= args.max_pairs or elapsed + per_round > args.budget_s:
-                break
+        if args.mode == "windows":
+            windows, switches, elapsed = run_windows(kind, agent, client, server, args, modes)
+        else:
+            windows, switches, elapsed, mode_s = run_slices(kind, agent, client, server, args,
+                                                            modes)
+            out["load"] = client.ask("stop")
+            loaded = False
+            mode_s["all"] = time.monotonic() - t_attached
+        stats = summarise(windows, modes)
         out.update(stats)
-        out["windows"] = windows
+        rounds = max((w["round"] for w in windows), default=0)
+        out["seconds_per_pair"] = round(elapsed / max(1, rounds), 2)
+        for key in ("tokens_per_s", "server_cpu_per_token"):
+            sd = stats[key].get("sd_log")
+            if sd:
+                n = pairs_for(sd, args.target)
+                stats[key]["pairs_for_target"] = n
+                stats[key]["seconds_for_target"] = round(n * elapsed / max(1, rounds))
+        out["windows" if args.mode == "windows" else "slices"] = windows
         out["switch_s"] = {"max": max(switches, default=0.0),
-                           "mean": round(statistics.fmean(switches), 4) if switches else 0.0}
+                           "mean": round(statistics.fmean(switches), 4) if switches else 0.0,
+                           "n": len(switches)}
     finally:
+        if loaded and client is not None:
+            try:
+                out["load"] = client.ask("stop")
+            except (RuntimeError, OSError, ValueError):
+                pass
         summary = agent.stop() if agent is not None else {}
         if client is not None:
             client.close()
         server.stop()
     out["agent_report_tail"] = agent.stderr.strip().splitlines()[-3:] if agent else []
     launches = sum(p.get("kernel_launches", 0) for p in summary.get("gpu", {}).get("processes", []))
-    traced = [w for w in out.get("windows", []) if w["mode"] != "untraced"]
+    ws = out.get("windows", out.get("slices", []))
+    # windows: every traced window; slices: the fully traced ones
+    traced = [w for w in ws if (w["mode"] == "full" if args.mode == "slices"
+                                else w["mode"] != "untraced")]
     cpu_traced = sum(w["agent_cpu_s"] for w in traced)
+    traced_s = sum(w["wall_s"] for w in traced)
+    if args.mode == "slices" and launches:
+        # launches are counted over the whole run: their rate over the time the launch
+        # probes were in, times the traced slices' time
+        probed_s = mode_s.get("all", 0.0) - mode_s.get("untraced", 0.0) \
+            - mode_s.get("no-launch-probes", 0.0)
+        launches_in = launches * traced_s / probed_s if probed_s > 0 else 0
+    else:
+        launches_in = launches
     out["agent"] = {
         "cpu_per_1k_requests_s": round(1000 * cpu_traced / max(1, sum(w["requests"] for w in traced)), 4),
-        "cpu_per_1m_launches_s": round(1e6 * cpu_traced / launches, 3) if launches else None,
+        "cpu_per_1m_launches_s": round(1e6 * cpu_traced / launches_in, 3) if launches_in else None,
         "launches_traced": launches,
-        "cpu_untraced_windows_s": round(sum(w["agent_cpu_s"] for w in out.get("windows", [])
+        "cpu_untraced_windows_s": round(sum(w["agent_cpu_s"] for w in ws
                                             if w["mode"] == "untraced"), 3),
-        "records_per_s": round(sum(w["agent_records"] for w in traced)
-                               / max(1e-9, sum(w["wall_s"] for w in traced)), 1),
+        "records_per_s": round(sum(w["agent_records"] for w in traced) / max(1e-9, traced_s), 1),
         "report": summary.get("report", {}),
     }
+    if mode_s:
+        out["agent"]["seconds_in_mode"] = {k: round(v, 1) for k, v in mode_s.items()}
     return out
+
+
+def pairs_for(sd: float, target: float) -> int:
+    """Pairs whose 95% interval (t over log ratios of standard deviation ``sd``) is
+    within ``target`` either side."""
+    goal = math.log(1 + target)
+    n = max(2, math.ceil((1.96 * sd / goal) ** 2))
+    while t975(n - 1) * sd / math.sqrt(n) > goal:
+        n += 1
+    return n
+
+
+def progress(kind: str, order: int, elapsed: float, stats: dict[str, Any]) -> None:
+    tp, cp = stats["tokens_per_s"], stats["server_cpu_per_token"]
+    print(f"{kind}: round {order}, {elapsed:.0f}s: tokens/s ratio {tp.get('ratio')} "
+          f"+-{tp.get('half_width')} (sd {tp.get('sd_log')}); server CPU/token ratio "
+          f"{cp.get('ratio')} +-{cp.get('half_width')} (sd {cp.get('sd_log')})",
+          file=sys.stderr, flush=True)
+
+
+def switch_time(reply: str, cmd: str, switches: list[float]) -> None:
+    if cmd in ("pause", "resume"):
+        switches.append(float(reply.split()[-1].rstrip("s")))
+
+
+def run_windows(kind: str, agent: Agent, client: Client, server: Server,
+                args: argparse.Namespace, modes: list[str]
+                ) -> tuple[list[dict[str, Any]], list[float], float]:
+    """``--mode windows``: the whole mix per window, untraced and full in ABBA order,
+    each mode set up before its window and undone after it."""
+    windows: list[dict[str, Any]] = []
+    switches: list[float] = []
+    t_start = time.monotonic()
+    order = 0
+    while True:
+        # one round: untraced and full in alternating order (ABBA), the parts after
+        rnd = ["untraced", "full"] if order % 2 == 0 else ["full", "untraced"]
+        if order % args.breakdown_every == 0:
+            rnd += [m for m in modes if m not in ("untraced", "full")]
+        order += 1
+        for mode in rnd:
+            for cmd in MODES[mode]:
+                switch_time(agent.ctl(cmd), cmd, switches)
+            time.sleep(args.settle_s)
+            a0, s0, r0 = agent.cpu, tree_cpu(server.pid), agent.records()
+            w = client.window()
+            w.update(mode=mode, round=order, agent_cpu_s=agent.cpu - a0,
+                     server_cpu_s=tree_cpu(server.pid) - s0,
+                     agent_records=agent.records() - r0)
+            windows.append(w)
+            for cmd in UNDO[mode]:
+                switch_time(agent.ctl(cmd), cmd, switches)
+        stats = summarise(windows, modes)
+        elapsed = time.monotonic() - t_start
+        progress(kind, order, elapsed, stats)
+        hw = stats["tokens_per_s"].get("half_width")
+        per_round = elapsed / order
+        if order >= args.min_pairs and hw is not None and hw <= args.target:
+            break
+        if order >= args.max_pairs or elapsed + per_round > args.budget_s:
+            break
+    return windows, switches, time.monotonic() - t_start
+
+
+def run_slices(kind: str, agent: Agent, client: Client, server: Server,
+               args: argparse.Namespace, modes: list[str]
+               ) -> tuple[list[dict[str, Any]], list[float], float, dict[str, float]]:
+    """``--mode slices``: under continuous load, slices of ``--slice-s`` in the order
+    U T T U U T ... (a round is one untraced and one traced slice, their order
+    alternating), the parts' slices after a round's pair every ``--breakdown-every``
+    rounds. The agent is switched only where the mode changes; ``--settle-s`` after
+    each switch. Slices are asked of the client one round late, when every request sent
+    in them has had its first token."""
+    slices: list[dict[str, Any]] = []
+    switches: list[float] = []
+    state = ["full", time.monotonic()]
+    mode_s: dict[str, float] = {}
+
+    def go(mode: str) -> None:
+        if mode == state[0]:
+            return
+        for cmd in UNDO[state[0]] + MODES[mode]:
+            switch_time(agent.ctl(cmd), cmd, switches)
+        now = time.monotonic()
+        mode_s[state[0]] = mode_s.get(state[0], 0.0) + now - state[1]
+        state[:] = [mode, now]
+        time.sleep(args.settle_s)
+
+    def fill(todo: list[dict[str, Any]]) -> None:
+        for w in todo:
+            w.update(client.slice(w["t0"], w["t0"] + w["wall_s"]))
+
+    t_start = time.monotonic()
+    order = 0
+    pending: list[dict[str, Any]] = []
+    while True:
+        rnd = ["untraced", "full"] if order % 2 == 0 else ["full", "untraced"]
+        if args.breakdown and order % args.breakdown_every == 0:
+            rnd += [m for m in modes if m not in ("untraced", "full")]
+        order += 1
+        done, pending = pending, []
+        for mode in rnd:
+            go(mode)
+            s0, a0, c0, r0 = tree_cpu(server.pid), agent.cpu, client.cpu, agent.records()
+            t0 = time.monotonic()
+            time.sleep(args.slice_s)
+            t1 = time.monotonic()
+            s1, a1, c1, r1 = tree_cpu(server.pid), agent.cpu, client.cpu, agent.records()
+            w = {"mode": mode, "round": order, "t0": t0, "wall_s": t1 - t0,
+                 "server_cpu_s": s1 - s0, "agent_cpu_s": a1 - a0, "client_cpu_s": c1 - c0,
+                 "agent_records": r1 - r0}
+            slices.append(w)
+            pending.append(w)
+        fill(done)
+        elapsed = time.monotonic() - t_start
+        complete = [w for w in slices if "tokens" in w]
+        if complete:
+            stats = summarise(complete, modes)
+            progress(kind, order - 1, elapsed, stats)
+            hw = stats["tokens_per_s"].get("half_width")
+            if order - 1 >= args.min_pairs and hw is not None and hw <= args.target:
+                break
+        if order >= args.max_pairs or elapsed + elapsed / order > args.budget_s:
+            break
+    fill(pending)
+    now = time.monotonic()
+    mode_s[state[0]] = mode_s.get(state[0], 0.0) + now - state[1]
+    go("full")  # the agent as it started, for its report
+    t0 = slices[0]["t0"] if slices else t_start
+    for w in slices:
+        w["t0"] = round(w["t0"] - t0, 3)
+    return slices, switches, now - t_start, mode_s
 
 
 def summarise(windows: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:

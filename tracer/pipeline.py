@@ -55,6 +55,9 @@ class Pipeline:
         self.tracker = ConnectionTracker(self._emit, options, self.ctx.processes, self.ipc)
         self.last_ts = 0
         self._next_expire = 0
+        # before this stream time, a tick has nothing to do but move the clocks
+        # (``_tick``; 0: tick in full, something may be due)
+        self._wake = 0
         self.records = 0
         self.gpu = GpuLedger()
         self.pricing = pricing
@@ -75,6 +78,7 @@ class Pipeline:
 
     def _emit(self, rec: RequestRecord) -> None:
         """A finished record: held by the GPU attribution until its bursts are in."""
+        self._wake = 0
         self.attribution.finished(rec)
 
     def _kernel_name(self, pid: int, handle: int) -> str:
@@ -113,6 +117,7 @@ class Pipeline:
 
     def _export(self, rec: RequestRecord) -> None:
         """An attributed record: timed at the socket, then exported."""
+        self._wake = 0
         self.net.finished(rec)
 
     def _export_now(self, rec: RequestRecord) -> None:
@@ -120,6 +125,7 @@ class Pipeline:
         driven by the stream's own order and time, so a replay waits alike."""
         missing = self._unnamed(rec) if rec.flame else None
         if missing:
+            self._wake = 0
             self._flame_wait.append((self.last_ts + FLAME_WAIT_NS, rec, missing))
             return
         self._sink_record(rec)
@@ -208,7 +214,15 @@ class Pipeline:
                 return False
         except Exception as e:  # as data_event would: this connection only
             t.contain(c, e, ts)
-        self._tick()
+        now = self.last_ts
+        if now < self._wake:  # the clocks move, nothing is due (``_tick``)
+            a, net = self.attribution, self.net
+            if now > a.now:
+                a.now = now
+            if now > net.now:
+                net.now = now
+        else:
+            self._tick()
         return True
 
     def handle(self, ev: Any) -> None:
@@ -265,7 +279,10 @@ class Pipeline:
         self._tick()
 
     def _tick(self) -> None:
-        """After every event: the stream's clock moves the correlators on."""
+        """After every event: the stream's clock moves the correlators on. Then the
+        time of the next thing due, so that the most frequent record (a streamed
+        token's write, ``_stream_write``) moves only the clocks until then; whatever
+        can bring a deadline closer (a record finished, any other event) resets it."""
         self.attribution.advance(self.last_ts)
         self.net.advance(self.last_ts)
         if self._flame_wait:
@@ -276,6 +293,8 @@ class Pipeline:
             if self._next_expire:
                 self.tracker.expire(self.last_ts)
             self._next_expire = self.last_ts + EXPIRE_EVERY_NS
+        self._wake = 0 if self._flame_wait or self.stacks.exited else min(
+            self.attribution.wake_ns, self.net.wake_ns, self._next_expire)
 
     def _tls_library(self, lib: TlsLibrary) -> None:
         """A TLS library found in a traced process: counted by what it is."""

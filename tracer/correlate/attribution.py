@@ -343,6 +343,11 @@ class GpuAttribution:
         self.held.setdefault(rec.pid, {})[rec.key] = rec
         self._next_scan = min(self._next_scan, rec.end_ns + self.hold_ns)
 
+    @property
+    def wake_ns(self) -> int:
+        """Before this stream time ``advance`` only notes the time."""
+        return self._next_scan
+
     def advance(self, now_ns: int) -> None:
         """The stream's clock: records whose tokens are all in become members of their
         steps, steps whose members are final are settled, records whose steps are all

@@ -205,6 +205,11 @@ class NetTimer:
         if changed:
             heapq.heapify(self._pending)
 
+    @property
+    def wake_ns(self) -> int:
+        """Before this time ``advance`` only notes the time."""
+        return min(self._next_prune, self._pending[0][0]) if self._pending else self._next_prune
+
     def advance(self, now: int) -> None:
         """The capture's clock reached ``now``: time the records that are due."""
         self.now = max(self.now, now)
