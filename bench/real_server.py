@@ -294,7 +294,7 @@ def client_main(args: argparse.Namespace) -> int:
 def window(one: Any, jobs: list[Any], concurrency: int) -> dict[str, Any]:
     """Send every job once over ``concurrency`` threads; what the client saw."""
     results: list[tuple[float | None, int]] = []
-    errors = [0]
+    errors, short = [0], [0]
     lock = threading.Lock()
     queue = list(jobs)
 
@@ -312,6 +312,7 @@ def window(one: Any, jobs: list[Any], concurrency: int) -> dict[str, Any]:
                 continue
             with lock:
                 results.append(r)
+                short[0] += r[1] != job.max_tokens
 
     t0 = time.monotonic()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
@@ -321,7 +322,7 @@ def window(one: Any, jobs: list[Any], concurrency: int) -> dict[str, Any]:
         t.join()
     wall = time.monotonic() - t0
     return {"wall_s": wall, "requests": len(results), "errors": errors[0],
-            "tokens": sum(n for _, n in results),
+            "short_requests": short[0], "tokens": sum(n for _, n in results),
             "ttft_ms": [round(t * 1e3, 3) for t, _ in results if t is not None]}
 
 
@@ -356,7 +357,7 @@ class Load:
             n = [0]
             t0 = tick()
 
-            def token() -> None:
+            def token(n: list[int] = n, t0: float = t0) -> None:
                 t = tick()
                 stamps.append(t)
                 if not n[0]:
@@ -634,7 +635,8 @@ def t975(df: int) -> float:
 
 
 def ratio_ci(ratios: list[float]) -> dict[str, Any]:
-    """Geometric mean of per-pair ratios and its 95% interval (t over log ratios)."""
+    """Geometric mean of per-pair ratios and its 95% interval (t over log ratios);
+    ``sd_log``: the per-pair noise, the standard deviation of the log ratios."""
     logs = [math.log(r) for r in ratios if r > 0]
     n = len(logs)
     if n < 2:
@@ -643,7 +645,7 @@ def ratio_ci(ratios: list[float]) -> dict[str, Any]:
     h = t975(n - 1) * sd / math.sqrt(n)
     return {"pairs": n, "ratio": round(math.exp(m), 4),
             "ci95": [round(math.exp(m - h), 4), round(math.exp(m + h), 4)],
-            "half_width": round(math.exp(h) - 1, 4)}
+            "half_width": round(math.exp(h) - 1, 4), "sd_log": round(sd, 4)}
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -920,7 +922,11 @@ def summarise(windows: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]
         "server_cpu_per_token": ratio_ci([cpt(t) / cpt(u) for t, u in full if cpt(u)]),
         "tokens_per_s_untraced": round(statistics.fmean(tps(u) for _, u in full), 1) if full else None,
         "errors": sum(w["errors"] for w in windows),
+        "short_requests": sum(w.get("short_requests", 0) for w in windows),
     }
+    if windows and "t0" not in windows[0]:  # windows: the same work each?
+        tok = [w["tokens"] for w in windows]
+        out["tokens_per_window"] = {"min": min(tok), "max": max(tok), "distinct": len(set(tok))}
     parts = {}
     for m in modes:
         if m in ("untraced", "full"):
@@ -950,20 +956,34 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--servers", default="hf-cb,hf-plain,batching,grpc")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    ap.add_argument("--requests", type=int, default=32, help="requests per window")
-    ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--max-tokens", default="16:48", metavar="LO:HI")
-    ap.add_argument("--warmup", type=int, default=2, help="windows before the agent starts")
+    ap.add_argument("--mode", default="slices", choices=("slices", "windows"),
+                    help="slices: continuous load cut into time slices (default); windows: "
+                         "the whole mix per window")
+    ap.add_argument("--requests", type=int, default=32,
+                    help="requests in the mix (windows: per window; slices: repeated)")
+    ap.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    ap.add_argument("--max-tokens", default="16:48", metavar="LO:HI",
+                    help="each request's max_tokens, drawn once per mix")
+    ap.add_argument("--slice-s", type=float, default=3.0, help="seconds per slice (slices)")
+    ap.add_argument("--warmup-s", type=float, default=10.0,
+                    help="seconds of load before the agent starts (slices)")
+    ap.add_argument("--warmup", type=int, default=2,
+                    help="windows before the agent starts (windows)")
     ap.add_argument("--min-pairs", type=int, default=8)
-    ap.add_argument("--max-pairs", type=int, default=40)
+    ap.add_argument("--max-pairs", type=int, default=400)
     ap.add_argument("--target", type=float, default=0.01,
                     help="stop once the tokens/s ratio's 95%% interval is this narrow either side")
-    ap.add_argument("--budget-s", type=float, default=240.0, help="seconds of windows per server")
-    ap.add_argument("--settle-s", type=float, default=0.3, help="pause after each switch")
+    ap.add_argument("--budget-s", type=float, default=240.0,
+                    help="seconds of slices (windows) and switches per server")
+    ap.add_argument("--settle-s", type=float, default=0.5,
+                    help="wait after each switch before measuring")
     ap.add_argument("--breakdown", action="store_true", help="also each part off in turn")
     ap.add_argument("--breakdown-every", type=int, default=1, metavar="N",
-                    help="the parts' windows in every Nth round only (more pairs for the "
-                         "headline ratio in the same time)")
+                    help="the parts' slices (windows) in every Nth round only (more pairs "
+                         "for the headline ratio in the same time)")
+    ap.add_argument("--keep-eos", action="store_true",
+                    help="serve the tiny Llama as built (sampled EOS, byte-level decoding): "
+                         "requests of varying length, chunks of one or more tokens")
     ap.add_argument("--agent-args", default="", help="more `tokentrace run` options")
     ap.add_argument("--out", default=str(ROOT / "bench/results/real_server.json"))
     # the load generator's own process
@@ -984,8 +1004,10 @@ def main(argv: list[str] | None = None) -> int:
             work.mkdir()
             results.append(run_server(kind, args, work))
             r = results[-1]
-            print(json.dumps({k: r.get(k) for k in ("server", "tokens_per_s", "ttft_p50",
+            print(json.dumps({k: r.get(k) for k in ("server", "mode", "tokens_per_s", "ttft_p50",
                                                    "ttft_p99", "server_cpu_per_token",
+                                                   "seconds_per_pair", "switch_s", "load",
+                                                   "short_requests", "errors",
                                                    "agent", "breakdown")}, default=str),
                   file=sys.stderr, flush=True)
     doc = {"host_cpus": len(os.sched_getaffinity(0)), "python": sys.version.split()[0],

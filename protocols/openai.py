@@ -278,6 +278,9 @@ def _choice_text(operation: str, choice: dict[str, Any], streamed: bool) -> str:
 # A JSON string literal as Python's json module reads it (strict: no raw control
 # characters; \\u escapes with any four hex digits, lone surrogates included).
 _JSON_STRING = re.compile(r'"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*"')
+# The same on UTF-8 bytes: a byte string matches iff its decoding (invalid bytes
+# replaced) matches the one above (every byte >= 0x80 is a character either way).
+_JSON_STRING_BYTES = re.compile(rb'"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*"')
 _TEXT_KEYS = {"chat": '"content"', "text_completion": '"text"'}
 MAX_TEMPLATE_TRIES = 4  # chunks a response may spend on templates that did not fit
 
@@ -296,12 +299,17 @@ class ChunkTemplate:
     text-carrying field), and proven on it: the document with another string spliced in
     must parse to the same document with that text."""
 
-    __slots__ = ("prefix", "suffix", "min_len")
+    __slots__ = ("prefix", "suffix", "min_len", "event_head", "event_tail")
 
     def __init__(self, prefix: str, suffix: str) -> None:
         self.prefix = prefix
         self.suffix = suffix
         self.min_len = len(prefix) + len(suffix) + 2
+        # the SSE event's bytes around the text (``ResponseFollower.sse_write``); None
+        # where a line break in the template would make the event more than one line
+        one_line = not any(ch in prefix + suffix for ch in "\r\n")
+        self.event_head = b"data: " + prefix.encode() if one_line else None
+        self.event_tail = suffix.encode() + b"\n\n" if one_line else None
 
     def text_of(self, data: str) -> str | None:
         """The JSON string literal that ``data`` carries as its text, or None if
@@ -417,8 +425,24 @@ class ResponseFollower:
         sse = self._sse
         t = self._template
         if (t is None or sse is None or self._decomp is not None or sse._buf or sse._data
-                or sse._pending_cr or sse._dropping or not chunk.endswith(b"\n\n")
-                or not chunk.startswith(b"data: ")):
+                or sse._pending_cr or sse._dropping):
+            return False
+        head, tail = t.event_head, t.event_tail
+        if head is not None and tail is not None:
+            # the template's bytes around one JSON string, read in place (no copy, no
+            # decoding): where they match, the decoded event matches the checks below
+            lo, hi = len(head), len(chunk) - len(tail)
+            if (hi - lo >= 2 and len(chunk) - 2 <= sse_mod.MAX_PENDING
+                    and chunk.startswith(head) and chunk.endswith(tail)
+                    and _JSON_STRING_BYTES.fullmatch(chunk, lo, hi) is not None):
+                sse._event = ""  # what ending the event does
+                r = self.r
+                r.chunks += 1
+                if hi - lo != 2:  # a two-byte JSON string is ""
+                    r.text_chunks += 1
+                    r.token_at(ts)
+                return True
+        if not chunk.endswith(b"\n\n") or not chunk.startswith(b"data: "):
             return False
         line = chunk[6:-2]
         if b"\n" in line or b"\r" in line or len(chunk) - 2 > sse_mod.MAX_PENDING:
