@@ -583,6 +583,7 @@ class GpuAttribution:
         described = f"launches: {kmodel.describe()}; time: {tmodel.describe()}"
         whole = len(occs) == 1
         sum_k, sum_t = sum(kf), sum(tf)
+        owners = [self._share(o.rec) for o in occs]
         for st, rank in steps:
             st.settled = True
             self._step_flame(st)  # computed now, folded into each member's share later
@@ -593,8 +594,7 @@ class GpuAttribution:
                 x = v * (sum_k if q in KERNEL_QUANTITIES else sum_t)
                 if x:
                     charged[q] = charged.get(q, 0) + x
-            for o, m, fk, ft in zip(occs, feats, kf, tf):
-                share = self._share(o.rec)
+            for share, o, m, fk, ft in zip(owners, occs, feats, kf, tf):
                 share.add_part(st, fk, ft, whole, m.prefill,
                                method if o.by_tokens else "time_share", rank)
                 if method == "step_model":

@@ -44,6 +44,9 @@ class Member:
     tokens: float = 0.0  # prompt tokens this step processed for it (0 when decoding)
 
 
+DECODING = Member()  # a member decoding (most members of most steps: one object)
+
+
 @dataclass(frozen=True)
 class StepModel:
     """A fitted step-cost model, or the reason there is none (``usable`` False)."""

@@ -21,7 +21,7 @@ import statistics
 from collections import Counter, deque
 from dataclasses import dataclass
 
-from tracer.correlate.costmodel import Member
+from tracer.correlate.costmodel import DECODING, Member
 from tracer.correlate.records import RequestRecord
 from tracer.correlate.steps import StepLog
 
@@ -434,6 +434,6 @@ class Membership:
 
     def _member(self, o: Occupancy, i: int) -> Member:
         if not o.by_tokens or i > o.first:
-            return Member(prefill=False)
+            return DECODING
         return Member(prefill=True, tokens=self.chunk.split(
             self.prompt.of(o.rec), o.first - o.start + 1, i - o.start))
