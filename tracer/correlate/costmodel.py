@@ -85,27 +85,31 @@ def features(members: Sequence[Member]) -> tuple[float, float, float]:
     return float(len(members)), float(len(pre)), float(sum(m.tokens for m in pre))
 
 
-def _wls(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
-    sw = np.sqrt(w)
-    coef, *_ = np.linalg.lstsq(x * sw[:, None], y * sw, rcond=None)
-    return coef
-
-
 def _nnls(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
     """Weighted least squares with every coefficient >= 0, by trying each subset of
-    columns (four columns: sixteen small solves) and keeping the best feasible one."""
+    columns (four columns: fifteen small solves) and keeping the best feasible one.
+
+    The weighted rows are reduced once to their QR form: a subset's least squares on
+    all the rows is the same problem as on ``R``'s columns of it (``Q`` keeps lengths,
+    and what lies outside its span adds the same residual to every subset), so each
+    solve is 4 x k. ``rcond`` is the one lstsq would use on the n rows: the same
+    columns are found dependent."""
+    sw = np.sqrt(w)
+    q, r = np.linalg.qr(x * sw[:, None])
+    z = q.T @ (y * sw)
+    rcond = np.finfo(float).eps * max(x.shape)
     best, best_sse = np.zeros(x.shape[1]), float(np.sum(w * y * y))
     cols = range(x.shape[1])
     for k in range(1, x.shape[1] + 1):
         for subset in combinations(cols, k):
             idx = list(subset)
-            c = _wls(x[:, idx], y, w)
+            c = np.linalg.lstsq(r[:, idx], z, rcond=rcond)[0]
             if np.any(c < 0):
                 continue
             full = np.zeros(x.shape[1])
             full[idx] = c
-            r = y - x @ full
-            sse = float(np.sum(w * r * r))
+            res = y - x @ full
+            sse = float(np.sum(w * res * res))
             if sse < best_sse - 1e-12 * max(1.0, best_sse):
                 best, best_sse = full, sse
     return best
