@@ -380,12 +380,12 @@ def cases(paths):
     real_on_record = probe_session.CaptureSession._on_record
     real_find = probe_stacks.find_interpreter
 
-    def on_record(self, ctx, data, size):
+    def on_record(self, buf):
         if hold.is_set():
             held.set()
             while hold.is_set():
                 time.sleep(0.01)
-        return real_on_record(self, ctx, data, size)
+        return real_on_record(self, buf)
 
     def find(pid: int):
         lay = real_find(pid)

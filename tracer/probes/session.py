@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tracer.events import schema, wire
-from tracer.events.netwait import NetTimingMode
-from tracer.probes import loader, procfs, sockdiag
 from tracer.events.gpu import GpuSampling
+from tracer.events.netwait import NetTimingMode
+from tracer.probes import loader, procfs, ringbuf, sockdiag
 from tracer.probes.gpu import GpuProbes
 
 C = wire.CONSTANTS
@@ -91,6 +91,7 @@ class CaptureSession:
         self.config = config
         self.sink = sink
         self.bpf: Any = None
+        self.ring: Any = None  # the events ring buffer's reader (ringbuf.open_reader)
         self.pids: set[int] = set()
         self._listen_cache: dict[tuple[int, int], tuple[int, str, int]] = {}
         self._last_counters: dict[str, int] = {}
@@ -155,7 +156,7 @@ class CaptureSession:
             key = self.bpf[b"traced_comms"].Key()
             key.comm = name.encode()[:15]
             self.bpf[b"traced_comms"][key] = ctypes.c_uint32(1)
-        self.bpf[b"events"].open_ring_buffer(self._on_record)
+        self.ring = ringbuf.open_reader(self.bpf, b"events", self._on_record)
         self.sink(clock_sync())
         self.sink(NetTimingMode(ts=time.monotonic_ns(), mode=self.net_timing.mode,
                                 reason=self.net_timing.reason))
@@ -167,10 +168,10 @@ class CaptureSession:
         """Deliver what the ring buffer holds, and run the periodic work. Records do
         not wake the poller one by one (see submit() in bpf/common.h), so this sleeps
         up to ``timeout_ms`` and then takes everything that arrived."""
-        self.bpf.ring_buffer_poll(timeout_ms)
+        self.ring.wait(timeout_ms)
         # Records sent without a wake-up do not make epoll report the ring ready, so
-        # ring_buffer_poll alone would leave them until a forced wake-up: take them now.
-        self.bpf.ring_buffer_consume()
+        # waiting alone would leave them until a forced wake-up: take them now.
+        self.ring.consume()
         now = time.monotonic()
         if now >= self._next_rescan and (self.config.comms or self.config.ports):
             self._next_rescan = now + self.config.rescan_interval_s
@@ -253,7 +254,7 @@ class CaptureSession:
         """Drain what is left and report the final counters."""
         if self.bpf is None:
             return
-        self.bpf.ring_buffer_consume()
+        self.ring.consume()
         if self.gpu is not None:
             for name in self.gpu.stubs.resolve():
                 self.sink(name)
@@ -267,7 +268,7 @@ class CaptureSession:
         if self.gpu is not None:
             self.detach_s = self.gpu.close()  # before the drain: no launch after it
             if self.stacks is not None:
-                self.bpf.ring_buffer_consume()  # the last STACKDEFs
+                self.ring.consume()  # the last STACKDEFs
                 for raw in self.stacks.drain():  # before the bursts they belong to
                     self.sink(raw)
                 for frames in self.stacks.finish():
@@ -276,6 +277,7 @@ class CaptureSession:
                 self.sink(raw)
             self._collect_counters()  # the final per-kernel and ibverbs counts
         self.report_counters(force=True)
+        self.ring.close()
         self.bpf.cleanup()
         self.bpf = None
 
@@ -313,7 +315,7 @@ class CaptureSession:
             self.gpu.uprobes.suspend(self.gpu.errors)
         if self.tls is not None and (self.gpu is None or self.tls.uprobes is not self.gpu.uprobes):
             self.tls.uprobes.suspend(self.tls.errors)
-        self.bpf.ring_buffer_consume()  # what was sent before the probes came out
+        self.ring.consume()  # what was sent before the probes came out
         if self.gpu is not None:
             for raw in self.gpu.drain():  # bursts open at the pause: counts stay exact
                 self.sink(raw)
@@ -548,9 +550,8 @@ class CaptureSession:
 
     # ---- ring buffer ------------------------------------------------------------
 
-    def _on_record(self, _ctx: Any, data: Any, size: int) -> None:
-        buf = ctypes.string_at(data, size)
-        kind = wire.kind_of(buf) if size >= 4 else 0
+    def _on_record(self, buf: bytes) -> None:
+        kind = wire.kind_of(buf) if len(buf) >= 4 else 0
         self.records_read += 1
         if kind == C["KIND_STACKDEF"] and self.stacks is not None:
             self.stacks.on_def(buf)  # raw stack memory: resolved here, never captured
@@ -652,6 +653,8 @@ class CaptureSession:
         counters.update(self.user_counters)
         if self.dropped_unanalysed:
             counters["unanalysed_records"] = self.dropped_unanalysed
+        if getattr(self.ring, "errors", 0):
+            counters["record_handler_errors"] = self.ring.errors
         if self.gpu is not None:
             counters["gpu_attach_errors"] = len(self.gpu.errors)
             counters.update(self.gpu.stubs.counters())

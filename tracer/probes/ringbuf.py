@@ -1,0 +1,129 @@
+"""The events ring buffer, read in place.
+
+BCC hands each record of a BPF ring buffer to Python through a ctypes callback
+(libbpf's ``ring_buffer__consume``), then the callback copies it out with
+``ctypes.string_at``: ~1.5 µs a record on the 2-vCPU VM, and a busy server sends
+over 100,000 records a second (one per token written). The kernel lets the consumer
+map the ring instead (``BPF_MAP_TYPE_RINGBUF``: one read-write page holding the
+consumer position, then, read-only, the producer position's page and the data pages
+mapped twice in a row, so a record that wraps is still contiguous). ``RingReader``
+walks it as libbpf does: from the consumer position to the producer position, each
+record an 8-byte header (length with a BUSY bit while the producer still writes it
+and a DISCARD bit for a record given back) and its data rounded up to 8 bytes; it
+stops at a record still BUSY, skips discarded ones and publishes the new consumer
+position, which frees the space for the producer. ~0.5 µs a record.
+
+Reading the positions and headers without barriers is sound on x86-64, whose loads
+are not reordered with other loads (the kernel's release store of a header is seen
+after the data it publishes). Elsewhere, and wherever the ring cannot be mapped,
+``open_reader`` falls back to BCC's callback.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import platform
+import select
+import struct
+from typing import Any, Callable
+
+BUSY = 1 << 31
+DISCARD = 1 << 30
+HEADER = 8  # u32 length and flags, u32 page offset (the kernel's)
+_POS = struct.Struct("<Q")
+_LEN = struct.Struct("<I")
+PUBLISH_EVERY = 256  # records between updates of the consumer position in a long read
+
+
+class RingReader:
+    """A ring buffer map (``map_fd``, ``size`` bytes of data) mapped and read in
+    place; each record's bytes go to ``on_record``."""
+
+    def __init__(self, map_fd: int, size: int, on_record: Callable[[bytes], None]) -> None:
+        if size <= 0 or size & (size - 1) or size % mmap.PAGESIZE:
+            raise ValueError(f"a ring buffer's size is a power-of-two number of pages, not {size}")
+        page = mmap.PAGESIZE
+        self.size = size
+        self.on_record = on_record
+        self.errors = 0  # records whose handler raised (BCC's callback prints and goes on)
+        self._cons = mmap.mmap(map_fd, page, mmap.MAP_SHARED,
+                               mmap.PROT_READ | mmap.PROT_WRITE, offset=0)
+        try:
+            self._prod = mmap.mmap(map_fd, page + 2 * size, mmap.MAP_SHARED, mmap.PROT_READ,
+                                   offset=page)
+        except BaseException:
+            self._cons.close()
+            raise
+        self._epoll = select.epoll()
+        self._epoll.register(map_fd, select.EPOLLIN)
+
+    def wait(self, timeout_ms: int) -> None:
+        """Sleep until the producer wakes the ring or ``timeout_ms`` passes."""
+        self._epoll.poll(timeout_ms / 1000.0)
+
+    def consume(self) -> int:
+        """Every committed record now in the ring, in order; returns how many."""
+        cons, prod, on_record = self._cons, self._prod, self.on_record
+        mask = self.size - 1
+        base = mmap.PAGESIZE  # the data pages follow the producer position's page
+        c = _POS.unpack_from(cons, 0)[0]
+        p = _POS.unpack_from(prod, 0)[0]
+        n = 0
+        try:
+            while c < p:
+                at = base + (c & mask)
+                word = _LEN.unpack_from(prod, at)[0]
+                if word & BUSY:
+                    break  # still being written: it and what follows wait for the next read
+                length = word & ~(BUSY | DISCARD)
+                c += (length + HEADER + 7) & ~7
+                if not word & DISCARD:
+                    n += 1
+                    try:
+                        on_record(prod[at + HEADER:at + HEADER + length])
+                    except Exception:  # the handler's to count; the ring goes on
+                        self.errors += 1
+                    if not n % PUBLISH_EVERY:
+                        _POS.pack_into(cons, 0, c)  # room for the producer meanwhile
+                if c >= p:
+                    p = _POS.unpack_from(prod, 0)[0]
+        finally:
+            _POS.pack_into(cons, 0, c)
+        return n
+
+    def close(self) -> None:
+        self._epoll.close()
+        self._prod.close()
+        self._cons.close()
+
+
+class BccReader:
+    """The same interface over BCC's own reader (its ctypes callback per record)."""
+
+    def __init__(self, bpf: Any, table: Any, on_record: Callable[[bytes], None]) -> None:
+        self.bpf = bpf
+        table.open_ring_buffer(lambda _ctx, data, size: on_record(ctypes.string_at(data, size)))
+
+    def wait(self, timeout_ms: int) -> None:
+        self.bpf.ring_buffer_poll(timeout_ms)
+
+    def consume(self) -> int:
+        self.bpf.ring_buffer_consume()
+        return 0  # BCC does not say
+
+    def close(self) -> None:
+        pass
+
+
+def open_reader(bpf: Any, name: bytes, on_record: Callable[[bytes], None]
+                ) -> RingReader | BccReader:
+    """A reader of ring buffer ``name`` of the BCC program ``bpf``: mapped in place on
+    x86-64, BCC's callback elsewhere or if the ring cannot be mapped."""
+    table = bpf[name]
+    if platform.machine() in ("x86_64", "AMD64"):
+        try:
+            return RingReader(table.map_fd, table.max_entries, on_record)
+        except (OSError, ValueError):
+            pass
+    return BccReader(bpf, table, on_record)
