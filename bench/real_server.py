@@ -5,16 +5,19 @@ agent kept running and only its probes taken out and put back (`tokentrace run
 
     python bench/real_server.py [--servers hf-cb,hf-plain,batching,grpc] [--device cpu]
         [--mode slices|windows] [--requests 32] [--concurrency 8] [--max-tokens 16:48]
-        [--slice-s 3] [--settle-s 0.5] [--warmup-s 10] [--min-pairs 8] [--max-pairs 400]
-        [--target 0.01] [--budget-s 240] [--breakdown] [--breakdown-every N] [--keep-eos]
+        [--slice-s 3] [--settle-s 0.5] [--settle-resume-s S] [--warmup-s 10]
+        [--min-pairs 8] [--max-pairs 400] [--target 0.01] [--budget-s 240] [--breakdown]
+        [--breakdown-every N] [--keep-eos] [--partial FILE]
         [--out bench/results/real_server.json]
+    python bench/real_server.py --pool RESULT.json [RESULT.json ...]
 
 On an H100/H200 host (after `eval "$(.gpu/setup-bcc.sh)"`, as bench/accuracy.py runs
-there), one command, under 10 minutes:
+there), one command, under 8 minutes (~1 minute to build the model, start the server,
+warm it and attach; 400 s of slices: a pair every ~9 s):
 
     python3 bench/real_server.py --servers hf-cb --device cuda --requests 96 \\
-        --concurrency 32 --max-tokens 24:150 --slice-s 3 --budget-s 420 \\
-        --out OUT_DIR/real_server-hf-cb-h200.json
+        --concurrency 32 --max-tokens 24:150 --slice-s 3 --budget-s 400 --min-pairs 400 \\
+        --out OUT_DIR/real_server-hf-cb-h200-slices.json
 
 Servers: HF ``transformers serve`` with ``--continuous-batching`` (``hf-cb``) and
 without (``hf-plain``) on a tiny Llama built offline (a server nobody here wrote); the
@@ -30,25 +33,33 @@ that did not are counted, ``short_requests``). ``--keep-eos`` serves the model a
 
 ``--mode slices`` (the default): the client keeps ``--concurrency`` streamed requests in
 flight all the time, a new one as soon as one ends, from a fixed repeating mix
-(``--requests`` different prompts and max_tokens), and time-stamps every token chunk it
-receives. The run is a sequence of time slices of ``--slice-s`` seconds, untraced and
-traced in ABBA order (U T T U U T ...): one pause or resume per pair, then
-``--settle-s`` before the next slice; two slices of the same mode follow each other with
-no gap. A slice counts the output tokens whose chunks arrived inside it, the TTFTs of
-the requests sent inside it, and from /proc the CPU seconds the server, the agent and
-the client used in it. No ramp-up or drain per measurement, and the same work each
-request. ``--mode windows`` (the earlier design): each window sends the whole mix once
-and waits for the last response, untraced and traced windows in ABBA order.
+(``--requests`` different prompts and max_tokens; a light client of its own, raw HTTP),
+and time-stamps every token chunk it receives. Once tokens flow, ``--warmup-s`` of load
+before the agent attaches. The run is then a sequence of time slices of ``--slice-s``
+seconds, untraced and traced in ABBA order (U T T U U T ...): one pause or resume per
+pair, then ``--settle-s`` (``--settle-resume-s`` after a resume) before the next
+slice; two slices of the same mode follow each other with no gap. A slice counts the
+output tokens whose chunks arrived inside it, the TTFTs of the requests sent inside it,
+and from /proc the CPU seconds the server (and its three busiest threads), the agent and
+the client used in it; on CUDA the GPU's SM clock and utilisation (NVML, read only). No
+ramp-up or drain per measurement, and the same work each request. ``switch_effects``
+in the output says whether a switch leaves a transient: every pair is one slice right
+after a switch and one after a slice of its own mode. ``--mode windows`` (the earlier
+design, with the ``openai`` client): each window sends the whole mix once and waits
+for the last response, untraced and traced windows in ABBA order.
 
 Per pair the ratio traced/untraced. Pairs are added until the 95% interval of the mean
 ratio (t over the pairs' log ratios) is narrower than ``--target`` either side, or
 ``--max-pairs`` / ``--budget-s`` run out: the interval is reported either way, with the
-per-pair noise (standard deviation of the log ratios) and the pairs and seconds a
-``--target`` interval would take at that noise. Reported per server: tokens/s ratio, p50
-and p99 TTFT ratios (pooled; interval by resampling pairs), server CPU per output token
-ratio (probe work runs in the server's own CPU time: robust to a busy host), agent CPU
-per 1k requests and per 1M kernel launches, records the agent read per second, and the
-switch times.
+per-pair noise (``sd_log``, the standard deviation of the log ratios) and the pairs and
+seconds a ``--target`` interval would take at that noise. Reported per server: tokens/s
+ratio, p50 and p99 TTFT ratios (pooled; interval by resampling pairs), server CPU per
+output token ratio (probe work runs in the server's own CPU time: robust to a busy
+host, unless the server is held to one core by its GIL, when it is the tokens/s ratio
+inverted), agent CPU per 1k requests and per 1M kernel launches (slices: launches
+counted over the run, prorated to the traced slices), records the agent read per
+second, and the switch times. ``--pool`` takes the pairs of several result files of
+the same design together (TTFT quantiles stay per file).
 
 ``--breakdown`` adds slices (windows) with one part of the tracer off while the rest
 traces (payload copies: capture-limit 1 byte; the agent's analysis: records read and
@@ -59,6 +70,7 @@ dropped; on GPU servers the kernel-launch uprobes, the stub-naming window, and
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -109,6 +121,55 @@ def tree(pid: int) -> list[int]:
 
 def tree_cpu(pid: int) -> float:
     return sum(cpu_seconds(p) for p in tree(pid))
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds of each thread of ``pid`` and of its descendants."""
+    out = {}
+    for p in tree(pid):
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tids:
+            try:
+                f = Path(f"/proc/{p}/task/{t}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            out[int(t)] = (int(f[11]) + int(f[12])) / CLK
+    return out
+
+
+class GpuClocks:
+    """The GPU's SM clock and utilisation sampled every 0.1 s through NVML (read only),
+    to see whether a slice's throughput follows them; absent without pynvml."""
+
+    def __init__(self) -> None:
+        import pynvml
+        pynvml.nvmlInit()
+        self.nv = pynvml
+        self.h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        self.samples: list[tuple[float, int, int]] = []
+        self.running = True
+        threading.Thread(target=self.loop, daemon=True).start()
+
+    def loop(self) -> None:
+        nv = self.nv
+        while self.running:
+            try:
+                self.samples.append((time.monotonic(),
+                                     nv.nvmlDeviceGetClockInfo(self.h, nv.NVML_CLOCK_SM),
+                                     nv.nvmlDeviceGetUtilizationRates(self.h).gpu))
+            except nv.NVMLError:
+                return
+            time.sleep(0.1)
+
+    def mean(self, t0: float, t1: float) -> dict[str, float] | None:
+        xs = [(c, u) for t, c, u in self.samples if t0 <= t < t1]
+        if not xs:
+            return None
+        return {"sm_mhz": round(statistics.fmean(c for c, _ in xs), 1),
+                "util_pct": round(statistics.fmean(u for _, u in xs), 1)}
 
 
 def pin(pid: int, cpus: set[int]) -> None:
@@ -334,7 +395,6 @@ class Load:
     search in each."""
 
     def __init__(self, one: Any, jobs: list[Any], concurrency: int) -> None:
-        import itertools
         self.one = one
         self.jobs = itertools.cycle(jobs)
         self.lock = threading.Lock()
@@ -694,6 +754,11 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
         else:
             client.ask("start")
             loaded = True
+            t0 = time.monotonic()
+            while not client.slice(time.monotonic() - 1.0, time.monotonic())["tokens"]:
+                if time.monotonic() - t0 > 600:  # (a server's first request can take
+                    raise RuntimeError("no tokens in 10 minutes")  # long: engine set up)
+            out["first_tokens_after_s"] = round(time.monotonic() - t0, 1)
             time.sleep(args.warmup_s)  # the same, under the load the slices measure
         agent = Agent(server, work, cpus["agent"], args.agent_args.split())
         t_attached = time.monotonic()
@@ -852,13 +917,21 @@ def run_slices(kind: str, agent: Agent, client: Client, server: Server,
             switch_time(agent.ctl(cmd), cmd, switches)
         now = time.monotonic()
         mode_s[state[0]] = mode_s.get(state[0], 0.0) + now - state[1]
+        resumed = state[0] == "untraced"
         state[:] = [mode, now]
-        time.sleep(args.settle_s)
+        time.sleep(args.settle_resume_s if resumed and args.settle_resume_s is not None
+                   else args.settle_s)
 
     def fill(todo: list[dict[str, Any]]) -> None:
         for w in todo:
             w.update(client.slice(w["t0"], w["t0"] + w["wall_s"]))
 
+    clocks = None
+    if args.device == "cuda":
+        try:
+            clocks = GpuClocks()
+        except Exception as e:  # noqa: BLE001 (a diagnostic only: no NVML, no clocks)
+            print(f"no GPU clocks: {e!r}", file=sys.stderr)
     t_start = time.monotonic()
     order = 0
     pending: list[dict[str, Any]] = []
@@ -870,18 +943,28 @@ def run_slices(kind: str, agent: Agent, client: Client, server: Server,
         done, pending = pending, []
         for mode in rnd:
             go(mode)
+            th0 = thread_cpu(server.pid)
             s0, a0, c0, r0 = tree_cpu(server.pid), agent.cpu, client.cpu, agent.records()
             t0 = time.monotonic()
             time.sleep(args.slice_s)
             t1 = time.monotonic()
             s1, a1, c1, r1 = tree_cpu(server.pid), agent.cpu, client.cpu, agent.records()
+            th1 = thread_cpu(server.pid)
+            busy = sorted((v - th0.get(k, 0.0) for k, v in th1.items()), reverse=True)
             w = {"mode": mode, "round": order, "t0": t0, "wall_s": t1 - t0,
                  "server_cpu_s": s1 - s0, "agent_cpu_s": a1 - a0, "client_cpu_s": c1 - c0,
-                 "agent_records": r1 - r0}
+                 "agent_records": r1 - r0,
+                 # the server's busiest threads (a GIL-bound server: one near 1.0/s)
+                 "server_top_threads_cpu_s": [round(b, 2) for b in busy[:3]]}
+            if clocks is not None:
+                w["gpu"] = clocks.mean(t0, t1)
             slices.append(w)
             pending.append(w)
         fill(done)
         elapsed = time.monotonic() - t_start
+        if args.partial:  # what a run cut short by a time limit still leaves
+            Path(args.partial).write_text(json.dumps({"server": kind, "slices": slices,
+                                                      "switches": switches}) + "\n")
         complete = [w for w in slices if "tokens" in w]
         if complete:
             stats = summarise(complete, modes)
@@ -892,6 +975,8 @@ def run_slices(kind: str, agent: Agent, client: Client, server: Server,
         if order >= args.max_pairs or elapsed + elapsed / order > args.budget_s:
             break
     fill(pending)
+    if clocks is not None:
+        clocks.running = False
     now = time.monotonic()
     mode_s[state[0]] = mode_s.get(state[0], 0.0) + now - state[1]
     go("full")  # the agent as it started, for its report
@@ -899,6 +984,37 @@ def run_slices(kind: str, agent: Agent, client: Client, server: Server,
     for w in slices:
         w["t0"] = round(w["t0"] - t0, 3)
     return slices, switches, now - t_start, mode_s
+
+
+def switch_effects(slices: list[dict[str, Any]]) -> dict[str, Any]:
+    """Slices: what a switch leaves behind. The order U T T U U T ... makes every pair
+    one slice right after a switch ("fresh") and one that follows a slice of its own
+    mode; a transient after a resume (or a pause) shows as traced (untraced) fresh
+    slices slower than the slices after them, and as a gap between the two kinds of
+    pair. The pairs' mean ratio holds both kinds equally often."""
+    def tps(w: dict[str, Any]) -> float:
+        return w["tokens"] / w["wall_s"] if w["wall_s"] else 0.0
+
+    blocks: dict[str, list[float]] = {"full": [], "untraced": []}
+    for a, b in itertools.pairwise(slices):
+        if a["mode"] == b["mode"] and a["mode"] in blocks and a["round"] != b["round"] \
+                and tps(a) and tps(b):
+            blocks[a["mode"]].append(tps(b) / tps(a))
+    rounds: dict[int, dict[str, dict[str, Any]]] = {}
+    first: dict[int, str] = {}
+    for w in slices:
+        rounds.setdefault(w["round"], {})[w["mode"]] = w
+        first.setdefault(w["round"], w["mode"])
+    kinds: dict[str, list[float]] = {"untraced": [], "full": []}
+    for k, r in rounds.items():
+        if "full" in r and "untraced" in r and tps(r["untraced"]):
+            # the round's second slice is the fresh one
+            second = "full" if first[k] == "untraced" else "untraced"
+            kinds[second].append(tps(r["full"]) / tps(r["untraced"]))
+    return {"traced_next_vs_after_resume": ratio_ci(blocks["full"]),
+            "untraced_next_vs_after_pause": ratio_ci(blocks["untraced"]),
+            "tokens_per_s_pairs_traced_after_resume": ratio_ci(kinds["full"]),
+            "tokens_per_s_pairs_untraced_after_pause": ratio_ci(kinds["untraced"])}
 
 
 def summarise(windows: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
@@ -948,6 +1064,39 @@ def summarise(windows: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]
                                                          / max(1, sum(p["requests"] for p, _, _ in rows)), 4)}
     if parts:
         out["breakdown"] = parts
+    if windows and "t0" in windows[0]:
+        out["switch_effects"] = switch_effects(windows)
+    return out
+
+
+def pool(files: list[str], target: float) -> dict[str, Any]:
+    """Several runs' pairs as one sample (their rounds numbered apart)."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    seconds: dict[str, float] = {}
+    ttft: dict[str, dict[str, list[Any]]] = {}
+    for i, f in enumerate(files):
+        for r in json.loads(Path(f).read_text())["results"]:
+            ws = r.get("slices") or r.get("windows") or []
+            key = f"{r['server']} ({r.get('mode', 'windows')})"
+            runs.setdefault(key, []).extend(dict(w, round=w["round"] + 100000 * i) for w in ws)
+            seconds[key] = seconds.get(key, 0.0) + r.get("seconds_per_pair", 0.0) * max(
+                (w["round"] for w in ws), default=0)
+            for q in ("ttft_p50", "ttft_p99"):
+                ttft.setdefault(key, {}).setdefault(q + "_per_file", []).append(r.get(q))
+    out: dict[str, Any] = {"files": files}
+    for key, ws in runs.items():
+        stats = summarise(ws, ["untraced", "full"])
+        if len(files) > 1:  # a quantile of runs of different speeds pooled is neither's:
+            del stats["ttft_p50"], stats["ttft_p99"]  # each file's own
+            stats.update(ttft[key])
+        pairs = stats["tokens_per_s"].get("pairs") or 0
+        for k in ("tokens_per_s", "server_cpu_per_token"):
+            sd = stats[k].get("sd_log")
+            if sd:
+                stats[k]["pairs_for_target"] = n = pairs_for(sd, target)
+                if seconds[key] and pairs:
+                    stats[k]["seconds_for_target"] = round(n * seconds[key] / pairs)
+        out[key] = stats
     return out
 
 
@@ -966,7 +1115,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="each request's max_tokens, drawn once per mix")
     ap.add_argument("--slice-s", type=float, default=3.0, help="seconds per slice (slices)")
     ap.add_argument("--warmup-s", type=float, default=10.0,
-                    help="seconds of load before the agent starts (slices)")
+                    help="seconds of load, once tokens flow, before the agent starts (slices)")
     ap.add_argument("--warmup", type=int, default=2,
                     help="windows before the agent starts (windows)")
     ap.add_argument("--min-pairs", type=int, default=8)
@@ -977,6 +1126,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds of slices (windows) and switches per server")
     ap.add_argument("--settle-s", type=float, default=0.5,
                     help="wait after each switch before measuring")
+    ap.add_argument("--settle-resume-s", type=float, default=None, metavar="S",
+                    help="slices: wait this long after a resume instead (default: "
+                         "--settle-s; see switch_effects in the output)")
     ap.add_argument("--breakdown", action="store_true", help="also each part off in turn")
     ap.add_argument("--breakdown-every", type=int, default=1, metavar="N",
                     help="the parts' slices (windows) in every Nth round only (more pairs "
@@ -985,6 +1137,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="serve the tiny Llama as built (sampled EOS, byte-level decoding): "
                          "requests of varying length, chunks of one or more tokens")
     ap.add_argument("--agent-args", default="", help="more `tokentrace run` options")
+    ap.add_argument("--pool", nargs="+", metavar="JSON",
+                    help="no run: the pairs of these result files (the same server and "
+                         "design) taken together, printed as JSON")
+    ap.add_argument("--partial", metavar="FILE",
+                    help="slices: the slices so far, rewritten after every round")
     ap.add_argument("--out", default=str(ROOT / "bench/results/real_server.json"))
     # the load generator's own process
     ap.add_argument("--client", help=argparse.SUPPRESS)
@@ -994,6 +1151,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.client:
         args.url = args.client
         return client_main(args)
+    if args.pool:
+        print(json.dumps(pool(args.pool, args.target), indent=1))
+        return 0
     if os.geteuid() != 0:
         raise SystemExit("needs root (BPF)")
     results = []
