@@ -117,7 +117,6 @@ class Pipeline:
 
     def _export(self, rec: RequestRecord) -> None:
         """An attributed record: timed at the socket, then exported."""
-        self._wake = 0
         self.net.finished(rec)
 
     def _export_now(self, rec: RequestRecord) -> None:
@@ -125,7 +124,6 @@ class Pipeline:
         driven by the stream's own order and time, so a replay waits alike."""
         missing = self._unnamed(rec) if rec.flame else None
         if missing:
-            self._wake = 0
             self._flame_wait.append((self.last_ts + FLAME_WAIT_NS, rec, missing))
             return
         self._sink_record(rec)
