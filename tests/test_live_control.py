@@ -17,6 +17,7 @@ from samples.launch import SampleServer
 from tests.conftest import free_port
 from tests.live import traced_cli
 from tracer.control import send
+from tracer.probes.bpfstats import ProgramCost, parse_costs
 
 pytestmark = pytest.mark.bpf
 
@@ -75,3 +76,34 @@ def test_pause_and_resume_a_running_agent(tmp_path):
     assert all(s["attributes"].get("gen_ai.usage.output_tokens") == t
                for s, t in zip(run.spans, tokens))
     assert not os.path.exists(sock)  # removed at exit
+
+
+def test_probe_stats_count_the_programs_runs(tmp_path):
+    """`probe-stats on` turns the kernel's per-program statistics on: the socket
+    programs' runs grow with the requests served, their time with them; `off` ends it."""
+    port = free_port()
+    sock = str(tmp_path / "ctl.sock")
+    with SampleServer("samples.stdlib_server", port=port, health="/") as server, \
+            traced_cli(["--pid", str(server.pid), "--control", sock],
+                       str(tmp_path / "spans.jsonl")) as run:
+        assert send(sock, "probe-stats").startswith("error: probe-stats is off")
+        assert send(sock, "probe-stats on") == "ok probe-stats on"
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        chat(conn, 2)
+        before = parse_costs(send(sock, "probe-stats").removeprefix("ok probe-stats"))
+        for _ in range(5):
+            chat(conn, 4)
+        after = parse_costs(send(sock, "probe-stats").removeprefix("ok probe-stats"))
+        conn.close()
+        assert send(sock, "probe-stats off") == "ok probe-stats off"
+        assert send(sock, "probe-stats").startswith("error: probe-stats is off")
+
+        def runs(costs, word):
+            return sum(c.runs for n, c in costs.items() if word in n)
+
+        # each request is read (at least once) and its 4 tokens and [DONE] written
+        assert runs(after, "sys_exit_") - runs(before, "sys_exit_") >= 5 * 2, (before, after)
+        grown = [n for n in after if after[n].runs > before.get(n, ProgramCost(0, 0)).runs]
+        assert grown and all(after[n].run_ns > before.get(n, ProgramCost(0, 0)).run_ns
+                             for n in grown)
+    assert run.returncode == 0, run.stderr

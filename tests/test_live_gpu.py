@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ def gpu_build(tmp_path_factory):
 
 
 def run_workload(paths, tmp: Path, args: list[str], tracer_args: list[str] = (),
-                 kernel_ns: int = 2000):
+                 kernel_ns: int = 2000, during=None):
     env = dict(os.environ, TT_STANDIN_COUNTS=str(tmp / "cuda.json"),
                TT_STANDIN_NCCL_COUNTS=str(tmp / "nccl.json"), TT_STANDIN_KERNEL_NS=str(kernel_ns))
     w = subprocess.Popen([str(paths["workload"]), "--wait", *args], stdin=subprocess.PIPE,
@@ -35,6 +36,8 @@ def run_workload(paths, tmp: Path, args: list[str], tracer_args: list[str] = (),
                      str(tmp / "gpu.ttcap"), *tracer_args], str(tmp / "spans.jsonl")) as run:
         w.stdin.write("go\n")
         w.stdin.flush()
+        if during is not None:
+            during()  # while the workload launches
         assert w.stdout.readline().strip() == "done"
         assert w.wait(30) == 0
     assert run.returncode == 0, run.stderr
@@ -158,6 +161,37 @@ def test_sampled_launch_probes_give_marked_estimates_close_to_the_truth(gpu_buil
     done_queries = truth["query_calls"] - truth["query_not_ready"]
     assert thread["launch_estimate"]["steps"] == truth["sync_calls"] + done_queries
     assert 0.1 * truth["launches"] < proc["kernel_launches_seen"] < 0.8 * truth["launches"]
+    assert abs(proc["kernel_launches"] - truth["launches"]) < 0.05 * truth["launches"]
+    assert proc["memcpy_calls"]["h2d"] == truth["h2d_calls"]
+    assert proc["sync_calls"] == truth["sync_calls"]
+
+
+def test_sampling_switched_on_and_off_while_running(gpu_build, tmp_path):
+    """`--control gpu-sample F` while the workload launches: full counting, then half
+    of each 0.6 s period, then full again. The launch probes really went off (fewer
+    seen than launched), the estimate from the steps counted whole stays within 5 %,
+    what is not sampled stays exact, and a fraction out of (0, 1] is refused."""
+    from tracer.control import send
+
+    sock = str(tmp_path / "ctl.sock")
+    replies = []
+
+    def switch() -> None:
+        time.sleep(0.8)
+        replies.extend(send(sock, w) for w in ("gpu-sample 0", "gpu-sample 1.5",
+                                               "gpu-sample 0.5"))
+        time.sleep(3.0)
+        replies.append(send(sock, "gpu-sample 1"))
+
+    proc, truth, _, doc, _ = run_workload(
+        gpu_build, tmp_path, ["--steps", "5000", "--kernels", "12"],
+        ["--control", sock, "--gpu-sample-period", "0.6"], kernel_ns=100_000,
+        during=switch)
+    assert [r.split()[0] for r in replies] == ["error:", "error:", "ok", "ok"], replies
+    assert replies[2:] == ["ok gpu-sample 0.5", "ok gpu-sample 1"]
+    s = doc["gpu"]["launch_sampling"]
+    assert s["estimated"] and s["switches"] >= 4, s
+    assert proc["kernel_launches_seen"] < 0.95 * truth["launches"]
     assert abs(proc["kernel_launches"] - truth["launches"]) < 0.05 * truth["launches"]
     assert proc["memcpy_calls"]["h2d"] == truth["h2d_calls"]
     assert proc["sync_calls"] == truth["sync_calls"]

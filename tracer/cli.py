@@ -263,8 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Send one command to the control socket of a running `tokentrace run` "
                     "or `record` and print its answer. Commands: pause, resume, status, "
                     "capture-limit BYTES, burst-min-us US, gpu-launch on|off, "
-                    "stub-naming on|off, analysis on|off. Exit status 1 if it answered "
-                    "with an error.",
+                    "stub-naming on|off, analysis on|off, gpu-sample F (--gpu-sample, "
+                    "changed while running), probe-stats on|off (the "
+                    "kernel's run counts and run time per BPF program while on; "
+                    "probe-stats alone prints them as name=runs/ns). Exit status 1 if it "
+                    "answered with an error.",
         epilog="examples:\n  sudo tokentrace ctl /run/tokentrace.sock pause\n"
                "  sudo tokentrace ctl /run/tokentrace.sock resume\n",
         formatter_class=argparse.RawDescriptionHelpFormatter)

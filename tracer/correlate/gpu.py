@@ -284,8 +284,10 @@ class GpuLedger:
             t = self.proc(ev.pid).thread(ev.tid)
             t.add_burst(ev)
             if self.sampling is not None:
-                if t.sample is None:
-                    t.sample = StepSample()
+                if t.sample is None:  # what came before sampling began was all counted
+                    t.sample = StepSample(
+                        exact_launches=t.kernel_launches - ev.launches,
+                        exact_graph_launches=t.graph_launches - ev.graph_launches)
                 t.sample.add(ev.reason, ev.first_ts, ev.last_ts, ev.launches,
                              ev.graph_launches, self.sampling)
         elif isinstance(ev, KernelName):
@@ -389,9 +391,11 @@ def _scaled(t: ThreadTotals, sampling: LaunchSampling) -> tuple[ThreadTotals, st
     """Estimated launch counts of ``t`` (floats, rounded on output) and the method."""
     s = t.sample
     launches, method = estimate(t.kernel_launches, s.sampled_launches if s else 0, s,
-                                sampling, t.first_ts, t.last_ts)
+                                sampling, t.first_ts, t.last_ts,
+                                s.exact_launches if s else 0)
     graphs, _ = estimate(t.graph_launches, s.sampled_graph_launches if s else 0, s,
-                         sampling, t.first_ts, t.last_ts)
+                         sampling, t.first_ts, t.last_ts,
+                         s.exact_graph_launches if s else 0)
     # per kernel: the thread's seen mix, scaled to the estimated total
     f = launches / t.kernel_launches if t.kernel_launches else 0.0
     return ThreadTotals(kernel_launches=launches,  # type: ignore[arg-type]

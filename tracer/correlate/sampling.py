@@ -94,6 +94,10 @@ class StepSample:
 
     steps: int = 0
     sampled_steps: int = 0
+    # launches the thread made before sampling began (``--control gpu-sample`` while
+    # running): all counted, so exact, and outside the steps above
+    exact_launches: int = 0
+    exact_graph_launches: int = 0
     sampled_launches: int = 0
     sampled_graph_launches: int = 0
     # the step being built: bursts since the last step end (interval flushes split one)
@@ -128,11 +132,15 @@ class StepSample:
 
 
 def estimate(seen: float, sampled: float, sample: StepSample | None,
-             sampling: LaunchSampling, first_ts: int, last_ts: int) -> tuple[float, str]:
+             sampling: LaunchSampling, first_ts: int, last_ts: int,
+             exact: float = 0.0) -> tuple[float, str]:
     """(estimated count, method) for a thread that saw ``seen`` launches of which
-    ``sampled`` fell in sampled steps."""
+    ``sampled`` fell in sampled steps and ``exact`` came before sampling began."""
     factor = sample.scale() if sample is not None else None
     if factor is not None:
-        return sampled * factor, "steps"
+        return exact + sampled * factor, "steps"
+    if exact and sampling.switches:
+        first_ts = max(first_ts, sampling.switches[0][0])
     share = sampling.on_share(first_ts, last_ts)
-    return (seen / share if share > 0 else seen), "time_share"
+    rest = seen - exact
+    return exact + (rest / share if share > 0 else rest), "time_share"

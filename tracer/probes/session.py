@@ -19,6 +19,7 @@ from tracer.events import schema, wire
 from tracer.events.gpu import GpuSampling
 from tracer.events.netwait import NetTimingMode
 from tracer.probes import loader, procfs, ringbuf, sockdiag
+from tracer.probes.bpfstats import ProgramStats, format_costs
 from tracer.probes.gpu import GpuProbes
 
 C = wire.CONSTANTS
@@ -112,6 +113,7 @@ class CaptureSession:
         self._next_tls_scan = 0.0
         self.paused = False
         self._parked_tps: list[bytes] = []  # tracepoints taken out by pause()
+        self.program_stats = ProgramStats()  # --control probe-stats on|off
         self.analysis = True  # control "analysis off": records read and dropped
         self.dropped_unanalysed = 0
         self.records_read = 0  # ring-buffer records, for `status`
@@ -240,6 +242,34 @@ class CaptureSession:
             share = fraction
         self._next_sample_toggle = time.monotonic() + self.config.gpu_sample_period_s * share
 
+    def set_gpu_sample(self, fraction: float) -> float:
+        """Change ``--gpu-sample`` while running (``--control gpu-sample F``). From
+        counting every launch, sampling starts with the probes on for ``F`` of a period;
+        back at 1 they are attached (once a detach under way ends) and the gate opened.
+        Every change is a ``GpuSampling`` switch, so the estimate of launch counts
+        (tracer/correlate/sampling.py) sees which spans were counted."""
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"gpu-sample must be in (0, 1], not {fraction:g}")
+        if self.gpu is None:
+            raise ValueError("no GPU probes")
+        if self.paused:
+            raise ValueError("paused: resume first")
+        old, self.config.gpu_sample = self.config.gpu_sample, fraction
+        if fraction == old:
+            return fraction
+        if fraction < 1.0:
+            if self.gpu.launches_on:  # the first sampled period begins "on", as at start
+                self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=True, fraction=fraction))
+                self._next_sample_toggle = (time.monotonic()
+                                            + self.config.gpu_sample_period_s * fraction)
+            return fraction  # off: the next toggle turns them on at the new share
+        self.gpu.join_detach()
+        attach_s = self.gpu.attach_launch_probes()
+        self.bpf[b"config"][ctypes.c_int(C["CFG_LAUNCH_GATE_CLOSED"])] = ctypes.c_uint64(0)
+        self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=True, fraction=fraction,
+                              attach_s=attach_s, detach_s=self.gpu.last_detach_s))
+        return fraction
+
     def _collect_counters(self) -> None:
         """Send what the kernel's cumulative counter maps gained since the last read."""
         assert self.gpu is not None
@@ -278,6 +308,7 @@ class CaptureSession:
             self._collect_counters()  # the final per-kernel and ibverbs counts
         self.report_counters(force=True)
         self.ring.close()
+        self.program_stats.disable()
         self.bpf.cleanup()
         self.bpf = None
 
@@ -380,6 +411,17 @@ class CaptureSession:
             if cmd == "burst-min-us" and len(args) == 1 and cfg is not None:
                 cfg[ctypes.c_int(C["CFG_BURST_MIN_NS"])] = ctypes.c_uint64(int(args[0]) * 1000)
                 return f"ok burst-min-us {int(args[0])}"
+            if cmd == "probe-stats" and args in ([], ["on"], ["off"]) and self.bpf is not None:
+                if args == ["on"]:
+                    self.program_stats.enable()
+                elif args == ["off"]:
+                    self.program_stats.disable()
+                elif not self.program_stats.enabled:
+                    return "error: probe-stats is off (probe-stats on)"
+                return ("ok probe-stats " + (args[0] if args else
+                        format_costs(self.program_stats.read(self.bpf.funcs)))).rstrip()
+            if cmd == "gpu-sample" and len(args) == 1:
+                return f"ok gpu-sample {self.set_gpu_sample(float(args[0])):g}"
             if cmd in ("gpu-launch", "stub-naming", "analysis") and args in (["on"], ["off"]):
                 on = args[0] == "on"
                 if cmd == "analysis":
@@ -399,7 +441,7 @@ class CaptureSession:
                     self.gpu.stubs.close_window("asked (--control stub-naming off)")
                     self.gpu.stubs.join_detach()
                 return f"ok {cmd} {args[0]}"
-        except (ValueError, RuntimeError) as e:
+        except (ValueError, RuntimeError, OSError) as e:
             return f"error: {e}"
         return f"error: unknown command {command!r} (see tokentrace run --help)"
 

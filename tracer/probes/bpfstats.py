@@ -1,0 +1,111 @@
+"""What each loaded BPF program costs: the kernel's run count and run time per program.
+
+The kernel counts a program's runs and the nanoseconds spent in it only while run-time
+statistics are on (a static key: two clock reads per run). ``BPF_ENABLE_STATS`` turns
+them on for as long as the returned descriptor stays open, so closing it (or the agent
+exiting) turns them off again; no sysctl is left changed. The counts are read from the
+program descriptor's ``/proc/self/fdinfo`` entry (``run_cnt``, ``run_time_ns``).
+
+The run time is the program's own: a uprobe's trap and single-step, or a tracepoint's
+entry into BPF, are not in it. Runs are hits, so hits times a per-hit trap cost measured
+on the same host (``bench/gpu_probes.py``) gives the rest.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+from dataclasses import dataclass
+from typing import Any
+
+BPF_ENABLE_STATS = 32  # enum bpf_cmd (include/uapi/linux/bpf.h)
+BPF_STATS_RUN_TIME = 0  # enum bpf_stats_type
+_SYS_BPF = {"x86_64": 321, "aarch64": 280}
+
+
+@dataclass(frozen=True)
+class ProgramCost:
+    """One program's runs and the nanoseconds spent in it since statistics went on."""
+
+    runs: int
+    run_ns: int
+
+
+class ProgramStats:
+    """Run-time statistics for the agent's programs, on while ``enable`` holds them."""
+
+    def __init__(self) -> None:
+        self._fd: int | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self._fd is not None
+
+    def enable(self) -> None:
+        """Turn run-time statistics on (for every BPF program on the host, which is how
+        the kernel keeps them) until ``disable``. Raises ``OSError`` with the reason."""
+        if self._fd is not None:
+            return
+        nr = _SYS_BPF.get(platform.machine())
+        if nr is None:
+            raise OSError(f"probe statistics: no bpf syscall number for {platform.machine()}")
+        libc = ctypes.CDLL(None, use_errno=True)
+        attr = (ctypes.c_uint32 * 2)(BPF_STATS_RUN_TIME, 0)  # union bpf_attr.enable_stats
+        fd = libc.syscall(nr, BPF_ENABLE_STATS, ctypes.byref(attr), ctypes.sizeof(attr))
+        if fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"probe statistics: BPF_ENABLE_STATS: {os.strerror(err)} "
+                               "(needs Linux 5.8 and CAP_SYS_ADMIN)")
+        self._fd = fd
+
+    def disable(self) -> None:
+        """Turn them off again (unless another process holds them on too)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    @staticmethod
+    def read(funcs: dict[Any, Any]) -> dict[str, ProgramCost]:
+        """Run count and run time of each program in ``funcs`` (BCC's ``BPF.funcs``:
+        name -> an object with ``fd``). A program whose entry cannot be read, or that
+        has no counts (statistics never on), is left out."""
+        out: dict[str, ProgramCost] = {}
+        for name, fn in funcs.items():
+            fields = fdinfo(fn.fd)
+            if "run_cnt" in fields and "run_time_ns" in fields:
+                key = name.decode() if isinstance(name, bytes) else str(name)
+                out[key] = ProgramCost(int(fields["run_cnt"]), int(fields["run_time_ns"]))
+        return out
+
+
+def fdinfo(fd: int) -> dict[str, str]:
+    """The ``key: value`` lines of this process's ``/proc/self/fdinfo/FD``."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}") as f:
+            text = f.read()
+    except OSError:
+        return {}
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            out[key.strip()] = value.strip()
+    return out
+
+
+def format_costs(costs: dict[str, ProgramCost]) -> str:
+    """``name=runs/ns`` for each program that ran, busiest first (the ctl answer)."""
+    ran = sorted(((c.run_ns, c.runs, n) for n, c in costs.items() if c.runs), reverse=True)
+    return " ".join(f"{n}={runs}/{ns}" for ns, runs, n in ran)
+
+
+def parse_costs(text: str) -> dict[str, ProgramCost]:
+    """The inverse of ``format_costs`` (words that are not ``name=runs/ns`` are skipped)."""
+    out: dict[str, ProgramCost] = {}
+    for word in text.split():
+        name, sep, val = word.partition("=")
+        runs, sep2, ns = val.partition("/")
+        if sep and sep2 and runs.isdigit() and ns.isdigit():
+            out[name] = ProgramCost(int(runs), int(ns))
+    return out
