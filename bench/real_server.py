@@ -7,7 +7,8 @@ agent kept running and only its probes taken out and put back (`tokentrace run
         [--mode slices|windows] [--requests 32] [--concurrency 8] [--max-tokens 16:48]
         [--slice-s 3] [--settle-s 0.5] [--settle-resume-s S] [--warmup-s 10]
         [--min-pairs 8] [--max-pairs 400] [--target 0.01] [--budget-s 240] [--breakdown]
-        [--breakdown-every N] [--keep-eos] [--partial FILE]
+        [--breakdown-modes M,M] [--sample-fraction F] [--breakdown-every N] [--keep-eos]
+        [--partial FILE]
         [--out bench/results/real_server.json]
     python bench/real_server.py --pool RESULT.json [RESULT.json ...]
 
@@ -64,7 +65,15 @@ the same design together (TTFT quantiles stay per file).
 ``--breakdown`` adds slices (windows) with one part of the tracer off while the rest
 traces (payload copies: capture-limit 1 byte; the agent's analysis: records read and
 dropped; on GPU servers the kernel-launch uprobes, the stub-naming window, and
-``--burst-min-us 1000``), and reports each part's share of the server's added CPU.
+``--burst-min-us 1000``), or one mode more (``census``: full tracing with the kernel's
+per-program statistics on; ``sampled``: ``--gpu-sample --sample-fraction`` switched on
+while running), and reports each part's share of the server's added CPU;
+``--breakdown-modes`` picks some. Every slice also records the server's system CPU,
+where the probes' own cost is paid (uprobe traps, tracepoint programs): ``server_sys``
+gives each mode's added system CPU per second over the untraced slice of its round,
+with its 95% interval, a far less noisy measure than tokens/s on a GIL-bound server.
+``census`` gives each BPF program's runs per second and per output token and its mean
+run time.
 """
 
 from __future__ import annotations
@@ -88,6 +97,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from tracer.probes.bpfstats import parse_costs
 
 CLK = os.sysconf("SC_CLK_TCK")
 
@@ -121,6 +132,20 @@ def tree(pid: int) -> list[int]:
 
 def tree_cpu(pid: int) -> float:
     return sum(cpu_seconds(p) for p in tree(pid))
+
+
+def sys_seconds(pid: int) -> float:
+    """System CPU of a process: where a uprobe's trap and a syscall tracepoint's BPF
+    program are spent (they run in the traced thread, in the kernel)."""
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return int(f[12]) / CLK
+
+
+def tree_sys(pid: int) -> float:
+    return sum(sys_seconds(p) for p in tree(pid))
 
 
 def thread_cpu(pid: int) -> dict[int, float]:
@@ -677,10 +702,16 @@ MODES = {  # name -> control commands that set it up from "full" (the default tr
     "no-launch-probes": ["gpu-launch off"],  # the kernel-launch uprobes out
     "burst-min-1ms": ["burst-min-us 1000"],  # a burst record per ms, not per sync
     "stub-naming-open": ["stub-naming on"],  # the runtime's launch probes in (at attach)
+    # full, with the kernel's per-program run counts and run time on (two clock reads
+    # a run more): what each probe fires per second and costs inside BPF
+    "census": ["probe-stats on"],
+    # --gpu-sample F (--sample-fraction) switched on while running: the cheaper mode
+    "sampled": ["gpu-sample 0.1"],
 }
 UNDO = {"untraced": ["resume"], "full": [], "no-payload": ["capture-limit 262144"],
         "no-analysis": ["analysis on"], "no-launch-probes": ["gpu-launch on"],
-        "burst-min-1ms": ["burst-min-us 0"], "stub-naming-open": ["stub-naming off"]}
+        "burst-min-1ms": ["burst-min-us 0"], "stub-naming-open": ["stub-naming off"],
+        "census": ["probe-stats off"], "sampled": ["gpu-sample 1"]}
 
 
 def t975(df: int) -> float:
@@ -769,9 +800,12 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
             # state, and the window's cost a mode of its own
         modes = ["untraced", "full"]
         if args.breakdown:
-            modes += ["no-payload", "no-analysis"]
+            parts = ["no-payload", "no-analysis", "census"]
             if gpu:
-                modes += ["no-launch-probes", "burst-min-1ms", "stub-naming-open"]
+                parts += ["no-launch-probes", "burst-min-1ms", "stub-naming-open", "sampled"]
+                MODES["sampled"] = [f"gpu-sample {args.sample_fraction:g}"]
+            wanted = args.breakdown_modes.split(",") if args.breakdown_modes else parts
+            modes += [m for m in parts if m in wanted]
         if args.mode == "windows":
             windows, switches, elapsed = run_windows(kind, agent, client, server, args, modes)
         else:
@@ -944,20 +978,29 @@ def run_slices(kind: str, agent: Agent, client: Client, server: Server,
         for mode in rnd:
             go(mode)
             th0 = thread_cpu(server.pid)
+            p0 = agent.ctl("probe-stats") if mode == "census" else ""
             s0, a0, c0, r0 = tree_cpu(server.pid), agent.cpu, client.cpu, agent.records()
+            k0 = tree_sys(server.pid)
             t0 = time.monotonic()
             time.sleep(args.slice_s)
             t1 = time.monotonic()
             s1, a1, c1, r1 = tree_cpu(server.pid), agent.cpu, client.cpu, agent.records()
+            k1 = tree_sys(server.pid)
+            p1 = agent.ctl("probe-stats") if mode == "census" else ""
             th1 = thread_cpu(server.pid)
             busy = sorted((v - th0.get(k, 0.0) for k, v in th1.items()), reverse=True)
             w = {"mode": mode, "round": order, "t0": t0, "wall_s": t1 - t0,
                  "server_cpu_s": s1 - s0, "agent_cpu_s": a1 - a0, "client_cpu_s": c1 - c0,
-                 "agent_records": r1 - r0,
+                 "agent_records": r1 - r0, "server_sys_s": k1 - k0,
                  # the server's busiest threads (a GIL-bound server: one near 1.0/s)
                  "server_top_threads_cpu_s": [round(b, 2) for b in busy[:3]]}
             if clocks is not None:
                 w["gpu"] = clocks.mean(t0, t1)
+            if mode == "census":
+                a, b = parse_costs(p0), parse_costs(p1)
+                w["programs"] = {n: [c.runs - a[n].runs if n in a else c.runs,
+                                     c.run_ns - a[n].run_ns if n in a else c.run_ns]
+                                 for n, c in b.items()}
             slices.append(w)
             pending.append(w)
         fill(done)
@@ -1064,9 +1107,63 @@ def summarise(windows: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]
                                                          / max(1, sum(p["requests"] for p, _, _ in rows)), 4)}
     if parts:
         out["breakdown"] = parts
+    if windows and "server_sys_s" in windows[0]:
+        out["server_sys"] = sys_time(windows, rounds)
+    census = [w for w in windows if w.get("programs")]
+    if census:
+        out["census"] = program_census(census)
     if windows and "t0" in windows[0]:
         out["switch_effects"] = switch_effects(windows)
     return out
+
+
+def sys_time(windows: list[dict[str, Any]],
+             rounds: dict[int, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The server's system CPU per second of each mode, and per round what each traced
+    mode adds over that round's untraced slice (mean, 95% interval): uprobe traps and
+    syscall-tracepoint programs run there, in the traced threads, so this is the
+    probes' own cost measured where it is paid (plus any syscalls the probes make the
+    server do, none by design). A GIL-bound server loses about this share of its
+    throughput where the probes fire with the GIL held (launches), less where they
+    fire in a syscall that released it (socket I/O)."""
+    def per_s(w: dict[str, Any]) -> float:
+        return w["server_sys_s"] / w["wall_s"] if w["wall_s"] else 0.0
+
+    per_mode: dict[str, list[float]] = {}
+    for w in windows:
+        per_mode.setdefault(w["mode"], []).append(per_s(w))
+    out: dict[str, Any] = {"per_s": {m: round(statistics.fmean(v), 4)
+                                     for m, v in per_mode.items()}}
+    for m in per_mode:
+        added = [per_s(r[m]) - per_s(r["untraced"]) for r in rounds.values()
+                 if m != "untraced" and m in r and "untraced" in r]
+        if len(added) >= 2:
+            mean, sd = statistics.fmean(added), statistics.stdev(added)
+            hw = t975(len(added) - 1) * sd / math.sqrt(len(added))
+            out[f"{m}_added_per_s"] = {"pairs": len(added), "mean": round(mean, 4),
+                                       "ci95": [round(mean - hw, 4), round(mean + hw, 4)]}
+    return out
+
+
+def program_census(census: list[dict[str, Any]]) -> dict[str, Any]:
+    """Census slices: each BPF program's runs per second and per output token, and
+    its mean run time (inside BPF only: a uprobe's trap is on top)."""
+    wall = sum(w["wall_s"] for w in census)
+    tokens = sum(w.get("tokens", 0) for w in census)
+    totals: dict[str, list[int]] = {}
+    for w in census:
+        for name, (runs, ns) in w["programs"].items():
+            t = totals.setdefault(name, [0, 0])
+            t[0] += runs
+            t[1] += ns
+    rows = {name: {"runs_per_s": round(runs / wall, 1),
+                   "runs_per_token": round(runs / tokens, 3) if tokens else None,
+                   "ns_per_run": round(ns / runs, 1) if runs else None,
+                   "bpf_cpu_share": round(ns / wall / 1e9, 5)}
+            for name, (runs, ns) in sorted(totals.items(), key=lambda kv: -kv[1][0]) if runs}
+    return {"slices": len(census), "seconds": round(wall, 2), "tokens": tokens,
+            "programs": rows,
+            "bpf_cpu_share_all": round(sum(ns for _, ns in totals.values()) / wall / 1e9, 5)}
 
 
 def pool(files: list[str], target: float) -> dict[str, Any]:
@@ -1130,6 +1227,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="slices: wait this long after a resume instead (default: "
                          "--settle-s; see switch_effects in the output)")
     ap.add_argument("--breakdown", action="store_true", help="also each part off in turn")
+    ap.add_argument("--breakdown-modes", metavar="M,M", default="",
+                    help="only these parts of --breakdown (no-payload, no-analysis, census, "
+                         "no-launch-probes, burst-min-1ms, stub-naming-open, sampled)")
+    ap.add_argument("--sample-fraction", type=float, default=0.1, metavar="F",
+                    help="the sampled part's --gpu-sample (default 0.1; its period is the "
+                         "agent's --gpu-sample-period, e.g. --agent-args=--gpu-sample-period=1)")
     ap.add_argument("--breakdown-every", type=int, default=1, metavar="N",
                     help="the parts' slices (windows) in every Nth round only (more pairs "
                          "for the headline ratio in the same time)")
