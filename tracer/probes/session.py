@@ -147,11 +147,7 @@ class CaptureSession:
             if self.config.gpu_sample < 1.0:
                 # the first period starts "on" (so libraries found now attach their
                 # launch probes) and says so
-                self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=True,
-                                      fraction=self.config.gpu_sample))
-                self._next_sample_toggle = (time.monotonic()
-                                            + self.config.gpu_sample_period_s
-                                            * self.config.gpu_sample)
+                self._begin_sampled_period()
         if "tls" in self.concerns:
             self._start_tls()
         for name in self.config.comms:
@@ -242,6 +238,13 @@ class CaptureSession:
             share = fraction
         self._next_sample_toggle = time.monotonic() + self.config.gpu_sample_period_s * share
 
+    def _begin_sampled_period(self) -> None:
+        """--gpu-sample: a period starts with the launch probes on, said by a switch."""
+        fraction = self.config.gpu_sample
+        self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=True, fraction=fraction))
+        self._next_sample_toggle = (time.monotonic()
+                                    + self.config.gpu_sample_period_s * fraction)
+
     def set_gpu_sample(self, fraction: float) -> float:
         """Change ``--gpu-sample`` while running (``--control gpu-sample F``). From
         counting every launch, sampling starts with the probes on for ``F`` of a period;
@@ -259,9 +262,7 @@ class CaptureSession:
             return fraction
         if fraction < 1.0:
             if self.gpu.launches_on:  # the first sampled period begins "on", as at start
-                self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=True, fraction=fraction))
-                self._next_sample_toggle = (time.monotonic()
-                                            + self.config.gpu_sample_period_s * fraction)
+                self._begin_sampled_period()
             return fraction  # off: the next toggle turns them on at the new share
         self.gpu.join_detach()
         attach_s = self.gpu.attach_launch_probes()
