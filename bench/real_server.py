@@ -98,7 +98,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tracer.probes.bpfstats import parse_costs
+from tracer.probes.bpfstats import ProgramCost, parse_costs
 
 CLK = os.sysconf("SC_CLK_TCK")
 
@@ -106,13 +106,20 @@ CLK = os.sysconf("SC_CLK_TCK")
 # ---- processes ------------------------------------------------------------------------
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process (all its threads)."""
+def cpu_times(pid: int) -> tuple[float, float]:
+    """User and system CPU of a process (all its threads). System CPU is where a
+    uprobe's trap and a syscall tracepoint's BPF program are spent (they run in the
+    traced thread, in the kernel)."""
     try:
         f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return 0.0
-    return (int(f[11]) + int(f[12])) / CLK
+        return 0.0, 0.0
+    return int(f[11]) / CLK, int(f[12]) / CLK
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process (all its threads)."""
+    return sum(cpu_times(pid))
 
 
 def tree(pid: int) -> list[int]:
@@ -134,18 +141,10 @@ def tree_cpu(pid: int) -> float:
     return sum(cpu_seconds(p) for p in tree(pid))
 
 
-def sys_seconds(pid: int) -> float:
-    """System CPU of a process: where a uprobe's trap and a syscall tracepoint's BPF
-    program are spent (they run in the traced thread, in the kernel)."""
-    try:
-        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return int(f[12]) / CLK
-
-
-def tree_sys(pid: int) -> float:
-    return sum(sys_seconds(p) for p in tree(pid))
+def tree_times(pid: int) -> tuple[float, float]:
+    """All CPU and system CPU of ``pid`` and its descendants."""
+    times = [cpu_times(p) for p in tree(pid)]
+    return sum(u + k for u, k in times), sum(k for _, k in times)
 
 
 def thread_cpu(pid: int) -> dict[int, float]:
@@ -979,13 +978,11 @@ def run_slices(kind: str, agent: Agent, client: Client, server: Server,
             go(mode)
             th0 = thread_cpu(server.pid)
             p0 = agent.ctl("probe-stats") if mode == "census" else ""
-            s0, a0, c0, r0 = tree_cpu(server.pid), agent.cpu, client.cpu, agent.records()
-            k0 = tree_sys(server.pid)
+            (s0, k0), a0, c0, r0 = tree_times(server.pid), agent.cpu, client.cpu, agent.records()
             t0 = time.monotonic()
             time.sleep(args.slice_s)
             t1 = time.monotonic()
-            s1, a1, c1, r1 = tree_cpu(server.pid), agent.cpu, client.cpu, agent.records()
-            k1 = tree_sys(server.pid)
+            (s1, k1), a1, c1, r1 = tree_times(server.pid), agent.cpu, client.cpu, agent.records()
             p1 = agent.ctl("probe-stats") if mode == "census" else ""
             th1 = thread_cpu(server.pid)
             busy = sorted((v - th0.get(k, 0.0) for k, v in th1.items()), reverse=True)
@@ -997,10 +994,9 @@ def run_slices(kind: str, agent: Agent, client: Client, server: Server,
             if clocks is not None:
                 w["gpu"] = clocks.mean(t0, t1)
             if mode == "census":
-                a, b = parse_costs(p0), parse_costs(p1)
-                w["programs"] = {n: [c.runs - a[n].runs if n in a else c.runs,
-                                     c.run_ns - a[n].run_ns if n in a else c.run_ns]
-                                 for n, c in b.items()}
+                a, none = parse_costs(p0), ProgramCost(0, 0)
+                w["programs"] = {n: [c.runs - a.get(n, none).runs, c.run_ns - a.get(n, none).run_ns]
+                                 for n, c in parse_costs(p1).items()}
             slices.append(w)
             pending.append(w)
         fill(done)
