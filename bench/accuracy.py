@@ -81,10 +81,11 @@ def stop_server(p: subprocess.Popen[str]) -> None:
 def run_case(layout: str, concurrency: int, requests: int, device: str,
              libs: dict[str, Path] | None, work: Path, max_batch: int,
              keep_spans: bool = False, pricing: Any = None,
-             step_cost: str | None = None, record: Path | None = None) -> dict[str, Any]:
+             step_cost: str | None = None, record: Path | None = None,
+             **config: Any) -> dict[str, Any]:
     """Serve ``requests`` at ``concurrency`` under the tracer and score the spans.
     ``step_cost`` (FIXED,PER_MEMBER,PER_PREFILL) shapes the stand-in's launches;
-    ``record`` keeps the capture."""
+    ``record`` keeps the capture; ``config``: more capture options (``gpu_sample``)."""
     name = f"{layout}-c{concurrency}" + (f"-cost{step_cost.replace(',', '_')}" if step_cost else "")
     truth_path = work / f"truth-{name}.jsonl"
     truth_path.unlink(missing_ok=True)
@@ -100,7 +101,7 @@ def run_case(layout: str, concurrency: int, requests: int, device: str,
     try:
         client_out = work / f"client-{name}.json"
         with traced(pids=[p.pid], settle=1.0, pricing=pricing,
-                    record=str(record) if record else None) as got:
+                    record=str(record) if record else None, **config) as got:
             subprocess.run([sys.executable, "-m", "samples.batching.load",
                             "--url", f"http://127.0.0.1:{port}", "--requests", str(requests),
                             "--concurrency", str(concurrency), "--out", str(client_out),

@@ -72,3 +72,19 @@ def test_spans_carry_phases_and_cost(libs, tmp_path: Path):
         kids = {c["name"]: c for c in spans if c.get("parent_span_id") == s["span_id"]}
         assert "prefill" in kids, a
         assert kids["prefill"]["attributes"]["tokentrace.phase"] == "prefill"
+
+
+def test_sampled_launch_probes_keep_each_requests_share_close(libs, tmp_path):
+    """--gpu-sample 0.3: the launch probes are attached 30% of each half second, the
+    steps they did not see whole are estimated from the thread's steps they did (of
+    the same shape), and each request's launches stay close to the engine's truth
+    (measured: 6.8% against 1.1% with every launch counted; unestimated, ~70% low)."""
+    r = run_case("thread", concurrency=8, requests=96, device="cpu", libs=libs,
+                 work=tmp_path, max_batch=16, gpu_sample=0.3, gpu_sample_period_s=0.5)
+    t = r["tracer"]
+    assert r["requests_traced"] == r["requests_truth"] == 96
+    assert r["kernel_share"]["mae_over_mean"] <= 0.15, r
+    assert t["gpu_steps_estimated"] > t["gpu_steps_counted"] > 0
+    assert t.get("gpu_steps_unestimated", 0) == 0
+    assert t["gpu_step_launches_charged"] == pytest.approx(t["gpu_step_launches"], rel=0.01)
+    assert all(v == 0 for k, v in t.items() if k.startswith("capture.lost"))

@@ -236,6 +236,8 @@ class Pipeline:
                 self.attribution.burst(ev)
             elif isinstance(ev, gpu.NcclEvent):
                 self.attribution.nccl(ev)
+            elif isinstance(ev, gpu.GpuSampling):
+                self.attribution.sampling = self.gpu.sampling
         elif isinstance(ev, NetWait):
             self.net.netwait(ev)
         elif isinstance(ev, TlsEvent):

@@ -33,9 +33,16 @@ from typing import Any, Callable, Iterable, Protocol
 
 from tracer.correlate.costmodel import Learner, Member, StepModel, allocate
 from tracer.correlate.ipc import IpcGraph
-from tracer.correlate.ledger import EVICTED, NO_REQUEST, UNJOINED_RANK, Ledger
+from tracer.correlate.ledger import (
+    ESTIMATED,
+    EVICTED,
+    NO_REQUEST,
+    UNJOINED_RANK,
+    Ledger,
+)
 from tracer.correlate.membership import Membership, Occupancy, arrival_ns, request_range
 from tracer.correlate.records import ChildSpan, RequestRecord
+from tracer.correlate.sampling import LaunchSampling, StepEstimates
 from tracer.correlate.stacks import Flame, StackBook, burst_units, step_units
 from tracer.correlate.steps import MAX_STEPS, Step, StepLog, collective_offset
 from tracer.correlate.work import KERNEL_QUANTITIES, Work
@@ -75,6 +82,7 @@ class GpuShare:
     work: Work = field(default_factory=Work)
     bursts: int = 0
     steps: int = 0
+    steps_estimated: int = 0  # --gpu-sample: steps whose launches and span are estimates
     prefill_launches: float = 0.0
     decode_launches: float = 0.0
     whole: bool = True  # every burst or step it was charged it had alone
@@ -129,6 +137,7 @@ class GpuShare:
                 self.add_flame(step.flame, fk, ft)  # type: ignore[arg-type]
             if rank == 0:  # other tensor-parallel ranks' steps are the same steps
                 self.steps += 1
+                self.steps_estimated += step.estimated
             self.bursts += step.bursts
             if prefill:
                 self.prefill_launches += launches
@@ -163,6 +172,8 @@ class GpuShare:
         }
         if step:
             out["gpu.steps"] = self.steps
+            if self.steps_estimated:
+                out["gpu.steps_estimated"] = self.steps_estimated
             out["gpu.prefill_launches"] = count(self.prefill_launches)
             out["gpu.decode_launches"] = count(self.decode_launches)
         if self.models:
@@ -272,6 +283,11 @@ class GpuAttribution:
         self._frontier_rec: dict[frozenset[int], RequestRecord | None] = {}
         self._open_check = open_check
         self._serves = serves
+        # --gpu-sample: the launch probes' switches (set by the pipeline from the
+        # GpuLedger's), and the estimates for steps they did not see whole
+        self.sampling: LaunchSampling | None = None
+        self.estimates = StepEstimates()
+        self._prev_end: dict[LogKey, int] = {}  # each log's last closed step's end
 
     # ---- GPU side -------------------------------------------------------------------
 
@@ -401,10 +417,40 @@ class GpuAttribution:
     def _closed(self, log: StepLog, step: Step) -> None:
         """A step of ``log`` ended: book it, and keep the log bounded."""
         self.stats["gpu_steps"] += 1
+        prev_end = self._prev_end.get(log.key)
+        self._prev_end[log.key] = step.end_ts
+        if self.sampling is not None:
+            self._sampled(step, prev_end, self.sampling)
         self.stats["gpu_step_launches"] += step.launches
-        self.ledger.observe(step.pid, step.work)
+        self.ledger.observe(step.pid, step.work, estimated=step.estimated)
         if len(log.steps) > MAX_STEPS:
             self._retire(log, log.prune(log.steps[-MAX_STEPS].end_ts))
+
+    def _sampled(self, step: Step, prev_end: int | None, sampling: LaunchSampling) -> None:
+        """--gpu-sample: a step whose launches were all counted becomes its shape's
+        reference; any other takes its estimates from one."""
+        start = step.first_ts if prev_end is None else prev_end
+        if sampling.counted(start, step.end_ts):
+            self.estimates.learn(step, prev_end)
+            self.stats["gpu_steps_counted"] += 1
+        elif self.estimates.fill(step, prev_end):
+            self.stats["gpu_steps_estimated"] += 1
+        else:  # no reference yet: tried again when its members are decided
+            step.unestimated_after = step.first_ts if prev_end is None else prev_end
+            self.stats["gpu_steps_unestimated"] += 1
+
+    def _estimate_late(self, step: Step) -> None:
+        """A step closed before its thread had a step counted whole: estimated now if
+        one has been since, the difference booked as observed."""
+        seen = Work({q: step.work.get(q, 0.0) for q in ESTIMATED})
+        if not self.estimates.fill(step, step.unestimated_after):
+            return
+        step.unestimated_after = None
+        estimate = Work({q: step.work.get(q, 0.0) for q in ESTIMATED})
+        self.ledger.revise(step.pid, seen, estimate)
+        self.stats["gpu_step_launches"] += step.launches - int(seen.get("kernel_launches", 0))
+        self.stats["gpu_steps_unestimated"] -= 1
+        self.stats["gpu_steps_estimated_late"] += 1
 
     def _retire(self, log: StepLog, steps: list[Step]) -> None:
         """Steps forgotten: those never settled are left unattributed."""
@@ -531,9 +577,11 @@ class GpuAttribution:
         """Fix ``step``'s members (and teach the step-cost models what it cost); it is
         split among them by ``_allocate``."""
         members = self.members[log.key].members(step.index)
+        if step.unestimated_after is not None:
+            self._estimate_late(step)
         if fsteps:
             self.stats["gpu_steps_joined_nccl"] += len(fsteps)
-        if members:
+        if members and not step.estimated:  # an estimate would teach the model itself
             kernel, time = self.learners[log.key]
             feats = [m for _, m in members]
             kernel.learn(feats, step.work.get("kernel_launches", 0.0))

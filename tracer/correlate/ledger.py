@@ -21,6 +21,8 @@ from tracer.correlate.work import QUANTITIES, Work
 NO_REQUEST = "no_request"  # a step no traced request was in (warm-up, idle, untraced)
 UNJOINED_RANK = "unjoined_rank"  # a tensor-parallel rank's step not matched to rank 0's
 EVICTED = "evicted"  # dropped unsettled to bound memory
+# what --gpu-sample estimates for a step the launch probes did not see whole
+ESTIMATED = ("kernel_launches", "graph_launches", "gpu_time_ns")
 TOLERANCE = 1e-6  # relative: float rounding of many fractional shares
 
 
@@ -29,11 +31,25 @@ class Ledger:
 
     def __init__(self) -> None:
         self.observed: dict[int, Work] = defaultdict(Work)
+        # the part of observed that is estimated (--gpu-sample: steps' launches and
+        # spans the launch probes did not see whole)
+        self.estimated: dict[int, Work] = defaultdict(Work)
         self.charged: dict[int, Work] = defaultdict(Work)
         self.unattributed: dict[int, dict[str, Work]] = defaultdict(lambda: defaultdict(Work))
 
-    def observe(self, pid: int, work: Mapping[str, float]) -> None:
+    def observe(self, pid: int, work: Mapping[str, float], estimated: bool = False) -> None:
         self.observed[pid].add(work)
+        if estimated:
+            self.estimated[pid].add({q: work.get(q, 0.0) for q in ESTIMATED})
+
+    def revise(self, pid: int, seen: Mapping[str, float], estimate: Mapping[str, float]
+               ) -> None:
+        """Work observed as ``seen`` is now ``estimate`` (a step estimated after it
+        closed): observed moves by the difference, all of ``estimate`` is estimated."""
+        obs = self.observed[pid]
+        obs.add(estimate)
+        obs.add(seen, -1.0)
+        self.estimated[pid].add(estimate)
 
     def charge(self, pid: int, work: Mapping[str, float], fraction: float = 1.0) -> None:
         self.charged[pid].add(work, fraction)
@@ -74,5 +90,7 @@ class Ledger:
                 rows[q] = {"observed": obs, "charged": self.charged[pid].get(q, 0.0),
                            "unattributed": sum(left.values()), "unattributed_by": left,
                            "residual": res.get(q, 0.0)}
+                if self.estimated[pid].get(q):
+                    rows[q]["estimated"] = self.estimated[pid][q]
             procs[str(pid)] = rows
         return {"balanced": self.balanced(), "processes": procs}

@@ -54,6 +54,16 @@ class Step:
     coll_seq: int = -1  # that collective's place among its thread's collectives
 
     bursts_ns: int = 0  # the bursts' own spans, summed
+    first_end_ts: int = 0  # where its first burst ended (a sync: seen, sampled or not)
+    # the calls seen whether or not the launch probes are on (--gpu-sample), for
+    # shape(); and whether its launches and span are estimates (sampling.StepEstimates)
+    memset_calls: int = 0
+    sync_calls: int = 0
+    query_polls: int = 0
+    estimated: bool = False
+    # not counted whole and not estimated yet (its thread had no reference): the
+    # previous step's end, to estimate it once one is learnt
+    unestimated_after: int | None = None
     # for launch-site stacks (tracer/correlate/stacks.py): calls per kind, and the
     # stack samples its bursts brought ((stack id, unit) -> samples)
     copy_calls: list[int] = field(default_factory=lambda: [0] * len(COPY_KINDS))
@@ -86,9 +96,19 @@ class Step:
     def launches(self) -> int:
         return int(self.work.get("kernel_launches", 0))
 
+    def shape(self) -> tuple[int, ...]:
+        """What the probes that stay on under ``--gpu-sample`` saw of it: copy calls by
+        kind, memset and sync calls, whether it polled. Steps of one shape launch the
+        same kernels to within 1% on the H100 captures (the whole mix varies 5-120%)."""
+        return (*self.copy_calls, self.memset_calls, self.sync_calls, self.query_polls > 0)
+
     def add(self, b: KernelBurst) -> None:
         if not self.bursts:
             self.first_ts = b.first_ts
+            self.first_end_ts = b.last_ts
+        self.memset_calls += b.memset_calls
+        self.sync_calls += b.sync_calls
+        self.query_polls += b.query_polls
         self.bursts += 1
         self.end_ts = max(self.end_ts, b.last_ts)
         self.bursts_ns += max(0, b.last_ts - b.first_ts)

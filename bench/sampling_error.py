@@ -1,0 +1,183 @@
+"""The error ``--gpu-sample`` puts on each request's GPU numbers, measured on captures
+recorded on real GPUs with every launch counted.
+
+Each capture is replayed twice through ``Pipeline.feed``: as recorded (the truth), and
+with the launch probes' sampling imposed on it. For the second, the launch probes are on
+for FRACTION of each PERIOD: a burst not wholly inside an "on" window loses its launches
+and kernels, as it would with the probes detached (its copies, memsets and syncs stay:
+those probes stay on), and the switches arrive as ``GpuSampling`` events, as the agent
+sends them. Per request, the kernel launches and GPU time charged are then compared
+with the truth; the totals charged, and the conservation (charged plus unattributed
+equals observed), are checked in both.
+
+One thing the imposed sampling cannot reproduce: with the launch probes off, a burst's
+first time stamp is its first copy or sync, not its first launch. The estimate of a
+step's start does not use it (``tracer/correlate/sampling.py``), so this does not
+flatter the result.
+
+    python3 bench/sampling_error.py [CAPTURE ...] [--fraction 0.1] [--period-s 1]
+                                    [--phases 4] [--out bench/results/sampling_error.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Iterable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tracer.correlate.connections import TrackerOptions  # noqa: E402
+from tracer.correlate.records import RequestRecord  # noqa: E402
+from tracer.events import capture, schema  # noqa: E402
+from tracer.events.gpu import GpuSampling, KernelBurst  # noqa: E402
+from tracer.pipeline import Pipeline  # noqa: E402
+
+DEFAULT_CAPTURES = [ROOT / "samples/captures/hf-cb-c32-h100.ttcap",
+                    ROOT / "samples/captures/hf-serve-cb-h100.ttcap",
+                    ROOT / "samples/captures/hf-plain-c4-h100.ttcap"]
+
+
+def load(path: Path) -> tuple[list[Any], dict[str, Any]]:
+    """A capture's items (GPU bursts decoded, the rest as recorded) and its header."""
+    reader = capture.CaptureReader(path)
+    items: list[Any] = []
+    for item in reader:
+        if isinstance(item, bytes) and item[:4] == KBURST_KIND:
+            item = schema.decode(item)
+        items.append(item)
+    return items, reader.header
+
+
+KBURST_KIND = schema.wire.CONSTANTS["KIND_KBURST"].to_bytes(4, "little")
+
+
+def impose(items: list[Any], fraction: float, period_ns: int, phase_ns: int) -> list[Any]:
+    """``items`` as ``--gpu-sample fraction`` with this period would have recorded them:
+    launch probes on for the first ``fraction`` of each period (periods start
+    ``phase_ns`` before the first burst), switches sent before the first burst after
+    them, bursts not wholly inside an "on" window without launches."""
+    bursts = [i for i in items if isinstance(i, KernelBurst)]
+    if not bursts:
+        return list(items)
+    start = min(b.first_ts for b in bursts) - phase_ns
+    on_ns = int(fraction * period_ns)
+
+    def window(ts: int) -> int:
+        return (ts - start) // period_ns
+
+    def on(ts: int) -> bool:
+        return (ts - start) % period_ns < on_ns
+
+    switches: list[tuple[int, bool]] = []
+    t, end = start, max(b.last_ts for b in bursts)
+    while t <= end:
+        switches += [(t, True), (t + on_ns, False)]
+        t += period_ns
+    out: list[Any] = []
+    k = 0
+    for item in items:
+        if isinstance(item, KernelBurst):
+            while k < len(switches) and switches[k][0] <= item.last_ts:
+                ts, enabled = switches[k]
+                out.append(GpuSampling(ts=ts, enabled=enabled, fraction=fraction))
+                k += 1
+            whole = (window(item.first_ts) == window(item.last_ts)
+                     and on(item.first_ts) and on(item.last_ts))
+            if not whole:
+                item = replace(item, launches=0, graph_launches=0, handle_counts={})
+        out.append(item)
+    return out
+
+
+class Collect:
+    """A record sink keeping each request's charged launches and GPU time."""
+
+    def __init__(self) -> None:
+        self.gpu: dict[tuple[int, int, int, int], dict[str, Any]] = {}
+
+    def on_record(self, rec: RequestRecord) -> None:
+        self.gpu[rec.key] = dict(rec.gpu)
+
+    def close(self) -> None:
+        pass
+
+
+def replay(items: Iterable[Any], header: dict[str, Any]) -> tuple[Collect, Pipeline]:
+    sink = Collect()
+    p = Pipeline([sink], options=TrackerOptions(
+        tenant_salt=capture.tenant_salt(header),
+        secrets_masked=header.get("secrets_masked") is True))
+    for item in items:
+        p.feed(item)
+    p.close()
+    return sink, p
+
+
+def errors(truth: Collect, sampled: Collect, key: str, scale: float = 1.0) -> dict[str, Any]:
+    """Per request |sampled - truth| / truth for one attribute, and the totals' ratio."""
+    rel = []
+    t_sum = s_sum = 0.0
+    for k, t in truth.gpu.items():
+        tv = float(t.get(key, 0.0)) * scale
+        sv = float(sampled.gpu.get(k, {}).get(key, 0.0)) * scale
+        t_sum += tv
+        s_sum += sv
+        if tv > 0:
+            rel.append(abs(sv - tv) / tv)
+    rel.sort()
+    return {"total_ratio": round(s_sum / t_sum, 4) if t_sum else None,
+            "requests": len(rel),
+            "median_error": round(statistics.median(rel), 4) if rel else None,
+            "p90_error": round(rel[int(0.9 * (len(rel) - 1))], 4) if rel else None,
+            "max_error": round(rel[-1], 4) if rel else None}
+
+
+def measure(path: Path, fraction: float, period_s: float, phases: int) -> dict[str, Any]:
+    items, header = load(path)
+    truth, tp = replay(items, header)
+    assert tp.attribution.ledger.balanced()
+    runs = []
+    period_ns = int(period_s * 1e9)
+    for i in range(phases):
+        phase = period_ns * i // phases
+        sampled, sp = replay(impose(items, fraction, period_ns, phase), header)
+        stats = sp.stats
+        recon = sp.attribution.ledger
+        runs.append({
+            "phase_s": round(phase / 1e9, 3),
+            "balanced": recon.balanced(),
+            "steps_counted": stats["gpu_steps_counted"],
+            "steps_estimated": stats["gpu_steps_estimated"],
+            "steps_unestimated": stats["gpu_steps_unestimated"],
+            "kernel_launches": errors(truth, sampled, "gpu.kernel_launches"),
+            "gpu_time": errors(truth, sampled, "gpu.time_ms"),
+        })
+    return {"capture": path.name, "requests": len(truth.gpu), "fraction": fraction,
+            "period_s": period_s, "runs": runs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("captures", nargs="*", type=Path, default=DEFAULT_CAPTURES)
+    ap.add_argument("--fraction", type=float, default=0.1)
+    ap.add_argument("--period-s", type=float, default=1.0)
+    ap.add_argument("--phases", type=int, default=4, help="sampling phases per capture")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    doc = {"bench": "sampling_error", "results": [
+        measure(p, args.fraction, args.period_s, args.phases) for p in args.captures]}
+    text = json.dumps(doc, indent=1)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
