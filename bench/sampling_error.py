@@ -41,6 +41,7 @@ from tracer.pipeline import Pipeline  # noqa: E402
 DEFAULT_CAPTURES = [ROOT / "samples/captures/hf-cb-c32-h100.ttcap",
                     ROOT / "samples/captures/hf-serve-cb-h100.ttcap",
                     ROOT / "samples/captures/hf-plain-c4-h100.ttcap"]
+KBURST_KIND = schema.wire.CONSTANTS["KIND_KBURST"].to_bytes(4, "little")
 
 
 def load(path: Path) -> tuple[list[Any], dict[str, Any]]:
@@ -52,9 +53,6 @@ def load(path: Path) -> tuple[list[Any], dict[str, Any]]:
             item = schema.decode(item)
         items.append(item)
     return items, reader.header
-
-
-KBURST_KIND = schema.wire.CONSTANTS["KIND_KBURST"].to_bytes(4, "little")
 
 
 def impose(items: list[Any], fraction: float, period_ns: int, phase_ns: int) -> list[Any]:

@@ -436,7 +436,7 @@ class GpuAttribution:
         elif self.estimates.fill(step, prev_end):
             self.stats["gpu_steps_estimated"] += 1
         else:  # no reference yet: tried again when its members are decided
-            step.unestimated_after = step.first_ts if prev_end is None else prev_end
+            step.unestimated_after = start
             self.stats["gpu_steps_unestimated"] += 1
 
     def _estimate_late(self, step: Step) -> None:
