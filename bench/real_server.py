@@ -627,6 +627,15 @@ class Client:
     def slice(self, t0: float, t1: float) -> dict[str, Any]:
         return self.ask(f"slice {t0!r} {t1!r}")
 
+    def first_tokens(self, timeout: float = 600) -> float:
+        """Seconds until tokens flow after ``start`` (a server's first request can take
+        long: the engine is set up then)."""
+        t0 = time.monotonic()
+        while not self.slice(time.monotonic() - 1.0, time.monotonic())["tokens"]:
+            if time.monotonic() - t0 > timeout:
+                raise RuntimeError(f"no tokens in {timeout:g} s")
+        return round(time.monotonic() - t0, 1)
+
     @property
     def cpu(self) -> float:
         return cpu_seconds(self.proc.pid)
@@ -784,11 +793,7 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
         else:
             client.ask("start")
             loaded = True
-            t0 = time.monotonic()
-            while not client.slice(time.monotonic() - 1.0, time.monotonic())["tokens"]:
-                if time.monotonic() - t0 > 600:  # (a server's first request can take
-                    raise RuntimeError("no tokens in 10 minutes")  # long: engine set up)
-            out["first_tokens_after_s"] = round(time.monotonic() - t0, 1)
+            out["first_tokens_after_s"] = client.first_tokens()
             time.sleep(args.warmup_s)  # the same, under the load the slices measure
         agent = Agent(server, work, cpus["agent"], args.agent_args.split())
         t_attached = time.monotonic()

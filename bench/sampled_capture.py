@@ -76,10 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                            "fraction": args.fraction, "period_s": args.period_s}
     try:
         client.ask("start")
-        t0 = time.monotonic()
-        while not client.slice(time.monotonic() - 1.0, time.monotonic())["tokens"]:
-            if time.monotonic() - t0 > 600:
-                raise RuntimeError("no tokens in 10 minutes")
+        client.first_tokens()
         time.sleep(args.warmup_s)
         doc["full"] = capture(server, client, args.out, "full", args.seconds, [],
                               cpus["agent"])
