@@ -77,15 +77,17 @@ def test_spans_carry_phases_and_cost(libs, tmp_path: Path):
 def test_sampled_launch_probes_keep_each_requests_share_close(libs, tmp_path):
     """--gpu-sample 0.3: the launch probes are attached 30% of each half second, the
     steps they did not see whole are estimated from the thread's steps they did (of
-    the same shape), and each request's launches stay close to the engine's truth
-    (the stand-in's launches grow with a batch's members, its copies do not: the
-    mean error over the mean was 0.053-0.151 in eight runs, 0.011 with every launch
-    counted; charged only what the probes saw, requests got ~30% of their launches)."""
+    the same shape, and of those the one whose copies moved the nearest bytes), and
+    each request's launches stay close to the engine's truth. The stand-in's launches
+    grow with a batch's members, its copies' calls do not but their bytes do: the mean
+    error over the mean was 0.043-0.053 in four runs beside a busy loop, totals within
+    3.4% (by shape alone: 0.11-0.18, totals up to 10.7% over, which failed CI); 0.011
+    with every launch counted; charged only what the probes saw, requests got ~30%."""
     r = run_case("thread", concurrency=8, requests=96, device="cpu", libs=libs,
                  work=tmp_path, max_batch=16, gpu_sample=0.3, gpu_sample_period_s=0.5)
     t = r["tracer"]
     assert r["requests_traced"] == r["requests_truth"] == 96
-    assert r["kernel_share"]["mae_over_mean"] <= 0.25, r
+    assert r["kernel_share"]["mae_over_mean"] <= 0.12, r
     assert r["launches_charged_matched"] == pytest.approx(r["launches_truth_matched"],
                                                           rel=0.1), r
     assert t["gpu_steps_estimated"] > t["gpu_steps_counted"] > 0

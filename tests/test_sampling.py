@@ -163,12 +163,14 @@ def test_counted_spans_start_before_the_first_switch_and_end_at_an_off():
     assert s.counted(31, 10**9)
 
 
-def step_of(first: int, end: int, launches: int, d2d: int, kernels: dict[int, int]):
+def step_of(first: int, end: int, launches: int, d2d: int, kernels: dict[int, int],
+            h2d_bytes: int = 64):
     from tracer.correlate.steps import Step
     st = Step(PID, TID)
     st.add(KernelBurst(pid=PID, tid=TID, reason="sync", sync_api=0, first_ts=first,
                        last_ts=end, launches=launches, graph_launches=0,
-                       copy_bytes={"d2d": d2d}, copy_calls={"d2d": d2d, "d2h": 1},
+                       copy_bytes={"d2d": d2d, "h2d": h2d_bytes},
+                       copy_calls={"d2d": d2d, "d2h": 1, "h2d": 1},
                        memset_bytes=0, memset_calls=0, sync_calls=1, sync_wait_ns=0,
                        query_polls=0, handle_counts=kernels))
     st.work["gpu_time_ns"] = st.span_ns
@@ -196,6 +198,22 @@ def test_a_step_not_seen_whole_takes_its_shapes_launches_and_an_estimated_start(
     other = step_of(1, 2, 0, 3, {})
     other.tid += 1
     assert not est.fill(other, prev_end=0) and not other.estimated
+
+
+def test_of_one_shape_the_step_whose_copies_moved_the_nearest_bytes_is_the_reference():
+    """A batch's size shows in its copies' bytes (its input ids), not in their calls:
+    an engine whose launches grow with the batch gets the launches of the steps nearest
+    in bytes, and a step of equal bytes learnt later replaces the earlier one."""
+    from tracer.correlate.sampling import StepEstimates
+    est = StepEstimates()
+    est.learn(step_of(1_000, 9_000, 50, 3, {7: 50}, h2d_bytes=400), prev_end=0)
+    est.learn(step_of(11_000, 19_000, 140, 3, {7: 140}, h2d_bytes=4_000), prev_end=10_000)
+    for h2d, launches in ((3_600, 140), (800, 50), (4_000, 140), (0, 50)):
+        st = step_of(21_000, 29_000, 0, 3, {}, h2d_bytes=h2d)
+        assert est.fill(st, prev_end=20_000) and st.launches == launches, h2d
+    est.learn(step_of(31_000, 39_000, 60, 3, {7: 60}, h2d_bytes=400), prev_end=30_000)
+    st = step_of(41_000, 49_000, 0, 3, {}, h2d_bytes=400)
+    assert est.fill(st, prev_end=40_000) and st.launches == 60
 
 
 def test_sampled_replay_of_the_h100_capture_charges_each_request_close_to_the_truth():

@@ -16,10 +16,10 @@ that never synchronises, or a short capture) falls back to the time share: launc
 seen divided by the share of its active span the probes were on; ``method`` says which.
 
 Per request, the same question is asked of each engine step (``StepEstimates``): a step
-the launch probes did not see whole takes its launches, kernels and span from the last
+the launch probes did not see whole takes its launches, kernels and span from a
 wholly seen step of the same thread and shape (the calls the probes that stay on saw:
-copies by kind, memsets, syncs), so each request's kernel counts and GPU time are
-estimates too, and charged plus unattributed still equals observed.
+copies by kind, memsets, syncs), the one whose copies moved the nearest bytes, so each
+request's kernel counts and GPU time are estimates too, and charged plus unattributed still equals observed.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tracer.correlate.steps import Step
+from tracer.events.gpu import COPY_KINDS
 
 # fewer sampled steps than this and the step ratio is too noisy: use the time share
 MIN_SAMPLED_STEPS = 8
@@ -171,6 +172,7 @@ def estimate(seen: float, sampled: float, sample: StepSample | None,
 # captures, where it puts the summed span within 1.5% (bench/sampling_error.py)
 FIRST_BURST_SLACK = 4
 MAX_SHAPES = 256  # per thread, least recently seen forgotten first
+MAX_SIZES = 16  # per shape: the latest steps of different copy sizes
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,40 +187,48 @@ class StepReference:
 
 
 class StepEstimates:
-    """Per thread, the latest wholly seen step of each shape, and the estimates they
-    give the steps the launch probes did not see whole: from the step's own shape, or,
-    for a shape not seen whole yet, the nearest one. Own-shape estimates are within
-    0.2% on the H100 captures, nearest-shape ones 11-18% (a batch's size changes its
-    copies and launches, but not in one proportion); the longer the run, the more
-    shapes have been seen whole."""
+    """Per thread, the latest wholly seen steps of each shape, and the estimates they
+    give the steps the launch probes did not see whole: from the step's own shape (of
+    those, the one whose copies moved the nearest number of bytes: an engine whose
+    launches grow with the batch copies more for a bigger one), or, for a shape not seen
+    whole yet, the nearest one. Own-shape estimates are within 0.2% on the H100
+    captures, nearest-shape ones 11-18% (a batch's size changes its copies and
+    launches, but not in one proportion); the longer the run, the more shapes have been
+    seen whole."""
 
     def __init__(self) -> None:
-        self.refs: dict[tuple[int, int], dict[tuple[int, ...], StepReference]] = {}
+        # thread -> shape -> copy sizes -> reference; shapes and sizes most recent last
+        self.refs: dict[tuple[int, int],
+                        dict[tuple[int, ...], dict[tuple[int, ...], StepReference]]] = {}
 
     def learn(self, step: Step, prev_end: int | None) -> None:
-        """``step`` was counted whole: it is its shape's reference from now on."""
+        """``step`` was counted whole: it is its shape's (and size's) reference."""
         if prev_end is None:
             return  # no gap to learn from
-        key = (step.pid, step.tid)
         ref = StepReference(launches=step.launches,
                             graph_launches=int(step.work.get("graph_launches", 0)),
                             kernels=step.kernels, gap_ns=max(0, step.first_ts - prev_end),
                             first_burst_ns=max(0, step.first_end_ts - step.first_ts))
-        refs = self.refs.setdefault(key, {})
-        shape = step.shape()
-        refs.pop(shape, None)
-        refs[shape] = ref
-        if len(refs) > MAX_SHAPES:
-            del refs[next(iter(refs))]
+        shapes = self.refs.setdefault((step.pid, step.tid), {})
+        shape, size = step.shape(), _copy_sizes(step)
+        sizes = shapes.pop(shape, {})
+        shapes[shape] = sizes
+        sizes.pop(size, None)
+        sizes[size] = ref
+        if len(sizes) > MAX_SIZES:
+            del sizes[next(iter(sizes))]
+        if len(shapes) > MAX_SHAPES:
+            del shapes[next(iter(shapes))]
 
     def fill(self, step: Step, prev_end: int | None) -> bool:
         """Give ``step`` (not counted whole) its reference's launches and kernels and
         an estimated start; False (left as seen) when its thread has no reference."""
-        refs = self.refs.get((step.pid, step.tid))
-        if not refs:
+        shapes = self.refs.get((step.pid, step.tid))
+        if not shapes:
             return False
         shape = step.shape()
-        ref = refs.get(shape) or _nearest(refs, shape)
+        sizes = shapes.get(shape) or shapes[_nearest(shapes, shape)]
+        ref = sizes[_nearest(sizes, _copy_sizes(step))]
         step.estimated = True
         step.kernels = Counter(ref.kernels)
         step._mix = None
@@ -232,14 +242,18 @@ class StepEstimates:
         return True
 
 
-def _nearest(refs: dict[tuple[int, ...], StepReference], shape: tuple[int, ...]
-             ) -> StepReference:
-    """The reference whose shape differs least from ``shape`` (summed differences of
-    the calls); among equals the latest."""
+def _copy_sizes(step: Step) -> tuple[int, ...]:
+    """The bytes ``step``'s copies moved, by kind."""
+    return tuple(int(step.work.get(f"memcpy_bytes.{k}", 0)) for k in COPY_KINDS)
+
+
+def _nearest(keys: dict[tuple[int, ...], object], want: tuple[int, ...]) -> tuple[int, ...]:
+    """The key that differs least from ``want`` (summed differences); among equals the
+    latest."""
     best, best_d = None, None
-    for other in reversed(refs):
-        d = sum(abs(a - b) for a, b in zip(other, shape))
+    for key in reversed(keys):
+        d = sum(abs(a - b) for a, b in zip(key, want))
         if best_d is None or d < best_d:
-            best, best_d = refs[other], d
+            best, best_d = key, d
     assert best is not None
     return best
