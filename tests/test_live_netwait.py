@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -174,6 +175,37 @@ def test_nagle_hold_of_stdlib_http_server_is_in_the_span_and_named(tmp_path, no_
     assert min(gap) > 0.020, gap
     assert "requests timed at the socket;" in got.stderr
     assert got.returncode == 0 and "no events lost" in got.stderr, got.stderr
+
+
+def test_an_agent_late_after_its_drain_keeps_the_holds_it_has_not_read_yet(
+        tmp_path, monkeypatch, no_gc):
+    """The agent's periodic counters report is the stream's clock while a server idles,
+    and a finished request is timed once that clock is ``WAIT_NS`` past its last write.
+    The report must not be stamped later than the drain before it: an agent held off
+    the CPU in between (``--sched-idle`` on a busy host) moved the clock past records
+    still in the ring, and a request was timed before its Nagle hold was read (CI: a
+    TTFT 43.7 ms short). Here every drain is followed by 0.3 s of sleep."""
+    from tracer.probes import ringbuf
+
+    for cls in (ringbuf.RingReader, ringbuf.BccReader):
+        def late(self, _real=cls.consume):
+            n = _real(self)
+            time.sleep(0.3)
+            return n
+        monkeypatch.setattr(cls, "consume", late)
+    with SampleServer("samples.stdlib_server", port=free_port(), log=tmp_path / "s.log") as srv:
+        with traced(pids=[srv.pid], counters_interval_s=0.05) as got:
+            client = RawClient(srv.port)
+            calls = [client.chat(stream=i % 2 == 1, max_tokens=3) for i in range(16)]
+            client.close()
+    spans = spans_by_response_id(got.spans)
+    assert len(spans) == 16, got.report
+    ttft, dur = _compare(calls, spans)
+    _client_waits(calls)
+    _bar("TTFT", ttft)
+    _bar("duration", dur)
+    held = [spans[c["id"]]["attributes"].get("tokentrace.network.send_hold", 0) for c in calls]
+    assert sum(h > 0.020 for h in held) >= 4, held
 
 
 def test_single_threaded_server_backlog_is_socket_wait(tmp_path, no_gc):
