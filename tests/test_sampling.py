@@ -240,3 +240,13 @@ def test_sampled_replay_of_the_h100_capture_charges_each_request_close_to_the_tr
     recon = p.attribution.reconciliation()["processes"]
     (rows,) = recon.values()
     assert 0 < rows["kernel_launches"]["estimated"] < rows["kernel_launches"]["observed"]
+    # the GPU summary reports the engine thread's launches as its steps were booked:
+    # the same estimates the requests were charged, not a second estimate
+    (proc,) = p.gpu.summary()["processes"]
+    assert proc["kernel_launches"] == rows["kernel_launches"]["observed"]
+    assert proc["kernel_launches_seen"] < proc["kernel_launches"]
+    engine = [t for t in proc["threads"].values()
+              if t["launch_estimate"]["method"] == "step_shapes"]
+    assert len(engine) == 1 and engine[0]["launch_estimate"]["estimated_steps"] == \
+        p.stats["gpu_steps_estimated"] + p.stats.get("gpu_steps_estimated_late", 0)
+    assert sum(k["launches"] for k in engine[0]["top_kernels"]) <= proc["kernel_launches"]

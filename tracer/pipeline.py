@@ -72,6 +72,10 @@ class Pipeline:
                                           ipc=self.ipc, pricing=pricing,
                                           kernel_name=self._kernel_name, stacks=self.stacks,
                                           open_check=self._is_open, serves=self._serves)
+        # under --gpu-sample the summary reports engine threads' launches as their steps
+        # were booked (the same estimates the requests were charged)
+        self.gpu.step_totals = self.attribution.step_totals
+        self.gpu.same_thread = self.attribution.same_thread
         self.ctx.flame_resolver = self.resolve_flame
         self.tls_libraries: list[TlsLibrary] = []  # found in traced processes
         self._tls_paths: dict[int, set[str]] = {}

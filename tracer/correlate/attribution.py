@@ -44,7 +44,7 @@ from tracer.correlate.membership import Membership, Occupancy, arrival_ns, reque
 from tracer.correlate.records import ChildSpan, RequestRecord
 from tracer.correlate.sampling import LaunchSampling, StepEstimates
 from tracer.correlate.stacks import Flame, StackBook, burst_units, step_units
-from tracer.correlate.steps import MAX_STEPS, Step, StepLog, collective_offset
+from tracer.correlate.steps import MAX_STEPS, Step, StepLog, StepTotals, collective_offset
 from tracer.correlate.work import KERNEL_QUANTITIES, Work
 from tracer.events.gpu import COPY_KINDS, KernelBurst, NcclEvent
 
@@ -288,6 +288,10 @@ class GpuAttribution:
         self.sampling: LaunchSampling | None = None
         self.estimates = StepEstimates()
         self._prev_end: dict[LogKey, int] = {}  # each log's last closed step's end
+        # per thread, its steps' launches as booked, and the threads that also had
+        # bursts taken whole by one request (GpuLedger.summary reads both)
+        self.step_totals: dict[LogKey, StepTotals] = {}
+        self.same_thread: set[LogKey] = set()
 
     # ---- GPU side -------------------------------------------------------------------
 
@@ -313,6 +317,7 @@ class GpuAttribution:
                 share.add_flame(book.weights(b.pid, burst_units(b), samples or Counter(),
                                              work.get("gpu_time_ns", 0.0)), 1.0, 1.0)
             self.stats["gpu_bursts_same_thread"] += 1
+            self.same_thread.add((b.pid, b.tid))
         else:
             log = self._log(b.pid, b.tid)
             step = log.add_burst(b, samples)
@@ -421,6 +426,12 @@ class GpuAttribution:
         self._prev_end[log.key] = step.end_ts
         if self.sampling is not None:
             self._sampled(step, prev_end, self.sampling)
+        totals = self.step_totals.get(log.key)
+        if totals is None:
+            totals = self.step_totals[log.key] = StepTotals()
+        totals.steps += 1
+        totals.estimated += step.estimated
+        totals.add(step)
         self.stats["gpu_step_launches"] += step.launches
         self.ledger.observe(step.pid, step.work, estimated=step.estimated)
         if len(log.steps) > MAX_STEPS:
@@ -443,8 +454,15 @@ class GpuAttribution:
         """A step closed before its thread had a step counted whole: estimated now if
         one has been since, the difference booked as observed."""
         seen = Work({q: step.work.get(q, 0.0) for q in ESTIMATED})
+        seen_kernels = step.kernels  # fill() gives the step a new Counter
         if not self.estimates.fill(step, step.unestimated_after):
             return
+        totals = self.step_totals[(step.pid, step.tid)]
+        totals.kernels.subtract(seen_kernels)
+        totals.add(step)
+        totals.launches -= int(seen.get("kernel_launches", 0))
+        totals.graph_launches -= int(seen.get("graph_launches", 0))
+        totals.estimated += 1
         step.unestimated_after = None
         estimate = Work({q: step.work.get(q, 0.0) for q in ESTIMATED})
         self.ledger.revise(step.pid, seen, estimate)

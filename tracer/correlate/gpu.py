@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import AbstractSet, Any, Iterator, Mapping
 
 from tracer.correlate.kernelnames import readable
 from tracer.correlate.sampling import LaunchSampling, StepSample, estimate
+from tracer.correlate.steps import StepTotals
 from tracer.events import wire
 from tracer.events.gpu import (COPY_KINDS, LIVE_NAME_SOURCES, NAME_SOURCES, GpuSampling,
                                KernelBurst, KernelCounts, KernelName, KernelStub, MemEvent,
@@ -270,6 +271,10 @@ class GpuLedger:
     def __init__(self) -> None:
         self.processes: dict[int, ProcessGpu] = {}
         self.sampling: LaunchSampling | None = None
+        # from the GPU attribution (the pipeline wires them): each thread's steps as
+        # booked, and the threads that also had bursts taken whole by one request
+        self.step_totals: Mapping[tuple[int, int], StepTotals] = {}
+        self.same_thread: AbstractSet[tuple[int, int]] = set()
 
     def proc(self, pid: int) -> ProcessGpu:
         p = self.processes.get(pid)
@@ -343,10 +348,10 @@ class GpuLedger:
                 _merge(total, t)
             est: dict[int, ThreadTotals] = {}
             est_total = None
-            methods: dict[int, str] = {}
+            methods: dict[int, dict[str, Any]] = {}
             if self.sampling is not None:
                 for tid, t in p.threads.items():
-                    est[tid], methods[tid] = _scaled(t, self.sampling)
+                    est[tid], methods[tid] = self._estimated(pid, tid, t, self.sampling)
                 est_total = ThreadTotals()
                 for e in est.values():
                     _merge(est_total, e)
@@ -360,7 +365,8 @@ class GpuLedger:
                 "kernel_names": p.names_summary(total.kernels),
                 "ibverbs": p.verbs_summary(total.verbs),
                 "threads": {str(tid): {**_totals(t, p, top, est.get(tid)),
-                                       **_sampling_fields(t, methods.get(tid)),
+                                       **({"launch_estimate": methods[tid]}
+                                          if tid in methods else {}),
                                        "ibverbs": t.verbs.summary()}
                             for tid, t in sorted(p.threads.items())},
             })
@@ -368,11 +374,30 @@ class GpuLedger:
         if self.sampling is not None:
             doc["launch_sampling"] = {
                 **self.sampling.summary(),
-                "note": "kernel and graph launch counts are estimates: launches in steps "
-                        "wholly sampled x all steps / sampled steps (method 'steps'), or "
-                        "seen / the share of the thread's active span the launch probes "
-                        "were on ('time_share'); *_seen are the counts the probes saw"}
+                "note": "kernel and graph launch counts are estimates: an engine "
+                        "thread's steps as charged to requests, each step the launch "
+                        "probes did not see whole counted as the step of its shape they "
+                        "did (method 'step_shapes'); else launches in steps wholly "
+                        "sampled x all steps / sampled steps ('steps'), or seen / the "
+                        "share of the thread's active span the launch probes were on "
+                        "('time_share'); *_seen are the counts the probes saw"}
         return doc
+
+    def _estimated(self, pid: int, tid: int, t: ThreadTotals, sampling: LaunchSampling
+                   ) -> tuple[ThreadTotals, dict[str, Any]]:
+        """A sampled thread's estimated launch counts, and how they were estimated:
+        from its steps as booked when all its bursts were steps, else scaled."""
+        steps = self.step_totals.get((pid, tid))
+        if steps is not None and steps.steps and (pid, tid) not in self.same_thread:
+            return (ThreadTotals(kernel_launches=steps.launches,
+                                 graph_launches=steps.graph_launches,
+                                 kernels=+steps.kernels),
+                    {"method": "step_shapes", "steps": steps.steps,
+                     "estimated_steps": steps.estimated})
+        est, method = _scaled(t, sampling)
+        s = t.sample
+        return est, {"method": method, "steps": s.steps if s else 0,
+                     "sampled_steps": s.sampled_steps if s else 0}
 
 
 def _merge(into: ThreadTotals, t: ThreadTotals) -> None:
@@ -401,13 +426,6 @@ def _scaled(t: ThreadTotals, sampling: LaunchSampling) -> tuple[ThreadTotals, st
     return ThreadTotals(kernel_launches=launches,  # type: ignore[arg-type]
                         graph_launches=graphs,  # type: ignore[arg-type]
                         kernels=Counter({h: n * f for h, n in t.kernels.items()})), method
-
-
-def _sampling_fields(t: ThreadTotals, method: str | None) -> dict[str, Any]:
-    if method is None or t.sample is None:
-        return {}
-    return {"launch_estimate": {"method": method, "steps": t.sample.steps,
-                                "sampled_steps": t.sample.sampled_steps}}
 
 
 def _totals(t: ThreadTotals, p: ProcessGpu, top: int,

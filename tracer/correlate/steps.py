@@ -124,6 +124,25 @@ class Step:
         self.stack_samples.update(samples)
 
 
+@dataclass
+class StepTotals:
+    """What one thread's steps launched, summed as they were booked (estimates
+    included, under ``--gpu-sample``): the launch counts the GPU summary reports for an
+    engine thread whose launches were sampled."""
+
+    steps: int = 0
+    estimated: int = 0  # steps whose launches are estimates
+    launches: int = 0
+    graph_launches: int = 0
+    kernels: Counter[int] = field(default_factory=Counter)
+
+    def add(self, step: Step) -> None:
+        """Book ``step``'s launches and kernels."""
+        self.launches += step.launches
+        self.graph_launches += int(step.work.get("graph_launches", 0))
+        self.kernels.update(step.kernels)
+
+
 class StepLog:
     """The steps of one (pid, tid), in order; indices survive pruning."""
 
