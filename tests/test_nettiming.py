@@ -124,3 +124,27 @@ def test_netwait_record_round_trips_the_wire():
         pass
     else:
         raise AssertionError("an unknown op must not decode")
+
+
+def test_a_long_lived_connection_keeps_a_bounded_log_in_step_and_times_its_holds():
+    """A keep-alive connection that wrote far more than the log holds: the oldest
+    writes are forgotten a block at a time (not one per write), the log and its index
+    stay in step, and a hold on a recent write is still found."""
+    from tracer.correlate.nettiming import LOG_TRIM, MAX_LOG
+
+    out: list[RequestRecord] = []
+    t = timer(out)
+    t.netwait(nw("arrival", 1 * MS, 2 * MS, 0, first=True))
+    n = 3 * MAX_LOG
+    for i in range(n):
+        t.data(write(3 * MS + i * 1000, 10 * i, 10))
+    c = t.conns[KEY]
+    assert MAX_LOG <= len(c.write_ts) <= MAX_LOG + LOG_TRIM
+    assert sorted(c.writes) == c.write_ts and c.write_ts[-1] == 3 * MS + (n - 1) * 1000
+    last = 3 * MS + (n - 1) * 1000
+    t.netwait(nw("hold", last + 40 * MS, last, 10 * n, aux=10 * (n - 1), cause="nagle"))
+    t.netwait(nw("departure", last + 40 * MS, last, 10 * n, aux=10 * (n - 1), cause="nagle"))
+    t.finished(rec(2 * MS, last, last))
+    t.close()
+    (r,) = out
+    assert r.net.send_hold_ns == 40 * MS and r.net.send_hold_cause == "nagle"

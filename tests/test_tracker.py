@@ -1,6 +1,8 @@
 """Connections to records, with synthetic events: roles, gaps, deaths, existing sockets."""
 
 import json
+from contextlib import nullcontext
+from unittest.mock import patch
 
 from tracer.correlate.connections import ConnectionTracker
 from tracer.events import schema, wire
@@ -184,3 +186,38 @@ def test_a_pause_ends_open_requests_there_and_a_capture_keeps_it(tmp_path):
     assert all(r.error == "tracing paused before the response completed"
                and r.response_incomplete and r.end_ns == at + 1 for r in cut_short)
     assert p.report().get("in_flight_at_exit", 0) == 0
+
+
+def _sse_chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def test_events_split_across_whole_chunks_keep_the_held_bytes_counted():
+    """A server that writes each SSE event in two HTTP chunks: the second completes an
+    event the follower holds half of, and goes through the stream shortcut
+    (``stream_write``), which must count what the connection holds as the general path
+    does, after every write, and give the same record."""
+    def run(general: bool):
+        f = Feed()
+        held = []
+        with patch.object(ConnectionTracker, "stream_write",
+                          lambda self, c, *a: False) if general else nullcontext():
+            f.data(True, REQ)
+            f.data(False, HEAD)
+            for i in range(4):
+                ev = b"data: " + json.dumps({"choices": [{"delta": {"content": f" t{i}"}}]}
+                                            ).encode() + b"\n\n"
+                for part in (ev[:20], ev[20:]):
+                    f.data(False, _sse_chunk(part))
+                    (c,) = f.t.conns.values()
+                    held.append((c.held, c.buffered(), f.t.buffered_estimate))
+            f.data(False, b"0\r\n\r\n")
+        (r,) = f.records
+        return r, held
+
+    fast, held = run(False)
+    assert all(h == b == e for h, b, e in held) and any(h for h, _, _ in held), held
+    general, held_general = run(True)
+    assert held == held_general
+    assert fast.llm_response.output_tokens == general.llm_response.output_tokens == 4
+    assert fast.llm_response.token_ts == general.llm_response.token_ts

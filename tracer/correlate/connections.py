@@ -402,7 +402,7 @@ class ConnectionTracker:
             self.stats["connections_unannounced"] += 1
         try:
             if c.stream_dir == ev.direction and self._stream_chunk(c, ev):
-                return  # what it holds did not change
+                return  # what it holds is accounted for there
             self._data_event(c, ev)
             held, c.held = c.held, c.buffered()
             self.buffered_estimate += c.held - held
@@ -439,8 +439,8 @@ class ConnectionTracker:
         whole chunk of a chunked body (one token's SSE event, as LLM servers write them).
         The same effects as the general path, which the tests prove on every capture:
         offsets, the parser's framing (``take_chunk``), the exchange's thread and
-        bytes, the follower. True: taken, and the bytes the connection holds for parsing
-        did not change; False: nothing done, take the general path. The fields are a
+        bytes, the follower, what the connection holds for parsing. True: taken;
+        False: nothing done, take the general path. The fields are a
         DATA record's (``schema.DataEvent``): ``Pipeline.feed`` calls it with them."""
         inbound = direction == _DIR_IN
         # a TLS connection's plaintext (flagged TLS) is its stream; its ciphertext is not
@@ -455,9 +455,6 @@ class ConnectionTracker:
         ex = c.exchanges.get(d.msg.exchange)
         if ex is None:
             return False
-        f = ex.follower
-        if f is not None and f.buffered:
-            return False
         body = d.take_chunk(payload, ts)
         if body is None:
             return False
@@ -467,11 +464,16 @@ class ConnectionTracker:
         if tid and tid not in rec.tids:
             rec.tids.append(tid)
         rec.response_bytes += len(body)
+        f = ex.follower
+        # sse_write takes only a whole event with nothing held before it; anything else
+        # goes through the parser, and what it holds afterwards is accounted for
         if f is not None and not f.sse_write(ts, body):
+            before = f.buffered
             f.data(ts, body)
-            if f.buffered:  # not one whole event after all: account for it
-                self.buffered_estimate += f.buffered
-                c.held += f.buffered
+            grown = f.buffered - before
+            if grown:
+                self.buffered_estimate += grown
+                c.held += grown
                 if self.buffered_estimate > self.options.max_buffered:
                     self._shed(ts)
         return True

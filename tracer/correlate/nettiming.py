@@ -49,6 +49,10 @@ _FLAG_TLS = wire.CONSTANTS["FLAG_TLS"]
 WAIT_NS = 250_000_000  # a peer ACKs within its delayed-ACK time (40-200 ms on Linux)
 HOLD_MAX_NS = 2_000_000_000
 MAX_LOG = 8192  # writes and arrivals remembered per connection
+# ...forgotten this many at a time once over: a busy keep-alive connection writes every
+# token, and dropping one entry off the front of an 8,192-long list per write would
+# move the whole list each time
+LOG_TRIM = 1024
 TLS_CARRY_NS = 100_000_000  # a memory BIO's ciphertext is sent right after SSL_write
 KEEP_CLOSED_NS = 120 * 10**9  # a closed connection's log, for records still on their way
 KEEP_IDLE_NS = 15 * 60 * 10**9  # a connection whose close was lost
@@ -147,8 +151,10 @@ class NetTimer:
             c.write_ts.append(ts_exit)
         else:
             bisect.insort(c.write_ts, ts_exit)
-        if len(c.writes) > MAX_LOG:
-            del c.writes[c.write_ts.pop(0)]
+        if len(c.write_ts) > MAX_LOG + LOG_TRIM:
+            for old in c.write_ts[:LOG_TRIM]:
+                del c.writes[old]
+            del c.write_ts[:LOG_TRIM]
 
     def netwait(self, ev: NetWait) -> None:
         self.stats[f"netwait_{ev.op}"] += 1
@@ -168,12 +174,12 @@ class NetTimer:
                 return
             c.arrival_refs.append(ev.ref_ts)
             c.arrivals.append(ev.ts)
-            if len(c.arrival_refs) > MAX_LOG:
-                del c.arrival_refs[0], c.arrivals[0]
+            if len(c.arrival_refs) > MAX_LOG + LOG_TRIM:
+                del c.arrival_refs[:LOG_TRIM], c.arrivals[:LOG_TRIM]
         elif ev.op == "hold":
             c.holds.append(Hold(ev.held_from, ev.stream_off, ev.ts, ev.cause))
-            if len(c.holds) > MAX_LOG:
-                del c.holds[0]
+            if len(c.holds) > MAX_LOG + LOG_TRIM:
+                del c.holds[:LOG_TRIM]
         else:
             for h in reversed(c.holds):
                 if h.left_ns is None and h.start == ev.held_from:
