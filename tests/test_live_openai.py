@@ -34,6 +34,19 @@ def server(tmp_path_factory):
         yield s
 
 
+def _worst(calls: list, spans: dict, diffs: list[float]) -> dict:
+    """What the tracer and the client said of the request timed worst: which side of
+    the request (its arrival, the token's departure) the difference is on."""
+    i = max(range(len(diffs)), key=diffs.__getitem__)
+    stream, _, _, c = calls[i]
+    a = spans[c["id"]]["attributes"]
+    keys = ("time_to_first_token", "server.time_to_first_token", "network.socket_wait",
+            "network.send_hold", "network.send_hold.cause", "network.timing")
+    return {"index": i, "stream": stream, "client_ttft": c["ttft"],
+            "client_ttft_sdk": c["ttft_sdk"],
+            **{k: a.get(f"tokentrace.{k}") for k in keys}}
+
+
 def test_openai_client_streamed_and_plain_requests_match_usage_and_ttft(server, tmp_path):
     """The tracer runs as its own process, as in production: `tokentrace run --pid`."""
     client = TimedClient(server.base_url)
@@ -76,8 +89,11 @@ def test_openai_client_streamed_and_plain_requests_match_usage_and_ttft(server, 
     # of the same two moments (tests/kstamps.py), so neither side's wait for a CPU is
     # in the comparison (measured: max 0.01-0.05 ms, mean 0.005 ms). The issue's bar:
     # 98% within 2 ms, none off by more than 10 ms, and the mean under 1 ms.
+    worst = _worst(calls, spans, diffs)
+    print("the request timed worst:", worst)
     within = sum(d < 0.002 for d in diffs)
-    assert within >= 98 and max(diffs) < 0.010 and sum(diffs) / len(diffs) < 0.001, sorted(diffs)[-5:]
+    assert within >= 98 and max(diffs) < 0.010 and sum(diffs) / len(diffs) < 0.001, \
+        (sorted(diffs)[-5:], worst)
     assert got.returncode == 0 and "no events lost" in got.stderr, got.stderr
 
 
