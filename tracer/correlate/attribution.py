@@ -27,7 +27,7 @@ unattributed equals observed for every process and quantity.
 from __future__ import annotations
 
 import heapq
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
 
@@ -290,7 +290,7 @@ class GpuAttribution:
         self._prev_end: dict[LogKey, int] = {}  # each log's last closed step's end
         # per thread, its steps' launches as booked, and the threads that also had
         # bursts taken whole by one request (GpuLedger.summary reads both)
-        self.step_totals: dict[LogKey, StepTotals] = {}
+        self.step_totals: defaultdict[LogKey, StepTotals] = defaultdict(StepTotals)
         self.same_thread: set[LogKey] = set()
 
     # ---- GPU side -------------------------------------------------------------------
@@ -426,12 +426,7 @@ class GpuAttribution:
         self._prev_end[log.key] = step.end_ts
         if self.sampling is not None:
             self._sampled(step, prev_end, self.sampling)
-        totals = self.step_totals.get(log.key)
-        if totals is None:
-            totals = self.step_totals[log.key] = StepTotals()
-        totals.steps += 1
-        totals.estimated += step.estimated
-        totals.add(step)
+        self.step_totals[log.key].book(step)
         self.stats["gpu_step_launches"] += step.launches
         self.ledger.observe(step.pid, step.work, estimated=step.estimated)
         if len(log.steps) > MAX_STEPS:
@@ -457,12 +452,9 @@ class GpuAttribution:
         seen_kernels = step.kernels  # fill() gives the step a new Counter
         if not self.estimates.fill(step, step.unestimated_after):
             return
-        totals = self.step_totals[(step.pid, step.tid)]
-        totals.kernels.subtract(seen_kernels)
-        totals.add(step)
-        totals.launches -= int(seen.get("kernel_launches", 0))
-        totals.graph_launches -= int(seen.get("graph_launches", 0))
-        totals.estimated += 1
+        self.step_totals[(step.pid, step.tid)].revise(
+            step, int(seen.get("kernel_launches", 0)), int(seen.get("graph_launches", 0)),
+            seen_kernels)
         step.unestimated_after = None
         estimate = Work({q: step.work.get(q, 0.0) for q in ESTIMATED})
         self.ledger.revise(step.pid, seen, estimate)

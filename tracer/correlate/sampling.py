@@ -19,7 +19,8 @@ Per request, the same question is asked of each engine step (``StepEstimates``):
 the launch probes did not see whole takes its launches, kernels and span from a
 wholly seen step of the same thread and shape (the calls the probes that stay on saw:
 copies by kind, memsets, syncs), the one whose copies moved the nearest bytes, so each
-request's kernel counts and GPU time are estimates too, and charged plus unattributed still equals observed.
+request's kernel counts and GPU time are estimates too, and charged plus unattributed
+still equals observed.
 """
 
 from __future__ import annotations

@@ -136,10 +136,21 @@ class StepTotals:
     graph_launches: int = 0
     kernels: Counter[int] = field(default_factory=Counter)
 
-    def add(self, step: Step) -> None:
-        """Book ``step``'s launches and kernels."""
+    def book(self, step: Step) -> None:
+        """A step closed: its launches and kernels as they stand."""
+        self.steps += 1
+        self.estimated += step.estimated
         self.launches += step.launches
         self.graph_launches += int(step.work.get("graph_launches", 0))
+        self.kernels.update(step.kernels)
+
+    def revise(self, step: Step, launches: int, graph_launches: int,
+               kernels: Counter[int]) -> None:
+        """``step``, booked with these counts, has been estimated since."""
+        self.estimated += 1
+        self.launches += step.launches - launches
+        self.graph_launches += int(step.work.get("graph_launches", 0)) - graph_launches
+        self.kernels.subtract(kernels)
         self.kernels.update(step.kernels)
 
 
