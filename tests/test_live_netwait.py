@@ -144,6 +144,25 @@ def _bar(name: str, diffs: list[float]) -> None:
     assert within >= 0.98 * len(diffs) and max(diffs) < 0.010, sorted(diffs)[-5:]
 
 
+def _plain_and_streamed(port: int, n: int) -> list[dict]:
+    """``n`` requests back to back on one keep-alive connection, plain and streamed in
+    turn (the client soon delays its ACKs: the stdlib server's second write waits)."""
+    client = RawClient(port)
+    calls = [client.chat(stream=i % 2 == 1, max_tokens=3) for i in range(n)]
+    client.close()
+    return calls
+
+
+def _as_the_client_saw(calls: list[dict], spans: dict[str, dict]) -> list[float]:
+    """The spans' TTFT and duration against the client's kernel stamps, to the bar;
+    the TTFT differences (replies with text)."""
+    ttft, dur = _compare(calls, spans)
+    _client_waits(calls)
+    _bar("TTFT", ttft)
+    _bar("duration", dur)
+    return ttft
+
+
 @pytest.fixture
 def no_gc():
     gc.collect()
@@ -155,15 +174,10 @@ def no_gc():
 def test_nagle_hold_of_stdlib_http_server_is_in_the_span_and_named(tmp_path, no_gc):
     with SampleServer("samples.stdlib_server", port=free_port(), log=tmp_path / "s.log") as srv:
         with traced_cli(["--pid", str(srv.pid)], str(tmp_path / "spans.jsonl")) as got:
-            client = RawClient(srv.port)
-            calls = [client.chat(stream=i % 2 == 1, max_tokens=3) for i in range(24)]
-            client.close()
+            calls = _plain_and_streamed(srv.port, 24)
     spans = spans_by_response_id(got.spans)
     assert len(spans) == 24, got.stderr
-    ttft, dur = _compare(calls, spans)
-    _client_waits(calls)
-    _bar("TTFT", ttft)
-    _bar("duration", dur)
+    _as_the_client_saw(calls, spans)
     held = [spans[c["id"]]["attributes"] for c in calls]
     nagle = [a for a in held if a.get("tokentrace.network.send_hold.cause") == "nagle"
              and a["tokentrace.network.send_hold"] > 0.020]
@@ -195,15 +209,10 @@ def test_an_agent_late_after_its_drain_keeps_the_holds_it_has_not_read_yet(
         monkeypatch.setattr(cls, "consume", late)
     with SampleServer("samples.stdlib_server", port=free_port(), log=tmp_path / "s.log") as srv:
         with traced(pids=[srv.pid], counters_interval_s=0.05) as got:
-            client = RawClient(srv.port)
-            calls = [client.chat(stream=i % 2 == 1, max_tokens=3) for i in range(16)]
-            client.close()
+            calls = _plain_and_streamed(srv.port, 16)
     spans = spans_by_response_id(got.spans)
     assert len(spans) == 16, got.report
-    ttft, dur = _compare(calls, spans)
-    _client_waits(calls)
-    _bar("TTFT", ttft)
-    _bar("duration", dur)
+    _as_the_client_saw(calls, spans)
     held = [spans[c["id"]]["attributes"].get("tokentrace.network.send_hold", 0) for c in calls]
     assert sum(h > 0.020 for h in held) >= 4, held
 
@@ -301,11 +310,7 @@ def test_hf_transformers_serve_at_concurrency_32(tmp_path, no_gc):
         srv.stop()
     spans = spans_by_response_id(got.spans)
     assert len(results) == 64 and set(spans) >= {r["id"] for r in results}, got.stderr
-    ttft, dur = _compare(results, spans)
-    assert len(ttft) >= 56, "most replies have text"
-    _client_waits(results)
-    _bar("TTFT", ttft)
-    _bar("duration", dur)
+    assert len(_as_the_client_saw(results, spans)) >= 56, "most replies have text"
     waits = sorted(spans[r["id"]]["attributes"]["tokentrace.network.socket_wait"] for r in results)
     print(f"socket waits: p50 {waits[32] * 1e3:.2f} ms, max {waits[-1] * 1e3:.2f} ms")
     assert got.returncode == 0 and "no events lost" in got.stderr, got.stderr
