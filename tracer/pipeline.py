@@ -199,12 +199,13 @@ class Pipeline:
         (_, pid, tid, fd, conn_id, ts_enter, ts, ret, offset, n, _, direction, flags, _,
          stream_off) = _UNPACK_DATA(buf, 0)
         t = self.tracker
-        c = t.conns.get((pid, fd, conn_id))
+        key = (pid, fd, conn_id)
+        c = t.conns.get(key)
         if c is None or c.stream_dir != direction or len(buf) < _DATA_HDR + n:
             return False
         if ts > self.last_ts:
             self.last_ts = ts
-        self.net.write(pid, fd, conn_id, ts, direction, flags, ret, stream_off, ts_enter)
+        self.net.write(key, ts, direction, flags, ret, stream_off, ts_enter)
         threads = t.socket_threads
         if threads is not None:
             threads.add((pid, tid))

@@ -125,19 +125,21 @@ class NetTimer:
     def data(self, ev: schema.DataEvent) -> None:
         """Remember where each write of a followed connection ended (for TLS: when each
         plaintext write was made; its ciphertext's writes are the socket's)."""
-        self.write(ev.pid, ev.fd, ev.conn_id, ev.ts_exit, ev.direction, ev.flags, ev.ret,
-                   ev.stream_off, ev.ts_enter)
+        self.write(ev.key, ev.ts_exit, ev.direction, ev.flags, ev.ret, ev.stream_off,
+                   ev.ts_enter)
 
-    def write(self, pid: int, fd: int, conn_id: int, ts_exit: int, direction: int, flags: int,
+    def write(self, key: tuple[int, int, int], ts_exit: int, direction: int, flags: int,
               ret: int, stream_off: int, ts_enter: int | None = None) -> None:
-        """``data`` of a DATA record's fields. ``Pipeline.feed``'s fast path calls it
-        without ``ts_enter``, then perhaps ``data`` with the same record: taken once."""
+        """``data`` of a DATA record's fields (``key``: its (pid, fd, conn_id)).
+        ``Pipeline.feed``'s fast path calls it, then perhaps ``data`` with the same
+        record: taken once."""
         if direction == _DIR_IN or not flags & _FLAG_LAST or ret <= 0 or not self.conns:
             return
-        c = self.conns.get((pid, fd, conn_id))
+        c = self.conns.get(key)
         if c is None or not c.anchored:
             return
-        c.last_ns = max(c.last_ns, ts_exit)
+        if ts_exit > c.last_ns:
+            c.last_ns = ts_exit
         if flags & _FLAG_TLS:
             if ts_enter is not None:
                 c.tls_writes[ts_exit] = ts_enter
