@@ -124,7 +124,7 @@ def on_off_token_times(token_ends: list[int], sampling, settle_ns: int = 20_000_
     for a, b in zip(token_ends, token_ends[1:]):
         if any(a - settle_ns <= t <= b for t in starts):
             continue
-        (on if sampling.wholly_on(a, b) else off).append((b - a) / 1e3)
+        (on if sampling.counted(a, b) else off).append((b - a) / 1e3)
     if not on or not off:
         return {}
     m_on, m_off = statistics.median(on), statistics.median(off)

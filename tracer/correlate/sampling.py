@@ -74,21 +74,13 @@ class LaunchSampling:
             on += max(0, b - max(since, a))
         return on / (b - a)
 
-    def wholly_on(self, a: int, b: int) -> bool:
-        """Whether the probes were on for all of [a, b]: the last switch at or before
-        ``a`` turned them on and none came in between. Switches are stamped by the agent
-        before a detach and after an attach, so an "on" span is never wider than the
-        time the probes really counted."""
-        # once per step, so by bisection: a long sampled run has thousands of switches
-        i = bisect_right(self._ts, a)  # switches at or before a
-        if i == 0 or not self.switches[i - 1][1]:
-            return False
-        return bisect_right(self._ts, b) == i  # and none in (a, b]
-
     def counted(self, a: int, b: int) -> bool:
         """Whether every launch in [a, b] was counted: the probes were on at ``a`` (as
         they are before the first switch: sampling starts from exact counting) and
-        were not switched off in (a, b]."""
+        were not switched off in (a, b]. Switches are stamped by the agent before a
+        detach and after an attach, so a counted span is never wider than the time the
+        probes really counted."""
+        # once per step, so by bisection: a long sampled run has thousands of switches
         i = bisect_right(self._ts, a)
         if i and not self.switches[i - 1][1]:
             return False
@@ -135,7 +127,7 @@ class StepSample:
         if reason not in STEP_ENDS:
             return
         self.steps += 1
-        if sampling.wholly_on(self._start, last_ts):
+        if sampling.counted(self._start, last_ts):
             self.sampled_steps += 1
             self.sampled_launches += self._launches
             self.sampled_graph_launches += self._graphs
