@@ -95,7 +95,6 @@ class CaptureSession:
         self.ring: Any = None  # the events ring buffer's reader (ringbuf.open_reader)
         self.pids: set[int] = set()
         self._listen_cache: dict[tuple[int, int], tuple[int, str, int]] = {}
-        self._last_counters: dict[str, int] = {}
         self._next_rescan = 0.0
         self._next_counters = 0.0
         self._exclude = set(config.exclude_pids) | {os.getpid()}
@@ -167,15 +166,9 @@ class CaptureSession:
         not wake the poller one by one (see submit() in bpf/common.h), so this sleeps
         up to ``timeout_ms`` and then takes everything that arrived."""
         self.ring.wait(timeout_ms)
-        # The stream's clock for an idle server (the counters report below) is stamped
-        # before the drain: every record stamped earlier is in the ring and is read
-        # now. A stamp taken after the drain could run ahead of records sent
-        # meanwhile (an agent held off the CPU after its drain), and a request would be
-        # timed before the hold of its bytes was read.
-        drained_to = time.monotonic_ns()
         # Records sent without a wake-up do not make epoll report the ring ready, so
         # waiting alone would leave them until a forced wake-up: take them now.
-        self.ring.consume()
+        drained_to = self._drain()
         now = time.monotonic()
         if now >= self._next_rescan and (self.config.comms or self.config.ports):
             self._next_rescan = now + self.config.rescan_interval_s
@@ -216,7 +209,18 @@ class CaptureSession:
             # every interval, changed or not: its time stamp is also the stream's clock
             # for an idle server (the correlator releases what is due; a replay sees the
             # same ticks)
-            self.report_counters(force=True, ts=drained_to)
+            self.report_counters(drained_to)
+
+    def _drain(self) -> int:
+        """Read every record the ring holds; returns a time no later than any record
+        still unread: stamped before the drain, every record stamped earlier is read
+        now. The counters report carries it as the stream's clock for an idle server:
+        a stamp taken after the drain could run ahead of records sent meanwhile (an
+        agent held off the CPU after its drain), and a request would be timed before
+        the hold of its bytes was read."""
+        drained_to = time.monotonic_ns()
+        self.ring.consume()
+        return drained_to
 
     def _toggle_launch_probes(self, now: float) -> None:
         """--gpu-sample: launch probes on for ``gpu_sample`` of each period, off for the
@@ -313,9 +317,7 @@ class CaptureSession:
             for raw in self.gpu.drain():  # bursts not yet flushed: counts stay exact
                 self.sink(raw)
             self._collect_counters()  # the final per-kernel and ibverbs counts
-        drained_to = time.monotonic_ns()
-        self.ring.consume()  # what the socket probes sent meanwhile
-        self.report_counters(force=True, ts=drained_to)
+        self.report_counters(self._drain())  # with what the socket probes sent meanwhile
         self.ring.close()
         self.program_stats.disable()
         self.bpf.cleanup()
@@ -699,10 +701,8 @@ class CaptureSession:
             out[name] = int(sum(vals))
         return out
 
-    def report_counters(self, force: bool = False, ts: int | None = None) -> None:
-        """Send the loss counters (when changed, or ``force``), stamped ``ts``: a time
-        no later than the last drain of the ring (default: now, for a caller that
-        drained just before)."""
+    def report_counters(self, ts: int) -> None:
+        """Send the loss counters, stamped ``ts``: the last drain's time (``_drain``)."""
         counters = self.kernel_counters()
         counters.update(self.user_counters)
         if self.dropped_unanalysed:
@@ -716,9 +716,6 @@ class CaptureSession:
             counters.update(self.tls.counters())
         if self.stacks is not None:
             counters.update(self.stacks.counters())
-        if force or counters != self._last_counters:
-            self._last_counters = dict(counters)
-            self.sink(schema.DropReport(ts=time.monotonic_ns() if ts is None else ts,
-                                        counters=counters))
+        self.sink(schema.DropReport(ts=ts, counters=counters))
 
 
