@@ -452,13 +452,13 @@ class GpuAttribution:
         seen_kernels = step.kernels  # fill() gives the step a new Counter
         if not self.estimates.fill(step, step.unestimated_after):
             return
+        seen_launches = int(seen.get("kernel_launches", 0))
         self.step_totals[(step.pid, step.tid)].revise(
-            step, int(seen.get("kernel_launches", 0)), int(seen.get("graph_launches", 0)),
-            seen_kernels)
+            step, seen_launches, int(seen.get("graph_launches", 0)), seen_kernels)
         step.unestimated_after = None
         estimate = Work({q: step.work.get(q, 0.0) for q in ESTIMATED})
         self.ledger.revise(step.pid, seen, estimate)
-        self.stats["gpu_step_launches"] += step.launches - int(seen.get("kernel_launches", 0))
+        self.stats["gpu_step_launches"] += step.launches - seen_launches
         self.stats["gpu_steps_unestimated"] -= 1
         self.stats["gpu_steps_estimated_late"] += 1
 
