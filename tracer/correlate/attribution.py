@@ -572,6 +572,10 @@ class GpuAttribution:
             fsteps = self._follower_steps(step, followers)
             if fsteps is None and not final and step.end_ts + self.max_hold_ns > self.now:
                 break  # a trailing rank has not reported this step's collective yet
+            if (step.unestimated_after is not None and not (final or forced)
+                    and not self.estimates.knows(step.pid, step.tid)
+                    and step.end_ts + self.max_hold_ns > self.now):
+                break  # --gpu-sample: its thread's first step seen whole is yet to come
             if forced and frontier is not None and step.first_ts >= frontier:
                 self.stats["gpu_steps_settled_early"] += 1
                 self._count_in_open(log, step)

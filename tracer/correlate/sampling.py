@@ -213,6 +213,10 @@ class StepEstimates:
         if len(shapes) > MAX_SHAPES:
             del shapes[next(iter(shapes))]
 
+    def knows(self, pid: int, tid: int) -> bool:
+        """Whether a step of this thread has been seen whole (estimates can be made)."""
+        return bool(self.refs.get((pid, tid)))
+
     def fill(self, step: Step, prev_end: int | None) -> bool:
         """Give ``step`` (not counted whole) its reference's launches and kernels and
         an estimated start; False (left as seen) when its thread has no reference."""
