@@ -11,6 +11,8 @@
  * capture limit in TT_CHUNK pieces, each its own DATA record, the last one flagged.
  * Each direction of a connection keeps a byte counter, so Python can tell exactly
  * where a lost or truncated record left a gap in the stream.
+ *
+ * Token writes of a streamed response are staged into RUN records (see "runs" below).
  */
 
 #define SHAPE_BUF 0 /* one buffer */
@@ -24,6 +26,8 @@ struct conn_state {
     u64 bytes_out;
     u32 role;
     u32 peer_known; /* 0 until the peer address has been sent to user space */
+    u32 staged;     /* 1 while run_stages holds token writes of it not yet sent */
+    u32 pad;
 };
 /* (tgid << 32 | fd) -> connection */
 BPF_HASH(conns, u64, struct conn_state, 65536);
@@ -189,6 +193,227 @@ TRACEPOINT_PROBE(syscalls, sys_exit_connect)
     return 0;
 }
 
+/* ---- runs: a streamed response's token writes, staged ---------------------------
+ * An LLM server streams one whole chunk per token, all alike but for the text: the
+ * size line, the same SSE head (id, model, created...), one JSON string, the same tail.
+ * One DATA record per token is most of what a busy node sends, and most of the agent's
+ * work. So once the agent has read a response's chunks, it arms the connection with
+ * their template (run_arms: head and tail, from the agent's ChunkTemplate). A write
+ * that is exactly such a chunk is then staged: its exit time and length join the
+ * connection's run (run_stages), and no byte of its text is copied out (the agent
+ * needs only that it was a token, and when). The run goes out as one RUN record when
+ * it holds RUN_MAX writes, at the connection's next write once RUN_AGE_NS old, and
+ * before any other record of the connection, so that a connection's records keep
+ * their order: the response's last chunk, which is not a token, sends it. A write
+ * the template does not fit disarms the connection (the agent arms the next response
+ * again); one that fits but whose text is not a plain JSON string is sent as usual.
+ * What a dead process had staged, the agent reads from the map.
+ */
+struct run_arm {
+    u64 conn_id;
+    u32 seq;      /* the agent's arm number for the connection: RUN.arm */
+    u16 head_len; /* what follows the size line */
+    u16 tail_len; /* what ends the chunk, before its CRLF */
+    u8 head[TT_RUN_HEAD];
+    u8 tail[TT_RUN_TAIL];
+};
+/* (tgid << 32 | fd) -> the template its token chunks have; written by the agent */
+BPF_HASH(run_arms, u64, struct run_arm, 4096);
+
+struct run_stage {
+    struct tt_run r;
+    u64 end; /* stream offset after its last write */
+};
+/* (tgid << 32 | fd) -> its run; kept (n = 0) between runs, deleted at close */
+BPF_HASH(run_stages, u64, struct run_stage, 4096);
+BPF_PERCPU_ARRAY(run_zero, struct run_stage, 1); /* never written: a zeroed value */
+
+struct run_buf {
+    u8 b[TT_RUN_WRITE_MAX];
+};
+BPF_PERCPU_ARRAY(run_scratch, struct run_buf, 1);
+
+#define RUN_MASK (TT_RUN_WRITE_MAX - 1)
+#define RUN_TEXT_MAX 256 /* a token's JSON string longer than this is sent as usual */
+#define RUN_NO_FIT (-1)  /* not the template's chunk: disarm */
+#define RUN_ODD (-2)     /* the template's chunk, its string not plain: send it as usual */
+
+/* An index into the scratch copy the verifier can bound: the compiler drops a mask it
+ * can prove redundant, and the verifier, which tracks less, then rejects the access. */
+static __always_inline u32 run_idx(u32 i)
+{
+    asm volatile("" : "+r"(i));
+    return i & RUN_MASK;
+}
+
+static __always_inline void run_flush(u64 key, struct conn_state *st)
+{
+    struct run_stage *s = run_stages.lookup(&key);
+    if (s && s->r.n) {
+        submit(&s->r, sizeof(s->r), TT_CNT_LOST_RUN);
+        s->r.n = 0;
+    }
+    st->staged = 0;
+}
+
+static __always_inline int run_hex(u8 c)
+{
+    if (c >= '0' && c <= '9')
+        return c - '0';
+    if (c >= 'a' && c <= 'f')
+        return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F')
+        return c - 'A' + 10;
+    return -1;
+}
+
+/* The JSON string at [m0, m1) of the chunk: its length, or RUN_ODD unless it is one
+ * JSON string: no quote or control byte inside but escaped, every backslash followed
+ * by one of "\\/bfnrtu. (The four hex digits after \\u are not checked: a second
+ * state variable in this loop cost the verifier more than a program may.) */
+static __always_inline int run_string(struct run_buf *sb, u32 m0, u32 m1)
+{
+    if (m1 < m0 + 2 || m1 - m0 > RUN_TEXT_MAX)
+        return RUN_ODD;
+    if (sb->b[run_idx(m0)] != '"' || sb->b[run_idx(m1 - 1)] != '"')
+        return RUN_ODD;
+    u32 esc = 0;
+    for (u32 i = 1; i < RUN_TEXT_MAX; i++) {
+        u32 j = m0 + i;
+        if (j >= m1 - 1)
+            break;
+        u8 c = sb->b[run_idx(j)];
+        if (esc) {
+            if (c != '"' && c != '\\' && c != '/' && c != 'b' && c != 'f' && c != 'n'
+                && c != 'r' && c != 't' && c != 'u')
+                return RUN_ODD;
+            esc = 0;
+        } else if (c == '\\') {
+            esc = 1;
+        } else if (c == '"' || c < 0x20) {
+            return RUN_ODD;
+        }
+    }
+    return esc ? RUN_ODD : (int)(m1 - m0);
+}
+
+/* Is the write [buf, buf + n) one whole chunk of the armed template? Its JSON
+ * string's length, RUN_NO_FIT or RUN_ODD. */
+static __always_inline int run_match(struct run_buf *sb, u64 buf, u32 n, struct run_arm *arm)
+{
+    if (n < 8 || n > TT_RUN_WRITE_MAX)
+        return RUN_NO_FIT;
+    /* n itself, in a form the verifier can bound (1..RUN_WRITE_MAX) */
+    if (bpf_probe_read_user(sb->b, run_idx(n - 1) + 1, (void *)buf) != 0)
+        return RUN_NO_FIT;
+    /* the size line: at most 3 hex digits (the chunk is at most RUN_WRITE_MAX bytes) */
+    u32 size = 0, h = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int v = run_hex(sb->b[i]);
+        if (v < 0)
+            break;
+        size = size * 16 + (u32)v;
+        h++;
+    }
+    if (h == 0 || h > 3 || sb->b[h & 3] != '\r' || sb->b[(h + 1) & 7] != '\n')
+        return RUN_NO_FIT;
+    if (size + h + 4 != n || sb->b[run_idx(n - 2)] != '\r'
+        || sb->b[run_idx(n - 1)] != '\n')
+        return RUN_NO_FIT;
+    u32 hl = arm->head_len, tl = arm->tail_len;
+    u32 start = h + 2;
+    if (hl > TT_RUN_HEAD || tl > TT_RUN_TAIL || start + hl + 2 + tl + 2 > n)
+        return RUN_NO_FIT;
+    for (u32 i = 0; i < TT_RUN_HEAD; i++) {
+        if (i >= hl)
+            break;
+        if (sb->b[run_idx(start + i)] != arm->head[i])
+            return RUN_NO_FIT;
+    }
+    u32 t0 = n - 2 - tl;
+    for (u32 i = 0; i < TT_RUN_TAIL; i++) {
+        if (i >= tl)
+            break;
+        if (sb->b[run_idx(t0 + i)] != arm->tail[i])
+            return RUN_NO_FIT;
+    }
+    return run_string(sb, start + hl, t0);
+}
+
+/* Stage this write if it is a token chunk of the connection's armed template: 1 if
+ * staged (nothing else to send), 0 to send it as usual (the caller sends the run
+ * first). */
+static __always_inline int run_stage(struct io_args *a, struct tt_data *d, long ret,
+                                     u64 key, struct conn_state *st)
+{
+    struct run_arm *arm = run_arms.lookup(&key);
+    if (!arm || arm->conn_id != a->conn_id)
+        return 0;
+    if ((u64)ret > config_get(TT_CFG_CAPTURE_LIMIT, 256 * 1024))
+        return 0;
+    u64 buf = a->buf;
+    if (a->shape != SHAPE_BUF) {
+        struct {
+            u64 base;
+            u64 len;
+        } v = {};
+        if (a->iovcnt != 1 || bpf_probe_read_user(&v, sizeof(v), (void *)a->buf) != 0
+            || v.len < (u64)ret)
+            return 0;
+        buf = v.base;
+    }
+    u32 zero = 0;
+    struct run_buf *sb = run_scratch.lookup(&zero);
+    if (!sb)
+        return 0;
+    int fit = run_match(sb, buf, (u32)ret, arm);
+    if (fit == RUN_NO_FIT) {
+        run_arms.delete(&key);
+        return 0;
+    }
+    if (fit < 2)
+        return 0;
+    struct run_stage *s = run_stages.lookup(&key);
+    if (!s) {
+        struct run_stage *z = run_zero.lookup(&zero);
+        if (!z || run_stages.update(&key, z) != 0 || !(s = run_stages.lookup(&key))) {
+            count(TT_CNT_RUNS_FULL);
+            return 0;
+        }
+    }
+    u32 n = s->r.n;
+    if (n && (n >= TT_RUN_MAX || s->end != d->stream_off || s->r.tid != d->tid
+              || s->r.arm != arm->seq || s->r.conn_id != a->conn_id
+              || d->ts_exit - s->r.ts[0] >= TT_RUN_AGE_NS)) {
+        submit(&s->r, sizeof(s->r), TT_CNT_LOST_RUN);
+        n = 0;
+    }
+    if (n == 0) {
+        s->r.kind = TT_KIND_RUN;
+        s->r.pid = d->pid;
+        s->r.tid = d->tid;
+        s->r.fd = d->fd;
+        s->r.conn_id = a->conn_id;
+        s->r.stream_off = d->stream_off;
+        s->r.arm = arm->seq;
+    }
+    if (n >= TT_RUN_MAX)
+        return 0;
+    s->r.ts[n] = d->ts_exit;
+    s->r.len[n] = (u16)ret;
+    s->r.n = n + 1;
+    s->end = d->stream_off + (u64)ret;
+    st->staged = 1;
+    count(TT_CNT_RUN_WRITES);
+    if (n + 1 >= TT_RUN_MAX) {
+        submit(&s->r, sizeof(s->r), TT_CNT_LOST_RUN);
+        s->r.n = 0;
+        st->staged = 0;
+    }
+    return 1;
+}
+
 /* ---- close --------------------------------------------------------------------- */
 
 TRACEPOINT_PROBE(syscalls, sys_enter_close)
@@ -211,6 +436,10 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close)
     c.listen_fd = -1;
     c.op = TT_CONN_CLOSE;
     c.role = st->role;
+    if (st->staged)
+        run_flush(key, st);
+    run_arms.delete(&key);
+    run_stages.delete(&key);
     conns.delete(&key);
     submit(&c, sizeof(c), TT_CNT_LOST_CONN);
     return 0;
@@ -421,6 +650,14 @@ static __always_inline int io_exit(long ret)
         return 0;
     }
 #endif
+    if (st) {
+        if (ret > 0 && a->direction == TT_DIR_OUT && run_stage(a, d, ret, key, st)) {
+            io_inflight.delete(&id);
+            return 0;
+        }
+        if (st->staged)
+            run_flush(key, st); /* before any other record of the connection */
+    }
     if (ret <= 0) {
         emit_chunk(d, 0, 0, TT_FLAG_LAST | (ret == 0 ? TT_FLAG_EOF : TT_FLAG_ERROR));
         io_inflight.delete(&id);

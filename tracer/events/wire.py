@@ -15,13 +15,14 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-WIRE_VERSION = 8
+WIRE_VERSION = 9
 # Versions whose records this code decodes: 2 added the GPU records, 3 the ibverbs
 # and KCOUNT records, 4 the KSTUB record, 5 the NETWAIT record, 6 the TLS record and
 # DATA's TLS flags (plaintext from the TLS library, ciphertext sent without payload),
 # 7 the KSTACKS and STACKDEF records (launch-site stacks), 8 both (6 and 7 were
-# written by parallel branches); none changed an earlier layout.
-READABLE_WIRE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
+# written by parallel branches), 9 the RUN record (token writes staged in the
+# kernel); none changed an earlier layout.
+READABLE_WIRE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 
 # Sizes of the C scalar types used on the wire (x86-64 and arm64 alike).
 _SCALARS: dict[str, tuple[str, int]] = {
@@ -56,6 +57,14 @@ CONSTANTS: dict[str, int] = {
     # launch-site stacks (bpf/stacks.c): kinds 18-19
     "KIND_KSTACKS": 18,
     "KIND_STACKDEF": 19,
+    # a streamed response's token writes, staged in the kernel (bpf/sockets.c): one
+    # record per RUN_MAX writes instead of one each, without their text
+    "KIND_RUN": 20,
+    "RUN_MAX": 32,  # writes per RUN record
+    "RUN_HEAD": 512,  # bytes of an armed template's head (power of two: masked index)
+    "RUN_TAIL": 128,  # ...and of its tail
+    "RUN_WRITE_MAX": 1024,  # a write longer than this is never staged
+    "RUN_AGE_NS": 250_000_000,  # a run this old is sent at its connection's next write
     # payload chunking: bytes per DATA record and the loop bound per syscall
     "CHUNK": 16384,
     "MAX_ITER": 64,
@@ -240,7 +249,10 @@ CONSTANTS: dict[str, int] = {
     "CNT_STUBS_FULL": 13,  # stub_pending or stub_sent full: a handle's host stub not sent
     "CNT_STUB_STALE": 14,  # a runtime call's stub not followed by its own driver launch
     "CNT_LOST_NETWAIT": 15,
-    "N_COUNTERS": 16,
+    "CNT_LOST_RUN": 16,  # RUN records lost to a full ring buffer (each up to RUN_MAX writes)
+    "CNT_RUN_WRITES": 17,  # token writes staged into RUN records
+    "CNT_RUNS_FULL": 18,  # run_stages full: a token write sent as its own DATA record
+    "N_COUNTERS": 19,
 }
 
 COUNTER_NAMES: dict[int, str] = {
@@ -706,9 +718,26 @@ STACKDEF = Record(
     tail=Field("slice", "u8[STACK_SLICE]"),
 )
 
+RUN = Record(
+    "tt_run",
+    "KIND_RUN",
+    [
+        Field("kind", "u32"),
+        Field("pid", "u32"),
+        Field("tid", "u32", "the thread that made every write of the run"),
+        Field("fd", "s32"),
+        Field("conn_id", "u64"),
+        Field("stream_off", "u64", "bytes the connection had written before the first"),
+        Field("arm", "u32", "the template the writes matched: the connection's arm number"),
+        Field("n", "u32", "writes in the run (1..RUN_MAX)"),
+        Field("ts", "u64[RUN_MAX]", "each write's syscall exit"),
+        Field("len", "u16[RUN_MAX]", "each write's bytes: size line, head, JSON string, tail"),
+    ],
+)
+
 RECORDS: dict[int, Record] = {
     r.kind: r for r in (CONN, DATA, PROC, KBURST, KNAME, MEM, NCCL, KCOUNT, KSTUB, VERBS,
-                        VERBS_CTX, VERBS_MR, VERBS_QP, NETWAIT, TLS, KSTACKS, STACKDEF)
+                        VERBS_CTX, VERBS_MR, VERBS_QP, NETWAIT, TLS, KSTACKS, STACKDEF, RUN)
 }
 
 
