@@ -317,6 +317,16 @@ class _Direction:
         self.msg.body_seen += size  # type: ignore[union-attr]
         return data[start:start + size]
 
+    def take_chunks(self, sizes: list[int], ts: int) -> bool:
+        """``take_chunk`` of whole chunks known only by their data sizes (the kernel
+        checked each one's framing: tracer/events/runs.py), the last taken at ``ts``.
+        True: taken; False: the parser does not stand at a chunk's start, nothing done."""
+        if not self.at_chunk_start or self.msg is None or 0 in sizes:
+            return False
+        self.ts = ts
+        self.msg.body_seen += sum(sizes)
+        return True
+
     def _body_by_hand(self, data: bytes) -> bytes:
         """After a capture gap inside a body of known length: pass on the body's bytes,
         end the message (incomplete) where the length says, return the bytes after it."""

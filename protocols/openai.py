@@ -458,6 +458,36 @@ class ResponseFollower:
             r.token_at(ts)
         return True
 
+    def template_events(self, head: bytes, tail: bytes, ts: list[int] | tuple[int, ...],
+                        texts: list[bool]) -> bool:
+        """Events known to be ``head`` + one JSON string + ``tail`` each, without their
+        bytes (the kernel compared them: tracer/events/runs.py), ``texts[i]`` whether
+        the i-th string was not empty: ``sse_write`` of each, when ``head`` and
+        ``tail`` are this stream's template. True: taken; False: nothing done."""
+        sse = self._sse
+        t = self._template
+        if (t is None or sse is None or self._decomp is not None or sse._buf or sse._data
+                or sse._pending_cr or sse._dropping or t.event_head != head
+                or t.event_tail != tail):
+            return False
+        sse._event = ""
+        r = self.r
+        r.chunks += len(texts)
+        for at, text in zip(ts, texts):
+            if text:
+                r.text_chunks += 1
+                r.token_at(at)
+        return True
+
+    @property
+    def template_bytes(self) -> tuple[bytes, bytes] | None:
+        """The SSE bytes around the text of this stream's token chunks, once known:
+        what the kernel may be armed with (tracer/events/runs.py)."""
+        t = self._template
+        if t is None or t.event_head is None or t.event_tail is None or self.keep_text:
+            return None
+        return t.event_head, t.event_tail
+
     def _plain(self, ts: int, chunk: bytes) -> None:
         if not chunk:
             return

@@ -21,6 +21,7 @@ from tracer.correlate.records import RequestRecord
 from tracer.correlate.stacks import Flame, StackBook, resolve
 from tracer.events import gpu, schema, stacks, wire
 from tracer.events.netwait import NetTimingMode, NetWait
+from tracer.events.runs import RunArmed, TokenRun
 from tracer.events.tls import TlsEvent, TlsLibrary
 from tracer.export.context import ExportContext
 
@@ -235,6 +236,11 @@ class Pipeline:
                 self.last_ts = ev.ts_exit
             self.net.data(ev)
             t.data_event(ev)
+        elif type(ev) is TokenRun:  # a streamed response's token writes, many in one
+            if ev.ts[-1] > self.last_ts:
+                self.last_ts = ev.ts[-1]
+            self.net.token_run(ev)
+            t.token_run(ev)
         elif isinstance(ev, gpu.GpuEvent):
             self.gpu.handle(ev)
             if isinstance(ev, gpu.KernelBurst):
@@ -281,6 +287,8 @@ class Pipeline:
         elif isinstance(ev, schema.DropReport):
             self.last_ts = max(self.last_ts, ev.ts)
             self.ctx.drops = dict(ev.counters)
+        elif isinstance(ev, RunArmed):
+            t.run_armed(ev)
         self._tick()
 
     def _tick(self) -> None:

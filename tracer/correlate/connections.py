@@ -28,7 +28,9 @@ from protocols.openai import ResponseFollower, operation_for, parse_request
 from tracer.correlate.h2calls import H2Calls
 from tracer.correlate.ipc import IpcGraph
 from tracer.correlate.records import SAFE_HEADERS, RequestRecord, tenant_of
+from tracer.correlate.tokenruns import ConnRuns, TokenRuns, armed, take_run
 from tracer.events import schema, wire
+from tracer.events.runs import RunArmed, TokenRun
 from tracer.events.tls import TlsEvent
 
 C = wire.CONSTANTS
@@ -207,6 +209,7 @@ class Connection:
         self.stream_dir: int | None = None
         self.held = 0  # bytes it held for parsing after its last data event
         self.tls: TlsConn | None = None  # TLS on the wire, or its plaintext followed
+        self.runs: ConnRuns | None = None  # its token runs' arms (tokenruns.py)
 
     @property
     def tls_session(self) -> tlsproto.TlsSession | None:
@@ -281,6 +284,7 @@ class ConnectionTracker:
         self.socket_threads: set[tuple[int, int]] | None = set()
         self.buffered_estimate = 0  # sum of Connection.held, give or take the closed
         self.stats: Counter[str] = Counter()
+        self.runs = TokenRuns()  # token writes the kernel stages: arms asked for
 
     # ---- connection lifecycle ---------------------------------------------------
 
@@ -387,12 +391,16 @@ class ConnectionTracker:
 
     # ---- data -------------------------------------------------------------------
 
-    def data_event(self, ev: schema.DataEvent) -> None:
+    def _moved_bytes(self, pid: int, tid: int) -> None:
+        """Thread (pid, tid) moved socket bytes."""
         threads = self.socket_threads
         if threads is not None:
-            threads.add((ev.pid, ev.tid))
+            threads.add((pid, tid))
             if len(threads) > MAX_SOCKET_THREADS:
                 self.socket_threads = None  # too many to keep: every thread may serve
+
+    def data_event(self, ev: schema.DataEvent) -> None:
+        self._moved_bytes(ev.pid, ev.tid)
         c = self.conns.get(ev.key)
         if c is None:
             # its open record was lost, or it predates the capture: follow it unsynced
@@ -467,7 +475,10 @@ class ConnectionTracker:
         f = ex.follower
         # sse_write takes only a whole event with nothing held before it; anything else
         # goes through the parser, and what it holds afterwards is accounted for
-        if f is not None and not f.sse_write(ts, body):
+        if f is not None and f.sse_write(ts, body):
+            if self.runs.arming and not inbound and not tls:
+                self.runs.token_chunk(c, d.msg.exchange, f, ts, body)
+        elif f is not None:
             before = f.buffered
             f.data(ts, body)
             grown = f.buffered - before
@@ -477,6 +488,27 @@ class ConnectionTracker:
                 if self.buffered_estimate > self.options.max_buffered:
                     self._shed(ts)
         return True
+
+    def token_run(self, run: TokenRun) -> None:
+        """A RUN record: token writes the kernel staged (tracer/events/runs.py), taken
+        as the DATA records they replace. One whose connection or template is unknown
+        (its arm was not seen) is counted; its writes leave a gap in the stream."""
+        self._moved_bytes(run.pid, run.tid)
+        c = self.conns.get(run.key)
+        tmpl = c.runs.arms.get(run.arm) if c is not None and c.runs is not None else None
+        if c is None or tmpl is None:
+            self.stats["token_runs_unread"] += 1
+            self.stats["token_run_writes_unread"] += len(run.lens)
+            return
+        try:
+            take_run(self, c, run, tmpl[0], tmpl[1], self.data_event)
+        except Exception as e:  # as data_event would: this connection only
+            self._contain(c, e, run.ts[-1])
+
+    def run_armed(self, ev: RunArmed) -> None:
+        c = self.conns.get(ev.key)
+        if c is not None:
+            armed(c, ev)
 
     def _data_event(self, c: Connection, ev: schema.DataEvent) -> None:
         ts = ev.ts_exit

@@ -41,9 +41,11 @@ from typing import Callable
 from tracer.correlate.records import NetTiming, RequestRecord
 from tracer.events import schema, wire
 from tracer.events.netwait import NetTimingMode, NetWait
+from tracer.events.runs import TokenRun
 
 Emit = Callable[[RequestRecord], None]
 _DIR_IN = wire.CONSTANTS["DIR_IN"]
+_DIR_OUT = wire.CONSTANTS["DIR_OUT"]
 _FLAG_LAST = wire.CONSTANTS["FLAG_LAST"]
 _FLAG_TLS = wire.CONSTANTS["FLAG_TLS"]
 WAIT_NS = 250_000_000  # a peer ACKs within its delayed-ACK time (40-200 ms on Linux)
@@ -127,6 +129,15 @@ class NetTimer:
         plaintext write was made; its ciphertext's writes are the socket's)."""
         self.write(ev.key, ev.ts_exit, ev.direction, ev.flags, ev.ret, ev.stream_off,
                    ev.ts_enter)
+
+    def token_run(self, run: TokenRun) -> None:
+        """``data`` of each write of a RUN record (tracer/events/runs.py)."""
+        if not self.conns:
+            return
+        off = run.stream_off
+        for ts, n in zip(run.ts, run.lens):
+            self.write(run.key, ts, _DIR_OUT, _FLAG_LAST, n, off)
+            off += n
 
     def write(self, key: tuple[int, int, int], ts_exit: int, direction: int, flags: int,
               ret: int, stream_off: int, ts_enter: int | None = None) -> None:

@@ -323,3 +323,9 @@ from tracer.events import stacks as _stacks  # noqa: E402
 DECODERS.update(_stacks.DECODERS)
 USER_EVENTS[_stacks.StackFrames.__name__] = _stacks.StackFrames
 USER_EVENTS[_stacks.StackSampling.__name__] = _stacks.StackSampling
+# A streamed response's token writes staged in the kernel (bpf/sockets.c), and the
+# templates the agent armed them with.
+from tracer.events import runs as _runs  # noqa: E402
+
+DECODERS.update(_runs.DECODERS)
+USER_EVENTS[_runs.RunArmed.__name__] = _runs.RunArmed
