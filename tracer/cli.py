@@ -65,6 +65,11 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     g2.add_argument("--capture-limit", type=_positive_int, default=256 * 1024, metavar="BYTES",
                     help="payload bytes captured per syscall; more is counted as truncated "
                          "(default: 262144)")
+    g2.add_argument("--no-token-runs", dest="token_runs", action="store_false",
+                    help="send every token write of a streamed response as its own "
+                         "record; by default, once a response's chunks are known, the "
+                         "kernel sends its token writes %d at a time, without their text"
+                         % wire_run_max())
     g2.add_argument("--ringbuf-mb", type=_positive_int, default=32, metavar="MB",
                     help="ring buffer size, rounded down to a power of two pages "
                          "(default: 32)")
@@ -463,9 +468,16 @@ def _targets(args: argparse.Namespace) -> Any:
                          stub_names_quiet_s=max(0.0, args.stub_names_quiet),
                          uprobe_links=args.uprobe_links,
                          stack_every=_stack_every(args),
+                         token_runs=getattr(args, "token_runs", True),
                          **({"concerns": tuple(c for c in CaptureConfig.concerns if c != "tls")}
                             if args.tls == "off" else {}),
                          **({"net_timing": args.net_timing} if args.net_timing else {}))
+
+
+def wire_run_max() -> int:
+    from tracer.events.wire import CONSTANTS
+
+    return CONSTANTS["RUN_MAX"]
 
 
 def _stack_every(args: argparse.Namespace) -> int:

@@ -34,6 +34,8 @@ class TraceRun:
         self.writer = (capture.CaptureWriter(record, self.header, keep_secrets=keep_secrets)
                        if record else None)
         self.session = CaptureSession(config, self._sink)
+        # the agent arms the kernel's token runs from what the analysis reads
+        self.pipeline.tracker.runs.arming = config.token_runs and not options.keep_content
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -69,6 +71,7 @@ class TraceRun:
             reply[0] = self.session.control(command)
             done.set()
         self.session.poll()
+        self.session.arm_runs(self.pipeline.tracker.runs.take_requests())
         now = time.monotonic()
         if now >= self._next_unnamed:
             self._next_unnamed = now + UNNAMED_CHECK_S

@@ -18,6 +18,7 @@ from typing import Any, Callable
 from tracer.events import schema, wire
 from tracer.events.gpu import GpuSampling
 from tracer.events.netwait import NetTimingMode
+from tracer.events.runs import RunArmed
 from tracer.probes import loader, procfs, ringbuf, sockdiag
 from tracer.probes.bpfstats import ProgramStats, format_costs
 from tracer.probes.gpu import GpuProbes
@@ -70,6 +71,9 @@ class CaptureConfig:
     stack_every: int = 0
     stack_jitter: bool = True
     stack_slice: int = 16384
+    # stage streamed responses' token writes in the kernel (bpf/sockets.c, "runs"):
+    # one record per RUN_MAX tokens instead of one each, once the agent arms a response
+    token_runs: bool = True
 
 
 def clock_sync(samples: int = 5) -> schema.ClockSync:
@@ -117,6 +121,8 @@ class CaptureSession:
         self.dropped_unanalysed = 0
         self.records_read = 0  # ring-buffer records, for `status`
         self.stacks: Any = None  # tracer.probes.stacks.StackSampler with --stacks
+        self._arm_seq = 0  # token-run arms written (RunArmed.arm)
+        self.token_runs = False  # the kernel stages token writes (set at start)
 
     # ---- lifecycle --------------------------------------------------------------
 
@@ -153,6 +159,7 @@ class CaptureSession:
             key = self.bpf[b"traced_comms"].Key()
             key.comm = name.encode()[:15]
             self.bpf[b"traced_comms"][key] = ctypes.c_uint32(1)
+        self.token_runs = self.config.token_runs and "sockets" in self.concerns
         self.ring = ringbuf.open_reader(self.bpf, b"events", self._on_record)
         self.sink(clock_sync())
         self.sink(NetTimingMode(ts=time.monotonic_ns(), mode=self.net_timing.mode,
@@ -317,6 +324,10 @@ class CaptureSession:
             for raw in self.gpu.drain():  # bursts not yet flushed: counts stay exact
                 self.sink(raw)
             self._collect_counters()  # the final per-kernel and ibverbs counts
+        if "sockets" in self.concerns:
+            self.bpf[b"run_arms"].clear()  # no write is staged after this...
+            self.ring.consume()
+            self._take_staged_runs()  # ...and what was, the probes did not send
         self.report_counters(self._drain())  # with what the socket probes sent meanwhile
         self.ring.close()
         self.program_stats.disable()
@@ -337,7 +348,7 @@ class CaptureSession:
                          # TLS objects tied to sockets whose conn_ids the resume renews:
                          # met again as after an attach (bpf/tls.c)
                          b"tls_calls", b"tls_ssls", b"tls_socks", b"tls_rbios", b"tls_bios",
-                         b"tls_last_in", b"tls_egress")
+                         b"tls_last_in", b"tls_egress", b"run_arms", b"run_stages")
 
     def pause(self) -> float:
         """Take every probe out but the process-lifecycle tracepoints, so the traced
@@ -358,6 +369,7 @@ class CaptureSession:
         if self.tls is not None and (self.gpu is None or self.tls.uprobes is not self.gpu.uprobes):
             self.tls.uprobes.suspend(self.tls.errors)
         self.ring.consume()  # what was sent before the probes came out
+        self._take_staged_runs()  # ...and what they staged
         if self.gpu is not None:
             for raw in self.gpu.drain():  # bursts open at the pause: counts stay exact
                 self.sink(raw)
@@ -609,6 +621,8 @@ class CaptureSession:
         if kind == C["KIND_STACKDEF"] and self.stacks is not None:
             self.stacks.on_def(buf)  # raw stack memory: resolved here, never captured
             return
+        if kind == C["KIND_PROC"] and self.token_runs:
+            self._before_exit(buf)
         if self.analysis:
             self.sink(buf)
         else:
@@ -681,15 +695,68 @@ class CaptureSession:
         """A dead process's sockets were closed by the kernel, not by close(2)."""
         if "sockets" not in self.concerns:
             return
-        conns = self.bpf[b"conns"]
-        stale = [k for k in conns.keys() if (k.value >> 32) == pid]
-        for k in stale:
-            try:
-                del conns[k]
-            except KeyError:
-                pass
+        for name in (b"conns", b"run_arms", b"run_stages"):
+            table = self.bpf[name]
+            for k in [k for k in table.keys() if (k.value >> 32) == pid]:
+                try:
+                    del table[k]
+                except KeyError:
+                    pass
         for key in [k for k in self._listen_cache if k[0] == pid]:
             del self._listen_cache[key]
+
+    # ---- token runs (bpf/sockets.c) ----------------------------------------------
+
+    def arm_runs(self, requests: list[tuple[tuple[int, int, int], bytes, bytes]]) -> None:
+        """Tell the kernel these connections' token chunks (``TokenRuns.requests``:
+        key, the SSE bytes before and after each token's text); each arm written is
+        sent on as a ``RunArmed`` event, which the connection's runs are read with."""
+        if not requests or not self.token_runs or self.paused or self.bpf is None:
+            return
+        table = self.bpf[b"run_arms"]
+        for (pid, fd, conn_id), head, tail in requests:
+            self._arm_seq += 1
+            leaf = table.Leaf()
+            leaf.conn_id = conn_id
+            leaf.seq = self._arm_seq
+            leaf.head_len = len(head)
+            leaf.tail_len = len(tail)
+            ctypes.memmove(leaf.head, head, len(head))
+            ctypes.memmove(leaf.tail, tail, len(tail))
+            try:
+                table[table.Key(pid << 32 | (fd & 0xFFFFFFFF))] = leaf
+            except Exception:  # the map is full: these tokens keep a record each
+                self.user_counters["run_arms_full"] = self.user_counters.get("run_arms_full", 0) + 1
+                continue
+            self.sink(RunArmed(ts=time.monotonic_ns(), pid=pid, fd=fd, conn_id=conn_id,
+                               arm=self._arm_seq, head=head.decode("utf-8", "replace"),
+                               tail=tail.decode("utf-8", "replace")))
+
+    def _take_staged_runs(self, pid: int | None = None) -> None:
+        """Send the runs the kernel staged and has not sent (of ``pid``, else all):
+        their process died, or the probes came out. The kernel no longer adds to them
+        (dead, detached or disarmed), and one it sends meanwhile is taken once: its
+        writes' offsets say so (``take_run``)."""
+        if "sockets" not in self.concerns:
+            return
+        table = self.bpf[b"run_stages"]
+        for k, v in list(table.items()):
+            if (pid is None or (k.value >> 32) == pid) and v.r.n:
+                self.sink(bytes(ctypes.string_at(ctypes.addressof(v.r), ctypes.sizeof(v.r))))
+                self.user_counters["runs_read_from_the_map"] = (
+                    self.user_counters.get("runs_read_from_the_map", 0) + 1)
+                if pid is not None:
+                    del table[k]
+
+    def _before_exit(self, buf: bytes) -> None:
+        """A process's exit record: what it had staged goes first (its sockets were
+        closed by the kernel, not by close(2), so nothing sent it)."""
+        try:
+            ev = schema.decode(buf)
+        except schema.WireError:
+            return
+        if ev.op == C["PROC_EXIT"] and ev.pid in self.pids:
+            self._take_staged_runs(ev.pid)
 
     # ---- loss -------------------------------------------------------------------
 
