@@ -117,11 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-ms", type=float, default=10.0)
     ap.add_argument("--against", default=None, help="commit to compare with")
     ap.add_argument("--cpu", type=int, default=1, help="the CPU the replays run on")
-    ap.add_argument("--cases", default="sockets,gpu")
+    ap.add_argument("--cases", default="sockets,gpu,sockets+runs,gpu+runs",
+                    help="traffic: sockets only, with GPU steps; +runs: as the kernel sends "
+                         "it with token runs (bpf/sockets.c; bench/streamgen.py stage_runs)")
+    ap.add_argument("--arm-delay-ms", type=float, default=20.0,
+                    help="+runs: a response is armed this long after its first token")
     ap.add_argument("--out", default=str(ROOT / "bench/results/agent_rate.json"))
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    from bench.streamgen import BASE_TS, generate
+    from bench.streamgen import BASE_TS, generate, stage_runs
     from tracer.events import capture
 
     against = args.against or default_against()
@@ -147,10 +151,14 @@ def main(argv: list[str] | None = None) -> int:
         for case in args.cases.split(","):
             t0 = time.monotonic()
             items, truth = generate(args.rate, args.tokens, args.seconds, args.servers,
-                                    args.step_ms, gpu=case == "gpu")
+                                    args.step_ms, gpu=case.startswith("gpu"))
+            if case.endswith("+runs"):
+                items = stage_runs(items, int(args.arm_delay_ms * 1e6))
             cap = Path(tmp, f"{case}.ttcap")
-            w = capture.CaptureWriter(cap, capture.new_header(command="bench"),
-                                      keep_secrets=True)
+            header = capture.new_header(command="bench")
+            if not case.endswith("+runs"):  # no record an earlier tree cannot read
+                header["wire_version"] = 8
+            w = capture.CaptureWriter(cap, header, keep_secrets=True)
             for it in items:
                 w.write(it)
             w.close()
@@ -159,7 +167,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{case}: {len(items)} records, {len(truth)} requests "
                   f"(generated in {time.monotonic() - t0:.1f}s)", file=sys.stderr)
             row: dict[str, Any] = {"records": len(items), "requests": len(truth)}
-            for name, tree in (("before", base), ("now", ROOT)):
+            # an earlier tree may not read RUN records: the +runs cases compare with
+            # this tree's own per-write case
+            trees = (("now", ROOT),) if case.endswith("+runs") else (("before", base),
+                                                                     ("now", ROOT))
+            for name, tree in trees:
                 r = child(tree, cap, truth_path, args.cpu, steady)
                 r["traffic_s"] = args.seconds
                 r["cpu_per_traffic_s"] = round(r["cpu_s"] / args.seconds, 3)

@@ -28,8 +28,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from tracer.events import schema, wire
+from tracer.events import runs, schema, wire
 from tracer.events.netwait import NetTimingMode
+from tracer.events.runs import RunArmed
 
 C = wire.CONSTANTS
 BASE_TS = 10**12  # monotonic ns of the first event
@@ -272,3 +273,131 @@ def generate(rate: float, tokens: int = 100, seconds: float = 5.0, servers: int 
             items.append(item)
     items.append(schema.DropReport(ts=BASE_TS + int((seconds + 10) * 1e9), counters={}))
     return items, truth
+
+
+# ---- the kernel's token runs (bpf/sockets.c), modelled ------------------------------
+
+_RUN_MAX = C["RUN_MAX"]
+
+
+def _plain_string(s: bytes) -> bool:
+    """What bpf/sockets.c's run_string accepts: one JSON string of at most 256 bytes
+    (a backslash's next byte one of JSON's escapes; \\u's digits not checked)."""
+    if len(s) < 2 or len(s) > 256 or s[:1] != b'"' or s[-1:] != b'"':
+        return False
+    esc = False
+    for c in s[1:-1]:
+        if esc:
+            if c not in b'"\\/bfnrtu':
+                return False
+            esc = False
+        elif c == 0x5C:
+            esc = True
+        elif c == 0x22 or c < 0x20:
+            return False
+    return not esc
+
+
+def _token_event(payload: bytes) -> tuple[bytes, bytes, bytes] | None:
+    """A token chunk's SSE head, JSON string and tail (the generator's documents
+    carry the text as ``"content": "..."`` in ``delta``)."""
+    line_end = payload.find(b"\r\n")
+    event = payload[line_end + 2:-2]
+    at = event.find(b'"content": "')
+    if line_end < 0 or at < 0 or b'"finish_reason": null' not in event:
+        return None
+    start = at + len(b'"content": ')
+    end = event.rindex(b"}, \"finish_reason\"")  # the text's holder ends there
+    return event[:start], event[start:end], event[end:]
+
+
+def stage_runs(items: list[Any], arm_delay_ns: int = 20_000_000) -> list[Any]:
+    """``items`` as a live run with token runs would capture them: the agent arms a
+    response ``arm_delay_ns`` after the first text chunk it read (its poll), with a
+    ``RunArmed`` event; from then the kernel stages the response's writes that are one
+    chunk of the template with a plain JSON string, and sends them as RUN records as
+    bpf/sockets.c does (RUN_MAX writes, RUN_AGE_NS old at the next staged write, another
+    thread or offset, or any other DATA or CONN record of the connection first). A
+    chunk whose string has escapes goes out as it was (the run first); any other write
+    disarms."""
+    out: list[Any] = []
+    pending: list[tuple[int, Any]] = []  # (ts, RunArmed) not yet written
+    arms: dict[tuple[int, int, int], tuple[int, bytes, bytes]] = {}
+    asked: set[tuple[int, int, int, int]] = set()  # (key, response start offset)
+    stages: dict[tuple[int, int, int], dict[str, Any]] = {}
+    response_at: dict[tuple[int, int, int], int] = {}
+    seq = 0
+
+    def flush(key: tuple[int, int, int]) -> None:
+        s = stages.pop(key, None)
+        if s is not None:
+            out.append(runs.pack(key[0], s["tid"], key[1], key[2], s["off"], s["arm"],
+                                 s["ts"], s["lens"]))
+
+    for item in items:
+        ts = getattr(item, "ts", None)
+        if isinstance(item, bytes) and wire.kind_of(item) in (C["KIND_DATA"], C["KIND_CONN"]):
+            ts = (wire.DATA.unpack(item)["ts_exit"] if wire.kind_of(item) == C["KIND_DATA"]
+                  else wire.CONN.unpack(item)["ts"])
+        while pending and ts is not None and pending[0][0] <= ts:
+            ev = pending.pop(0)[1]
+            arms[ev.key] = (ev.arm, ev.head.encode(), ev.tail.encode())
+            out.append(ev)
+        if not isinstance(item, bytes) or wire.kind_of(item) not in (C["KIND_DATA"],
+                                                                     C["KIND_CONN"]):
+            out.append(item)
+            continue
+        if wire.kind_of(item) == C["KIND_CONN"]:
+            f = wire.CONN.unpack(item)
+            key = (f["pid"], f["fd"], f["conn_id"])
+            flush(key)
+            if f["op"] == C["CONN_CLOSE"]:
+                arms.pop(key, None)
+            out.append(item)
+            continue
+        f = wire.DATA.unpack(item)
+        key = (f["pid"], f["fd"], f["conn_id"])
+        payload = item[wire.DATA.header_size:wire.DATA.header_size + f["len"]]
+        if f["direction"] == C["DIR_IN"]:
+            response_at[key] = -1
+        elif response_at.get(key) == -1:
+            response_at[key] = f["stream_off"]  # this response's first write
+        arm = arms.get(key)
+        if f["direction"] == C["DIR_OUT"] and arm is not None:
+            parts = _token_event(payload) if len(payload) <= C["RUN_WRITE_MAX"] else None
+            fits = parts is not None and parts[0] == arm[1] and parts[2] == arm[2]
+            if fits and _plain_string(parts[1]):  # type: ignore[index]
+                s = stages.get(key)
+                if s is not None and (len(s["ts"]) >= _RUN_MAX or s["end"] != f["stream_off"]
+                                      or s["tid"] != f["tid"] or s["arm"] != arm[0]
+                                      or f["ts_exit"] - s["ts"][0] >= C["RUN_AGE_NS"]):
+                    flush(key)
+                    s = None
+                if s is None:
+                    s = stages[key] = {"tid": f["tid"], "off": f["stream_off"], "arm": arm[0],
+                                       "ts": [], "lens": [], "end": f["stream_off"]}
+                s["ts"].append(f["ts_exit"])
+                s["lens"].append(len(payload))
+                s["end"] = f["stream_off"] + len(payload)
+                if len(s["ts"]) >= _RUN_MAX:
+                    flush(key)
+                continue
+            if not fits:
+                del arms[key]
+        flush(key)
+        out.append(item)
+        # the agent reads a token chunk and asks for its response to be armed
+        parts = _token_event(payload) if f["direction"] == C["DIR_OUT"] else None
+        ask = (key, response_at.get(key, 0))
+        if (parts is not None and ask not in asked and parts[1] != b'""'
+                and _plain_string(parts[1])):  # a token's chunk (the role chunk is not)
+            asked.add(ask)
+            seq += 1
+            pending.append((f["ts_exit"] + arm_delay_ns, RunArmed(
+                ts=f["ts_exit"] + arm_delay_ns, pid=key[0], fd=key[1], conn_id=key[2], arm=seq,
+                head=parts[0].decode(), tail=parts[2].decode())))
+            pending.sort(key=lambda p: p[0])
+    for key in list(stages):
+        flush(key)
+    out.extend(ev for _, ev in pending)
+    return out
