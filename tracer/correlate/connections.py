@@ -284,7 +284,7 @@ class ConnectionTracker:
         self.socket_threads: set[tuple[int, int]] | None = set()
         self.buffered_estimate = 0  # sum of Connection.held, give or take the closed
         self.stats: Counter[str] = Counter()
-        self.runs = TokenRuns()  # token writes the kernel stages: arms asked for
+        self.runs = TokenRuns(self.stats)  # token writes the kernel stages: arms asked for
 
     # ---- connection lifecycle ---------------------------------------------------
 
@@ -757,7 +757,11 @@ class ConnectionTracker:
         if self.conns.get(c.key) is not c:
             return  # it was closing anyway
         if c.proto == "http1":
+            numbered = c.http.next_request if c.http is not None else 0
             c.http = http1.HTTP1Connection(synced=False, stats=self.stats)
+            # go on numbering: a record of the next request must not take the key of
+            # one ended here and still held (by the GPU attribution, the net timing)
+            c.http.next_request = numbered
         elif h2 is not None:
             c.h2 = H2Calls(c, self.options, False, self.stats)
         else:
