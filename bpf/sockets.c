@@ -232,6 +232,8 @@ struct run_buf {
     u8 b[TT_RUN_WRITE_MAX];
 };
 BPF_PERCPU_ARRAY(run_scratch, struct run_buf, 1);
+/* [0]: run_exit, loaded and set by the agent (tracer/probes/loader.py) */
+BPF_PROG_ARRAY(run_progs, 1);
 
 #define RUN_MASK (TT_RUN_WRITE_MAX - 1)
 #define RUN_TEXT_MAX 256 /* a token's JSON string longer than this is sent as usual */
@@ -599,7 +601,58 @@ static __always_inline int copy_step(struct copy_ctx *c, struct tt_data *d)
     return 0;
 }
 
-static __always_inline int io_exit(long ret)
+/* Send the syscall's record(s): its bytes in TT_CHUNK pieces (DATA), and forget it. */
+static __always_inline int io_send(u64 id, struct io_args *a, struct tt_data *d, long ret)
+{
+    if (ret <= 0) {
+        emit_chunk(d, 0, 0, TT_FLAG_LAST | (ret == 0 ? TT_FLAG_EOF : TT_FLAG_ERROR));
+        io_inflight.delete(&id);
+        return 0;
+    }
+
+    u64 limit = config_get(TT_CFG_CAPTURE_LIMIT, 256 * 1024);
+    u64 want = (u64)ret < limit ? (u64)ret : limit;
+    u8 trunc = want < (u64)ret ? TT_FLAG_TRUNCATED : 0;
+    if (trunc)
+        count(TT_CNT_TRUNCATED);
+
+    u32 zero = 0;
+    struct copy_ctx *c = copy_state.lookup(&zero);
+    if (!c) {
+        io_inflight.delete(&id);
+        return 0;
+    }
+    c->want = want;
+    c->trunc = trunc;
+    c->done = 0;
+    c->idx = 0;
+    if (a->shape == SHAPE_BUF) {
+        c->base = a->buf;
+        c->left = ret;
+        c->iov = 0;
+        c->iovcnt = 0;
+    } else {
+        c->base = 0;
+        c->left = 0;
+        c->iov = a->buf;
+        c->iovcnt = a->iovcnt;
+    }
+    for (int i = 0; i < TT_MAX_ITER; i++) {
+        if (copy_step(c, d))
+            break;
+    }
+    u64 done = c->done;
+    if (done < want) {
+        /* Ran out of iterations or iovecs: close the syscall with a marker so Python
+         * knows exactly how many bytes it did not get. */
+        count(TT_CNT_IOV_CUT);
+        emit_chunk(d, done, 0, TT_FLAG_LAST | TT_FLAG_TRUNCATED);
+    }
+    io_inflight.delete(&id);
+    return 0;
+}
+
+static __always_inline int io_exit(void *ctx, long ret)
 {
     u64 id = bpf_get_current_pid_tgid();
     struct io_args *a = io_inflight.lookup(&id);
@@ -650,59 +703,44 @@ static __always_inline int io_exit(long ret)
         return 0;
     }
 #endif
-    if (st) {
-        if (ret > 0 && a->direction == TT_DIR_OUT && run_stage(a, d, ret, key, st)) {
-            io_inflight.delete(&id);
-            return 0;
-        }
-        if (st->staged)
-            run_flush(key, st); /* before any other record of the connection */
+    if (st && ret > 0 && a->direction == TT_DIR_OUT) {
+        struct run_arm *arm = run_arms.lookup(&key);
+        if (arm && arm->conn_id == a->conn_id)
+            run_progs.call(ctx, 0); /* run_exit; returns here only if it is not loaded */
     }
-    if (ret <= 0) {
-        emit_chunk(d, 0, 0, TT_FLAG_LAST | (ret == 0 ? TT_FLAG_EOF : TT_FLAG_ERROR));
+    if (st && st->staged)
+        run_flush(key, st); /* before any other record of the connection */
+    return io_send(id, a, d, ret);
+}
+
+/*
+ * A write on an armed connection, tail-called from io_exit (which filled data_scratch
+ * and left the call in io_inflight): staged if it is a token chunk of the template,
+ * else sent as io_exit would. A program of its own so that the verifier checks the
+ * template's loops once, not in each of the eight exit probes (seconds of load time).
+ */
+int run_exit(void *ctx)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    struct io_args *a = io_inflight.lookup(&id);
+    u32 zero = 0;
+    struct tt_data *d = data_scratch.lookup(&zero);
+    if (!a || !d)
+        return 0;
+    long ret = d->ret;
+    u64 key = conn_key(id >> 32, a->fd);
+    struct conn_state *st = conns.lookup(&key);
+    if (!st) {
         io_inflight.delete(&id);
         return 0;
     }
-
-    u64 limit = config_get(TT_CFG_CAPTURE_LIMIT, 256 * 1024);
-    u64 want = (u64)ret < limit ? (u64)ret : limit;
-    u8 trunc = want < (u64)ret ? TT_FLAG_TRUNCATED : 0;
-    if (trunc)
-        count(TT_CNT_TRUNCATED);
-
-    struct copy_ctx *c = copy_state.lookup(&zero);
-    if (!c) {
+    if (ret > 0 && run_stage(a, d, ret, key, st)) {
         io_inflight.delete(&id);
         return 0;
     }
-    c->want = want;
-    c->trunc = trunc;
-    c->done = 0;
-    c->idx = 0;
-    if (a->shape == SHAPE_BUF) {
-        c->base = a->buf;
-        c->left = ret;
-        c->iov = 0;
-        c->iovcnt = 0;
-    } else {
-        c->base = 0;
-        c->left = 0;
-        c->iov = a->buf;
-        c->iovcnt = a->iovcnt;
-    }
-    for (int i = 0; i < TT_MAX_ITER; i++) {
-        if (copy_step(c, d))
-            break;
-    }
-    u64 done = c->done;
-    if (done < want) {
-        /* Ran out of iterations or iovecs: close the syscall with a marker so Python
-         * knows exactly how many bytes it did not get. */
-        count(TT_CNT_IOV_CUT);
-        emit_chunk(d, done, 0, TT_FLAG_LAST | TT_FLAG_TRUNCATED);
-    }
-    io_inflight.delete(&id);
-    return 0;
+    if (st->staged)
+        run_flush(key, st);
+    return io_send(id, a, d, ret);
 }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_read)
@@ -710,47 +748,47 @@ TRACEPOINT_PROBE(syscalls, sys_enter_read)
     return io_enter(args->fd, (u64)args->buf, BUF_SIZE(args->count), TT_SYS_READ, SHAPE_BUF,
                     TT_DIR_IN);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_read) { return io_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_read) { return io_exit(args, args->ret); }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_write)
 {
     return io_enter(args->fd, (u64)args->buf, 0, TT_SYS_WRITE, SHAPE_BUF, TT_DIR_OUT);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_write) { return io_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_write) { return io_exit(args, args->ret); }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_readv)
 {
     return io_enter(args->fd, (u64)args->vec, args->vlen, TT_SYS_READV, SHAPE_IOV, TT_DIR_IN);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_readv) { return io_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_readv) { return io_exit(args, args->ret); }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_writev)
 {
     return io_enter(args->fd, (u64)args->vec, args->vlen, TT_SYS_WRITEV, SHAPE_IOV, TT_DIR_OUT);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_writev) { return io_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_writev) { return io_exit(args, args->ret); }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_recvfrom)
 {
     return io_enter(args->fd, (u64)args->ubuf, BUF_SIZE(args->size), TT_SYS_RECVFROM,
                     SHAPE_BUF, TT_DIR_IN);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_recvfrom) { return io_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_recvfrom) { return io_exit(args, args->ret); }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_sendto)
 {
     return io_enter(args->fd, (u64)args->buff, 0, TT_SYS_SENDTO, SHAPE_BUF, TT_DIR_OUT);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_sendto) { return io_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_sendto) { return io_exit(args, args->ret); }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_recvmsg)
 {
     return msg_enter(args->fd, (u64)args->msg, TT_SYS_RECVMSG, TT_DIR_IN);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_recvmsg) { return io_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_recvmsg) { return io_exit(args, args->ret); }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_sendmsg)
 {
     return msg_enter(args->fd, (u64)args->msg, TT_SYS_SENDMSG, TT_DIR_OUT);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_sendmsg) { return io_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_sendmsg) { return io_exit(args, args->ret); }

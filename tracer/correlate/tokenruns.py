@@ -18,6 +18,7 @@ its bytes rebuilt from the template (its text replaced by as many ``x``).
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Callable
 
 from tracer.events import runs, schema, wire
@@ -48,7 +49,8 @@ class TokenRuns:
     kernel to arm; a replay reads the ``RunArmed`` events the live run wrote). Each
     connection's own state is its ``runs`` (``ConnRuns``), gone with it."""
 
-    def __init__(self) -> None:
+    def __init__(self, stats: Counter[str]) -> None:
+        self.stats = stats
         self.arming = False
         self.requests: list[ArmRequest] = []
 
@@ -69,7 +71,11 @@ class TokenRuns:
         else:
             cr.asked_for, cr.asks, cr.armed_ts = exchange, 0, 0
         tb = follower.template_bytes
-        if tb is None or len(tb[0]) > C["RUN_HEAD"] or len(tb[1]) > C["RUN_TAIL"]:
+        if tb is None:
+            return
+        if len(tb[0]) > C["RUN_HEAD"] or len(tb[1]) > C["RUN_TAIL"]:
+            # the kernel compares no more: a record per token
+            self.stats["token_run_templates_too_long"] += 1
             return
         cr.asks += 1
         self.requests.append((c.key, tb[0], tb[1]))

@@ -62,7 +62,7 @@ CONSTANTS: dict[str, int] = {
     "KIND_RUN": 20,
     "RUN_MAX": 32,  # writes per RUN record
     "RUN_HEAD": 512,  # bytes of an armed template's head (power of two: masked index)
-    "RUN_TAIL": 128,  # ...and of its tail
+    "RUN_TAIL": 512,  # ...and of its tail (HF serve puts the model path after the text)
     "RUN_WRITE_MAX": 1024,  # a write longer than this is never staged
     "RUN_AGE_NS": 250_000_000,  # a run this old is sent at its connection's next write
     # payload chunking: bytes per DATA record and the loop bound per syscall

@@ -7,6 +7,7 @@ no privileges, no tracefs) raise ``ProbeSetupError`` with the fix in the message
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 from pathlib import Path
@@ -114,6 +115,18 @@ def program_text(concerns: Iterable[str]) -> str:
     for name in concerns:
         parts.append(f"/* ---- bpf/{name}.c ---- */\n" + bpf.source(name))
     return "\n".join(parts)
+
+
+def load_run_exit(bpf: Any) -> None:
+    """Load bpf/sockets.c's ``run_exit`` (the program the socket exit probes tail-call
+    for a write on a connection armed for token runs) into ``run_progs``. Until it is
+    there, armed writes are sent one record each. Raises ProbeSetupError."""
+    bcc = import_bcc()
+    try:
+        fn = bpf.load_func(b"run_exit", bcc.BPF.TRACEPOINT)
+        bpf[b"run_progs"][ctypes.c_int(0)] = ctypes.c_int(fn.fd)
+    except Exception as e:  # BCC raises bare Exception for load failures
+        raise ProbeSetupError(f"loading the token-run program failed: {e}") from e
 
 
 def compile_program(concerns: Iterable[str], ringbuf_mb: int = 32,

@@ -160,6 +160,12 @@ class CaptureSession:
             key.comm = name.encode()[:15]
             self.bpf[b"traced_comms"][key] = ctypes.c_uint32(1)
         self.token_runs = self.config.token_runs and "sockets" in self.concerns
+        if self.token_runs:
+            try:
+                loader.load_run_exit(self.bpf)
+            except loader.ProbeSetupError:  # a record per token, as without
+                self.token_runs = False
+                self.user_counters["token_runs_unavailable"] = 1
         self.ring = ringbuf.open_reader(self.bpf, b"events", self._on_record)
         self.sink(clock_sync())
         self.sink(NetTimingMode(ts=time.monotonic_ns(), mode=self.net_timing.mode,
