@@ -468,7 +468,7 @@ def _targets(args: argparse.Namespace) -> Any:
                          stub_names_quiet_s=max(0.0, args.stub_names_quiet),
                          uprobe_links=args.uprobe_links,
                          stack_every=_stack_every(args),
-                         token_runs=getattr(args, "token_runs", True),
+                         **({} if getattr(args, "token_runs", True) else {"token_runs": False}),
                          **({"concerns": tuple(c for c in CaptureConfig.concerns if c != "tls")}
                             if args.tls == "off" else {}),
                          **({"net_timing": args.net_timing} if args.net_timing else {}))

@@ -72,8 +72,10 @@ class CaptureConfig:
     stack_jitter: bool = True
     stack_slice: int = 16384
     # stage streamed responses' token writes in the kernel (bpf/sockets.c, "runs"):
-    # one record per RUN_MAX tokens instead of one each, once the agent arms a response
-    token_runs: bool = True
+    # one record per RUN_MAX tokens instead of one each, once the agent arms a response;
+    # TOKENTRACE_TOKEN_RUNS=0 sets the default off
+    token_runs: bool = field(default_factory=lambda: os.environ.get("TOKENTRACE_TOKEN_RUNS",
+                                                                    "1") != "0")
 
 
 def clock_sync(samples: int = 5) -> schema.ClockSync:
