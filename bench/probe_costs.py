@@ -52,7 +52,7 @@ static double cpu(void) {
     return r.ru_utime.tv_sec + r.ru_utime.tv_usec / 1e6 + r.ru_stime.tv_sec + r.ru_stime.tv_usec / 1e6;
 }
 
-int main(void) {
+int main(int argc, char **argv) {
     int l = socket(AF_INET, SOCK_STREAM, 0), one = 1;
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     socklen_t al = sizeof a;
@@ -63,7 +63,11 @@ int main(void) {
     setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     static char buf[1 << 20];
     memset(buf, 'x', sizeof buf);
-    printf("ready\n"); fflush(stdout);
+    if (argc > 1) {  /* the bytes every write starts with (a token's chunk) */
+        size_t n = strlen(argv[1]);
+        memcpy(buf, argv[1], n < sizeof buf ? n : sizeof buf);
+    }
+    printf("ready %d\n", c); fflush(stdout);
     long n, size;
     while (scanf("%ld %ld", &n, &size) == 2) {
         double t0 = cpu();
@@ -87,15 +91,20 @@ MODES = {"untraced": (["pause"], ["resume"]), "full": ([], []),
 
 
 class Blaster:
-    def __init__(self, work: Path, cpu: int) -> None:
+    """The C program above on ``cpu``; ``head``: the bytes every write starts with
+    (else ``x``s). ``fd``: its writing socket."""
+
+    def __init__(self, work: Path, cpu: int, head: bytes = b"") -> None:
         src = work / "blast.c"
         src.write_text(PROG)
         subprocess.run(["gcc", "-O2", "-o", str(work / "blast"), str(src)], check=True)
-        self.proc = subprocess.Popen([str(work / "blast")], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True,
+        self.proc = subprocess.Popen([str(work / "blast"), *([head.decode()] if head else [])],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
         assert self.proc.stdout is not None
-        assert self.proc.stdout.readline().strip() == "ready"
+        ready = self.proc.stdout.readline().split()
+        assert ready[0] == "ready", ready
+        self.fd = int(ready[1])
 
     @property
     def pid(self) -> int:
