@@ -18,7 +18,7 @@ import pytest
 
 from samples.launch import SampleServer
 from tests.conftest import free_port
-from tests.live import TimedClient, traced
+from tests.live import Collected, TimedClient, traced
 from tracer.correlate.connections import TrackerOptions
 from tracer.events import capture
 from tracer.pipeline import Pipeline
@@ -26,20 +26,9 @@ from tracer.pipeline import Pipeline
 pytestmark = pytest.mark.bpf
 
 
-class _Records:
-    def __init__(self) -> None:
-        self.records: list = []
-
-    def on_record(self, rec) -> None:  # type: ignore[no-untyped-def]
-        self.records.append(rec)
-
-    def close(self) -> None:
-        pass
-
-
 def _replay(path: str) -> tuple[list, dict]:
     reader = capture.CaptureReader(path)
-    sink = _Records()
+    sink = Collected()
     p = Pipeline([sink], options=TrackerOptions(tenant_salt=capture.tenant_salt(reader.header)))
     for item in reader:
         p.feed(item)

@@ -16,6 +16,7 @@ import pytest
 
 from bench.streamgen import _plain_string, generate, stage_runs
 from protocols.openai import _JSON_STRING_BYTES
+from tests.live import Collected
 from tracer.correlate.connections import TrackerOptions
 from tracer.correlate.tokenruns import (ARMS_KEPT, MAX_ASKS, REARM_AFTER_NS, TokenRuns,
                                         armed)
@@ -26,19 +27,8 @@ from tracer.pipeline import Pipeline
 C = wire.CONSTANTS
 
 
-class _Sink:
-    def __init__(self) -> None:
-        self.records: list = []
-
-    def on_record(self, rec) -> None:  # type: ignore[no-untyped-def]
-        self.records.append(rec)
-
-    def close(self) -> None:
-        pass
-
-
 def _run(items: list) -> tuple[dict, Pipeline]:
-    sink = _Sink()
+    sink = Collected()
     p = Pipeline([sink], options=TrackerOptions(tenant_salt=b"k" * 16))
     for it in items:
         p.feed(it)
@@ -102,7 +92,7 @@ def test_malformed_and_unarmed_runs_are_counted_and_lose_only_their_writes(traff
     bad = [first[:n_field] + (0).to_bytes(4, "little") + first[n_field + 4:],
            first[:n_field] + (33).to_bytes(4, "little") + first[n_field + 4:],
            first[:40]]
-    sink = _Sink()
+    sink = Collected()
     p = Pipeline([sink], options=TrackerOptions(tenant_salt=b"k" * 16))
     unarmed = runs.pack(run.pid, run.tid, run.fd, run.conn_id, run.stream_off, 999999,
                         list(run.ts), list(run.lens))
@@ -145,7 +135,7 @@ def test_fuzzed_runs_never_raise_and_lose_no_request(traffic):
             for _ in range(rng.randint(1, 8)):
                 b[rng.choice(places)] = rng.randrange(256)
             items[k] = bytes(b[:rng.randint(4, len(b))] if rng.random() < 0.2 else b)
-        sink = _Sink()
+        sink = Collected()
         p = Pipeline([sink], options=TrackerOptions(tenant_salt=b"k" * 16))
         for it in items:
             p.feed(it)  # never raises: what it cannot take is counted
@@ -176,7 +166,7 @@ def test_the_kernels_json_string_check_agrees_with_the_parsers(s):
 
 def test_the_agent_asks_once_per_streamed_response(traffic):
     items, _ = traffic
-    p = Pipeline([_Sink()], options=TrackerOptions(tenant_salt=b"k" * 16))
+    p = Pipeline([Collected()], options=TrackerOptions(tenant_salt=b"k" * 16))
     p.tracker.runs.arming = True
     for it in items:
         p.feed(it)
