@@ -13,6 +13,7 @@ from typing import Any, Callable
 import tracer
 from tracer.correlate.connections import TrackerOptions
 from tracer.events import capture
+from tracer.events.wire import CONSTANTS
 from tracer.export.context import ExportContext
 from tracer.pipeline import Pipeline
 
@@ -69,7 +70,7 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                     help="send every token write of a streamed response as its own "
                          "record; by default, once a response's chunks are known, the "
                          "kernel sends its token writes %d at a time, without their text"
-                         % wire_run_max())
+                         % CONSTANTS["RUN_MAX"])
     g2.add_argument("--ringbuf-mb", type=_positive_int, default=32, metavar="MB",
                     help="ring buffer size, rounded down to a power of two pages "
                          "(default: 32)")
@@ -472,12 +473,6 @@ def _targets(args: argparse.Namespace) -> Any:
                          **({"concerns": tuple(c for c in CaptureConfig.concerns if c != "tls")}
                             if args.tls == "off" else {}),
                          **({"net_timing": args.net_timing} if args.net_timing else {}))
-
-
-def wire_run_max() -> int:
-    from tracer.events.wire import CONSTANTS
-
-    return CONSTANTS["RUN_MAX"]
 
 
 def _stack_every(args: argparse.Namespace) -> int:
