@@ -12,6 +12,7 @@ import ctypes
 import os
 import socket
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -104,7 +105,7 @@ class CaptureSession:
         self._next_rescan = 0.0
         self._next_counters = 0.0
         self._exclude = set(config.exclude_pids) | {os.getpid()}
-        self.user_counters: dict[str, int] = {"undecodable_records": 0}
+        self.user_counters: Counter[str] = Counter({"undecodable_records": 0})
         self.gpu: GpuProbes | None = None
         self._next_gpu_scan = 0.0
         self._next_counter_maps = 0.0
@@ -566,8 +567,7 @@ class CaptureSession:
             try:
                 table[ctypes.c_uint16(port)] = ctypes.c_uint32(1)
             except Exception:
-                self.user_counters["netwait_ports_full"] = (
-                    self.user_counters.get("netwait_ports_full", 0) + 1)
+                self.user_counters["netwait_ports_full"] += 1
                 continue
             self._nw_ports.add(port)
 
@@ -599,8 +599,7 @@ class CaptureSession:
                     continue
                 if peers.get(inode) in own:
                     # both ends in this process: an event loop's wake-up pipe
-                    self.user_counters["self_pipes_skipped"] = (
-                        self.user_counters.get("self_pipes_skipped", 0) + 1)
+                    self.user_counters["self_pipes_skipped"] += 1
                     continue
             elif e.state != procfs.TCP_ESTABLISHED:
                 continue
@@ -612,7 +611,7 @@ class CaptureSession:
             try:
                 conns[key] = leaf
             except Exception:
-                self.user_counters["conns_full"] = self.user_counters.get("conns_full", 0) + 1
+                self.user_counters["conns_full"] += 1
                 continue
             self.sink(schema.SocketInfo(
                 pid=pid, fd=fd, conn_id=conn_id, ts=conn_id, family=int(e.family),
@@ -734,7 +733,7 @@ class CaptureSession:
             try:
                 table[table.Key(pid << 32 | (fd & 0xFFFFFFFF))] = leaf
             except Exception:  # the map is full: these tokens keep a record each
-                self.user_counters["run_arms_full"] = self.user_counters.get("run_arms_full", 0) + 1
+                self.user_counters["run_arms_full"] += 1
                 continue
             self.sink(RunArmed(ts=time.monotonic_ns(), pid=pid, fd=fd, conn_id=conn_id,
                                arm=self._arm_seq, head=head.decode("utf-8", "replace"),
@@ -744,17 +743,19 @@ class CaptureSession:
         """Send the runs the kernel staged and has not sent (of ``pid``, else all):
         their process died, or the probes came out. The kernel no longer adds to them
         (dead, detached or disarmed), and one it sends meanwhile is taken once: its
-        writes' offsets say so (``take_run``)."""
+        writes' offsets say so (``take_run``). They are then forgotten."""
         if "sockets" not in self.concerns:
             return
         table = self.bpf[b"run_stages"]
         for k, v in list(table.items()):
-            if (pid is None or (k.value >> 32) == pid) and v.r.n:
-                self.sink(bytes(ctypes.string_at(ctypes.addressof(v.r), ctypes.sizeof(v.r))))
-                self.user_counters["runs_read_from_the_map"] = (
-                    self.user_counters.get("runs_read_from_the_map", 0) + 1)
-                if pid is not None:
+            if pid is None or (k.value >> 32) == pid:
+                if v.r.n:
+                    self.sink(bytes(v.r))  # the RUN record, as the kernel lays it out
+                    self.user_counters["runs_read_from_the_map"] += 1
+                try:
                     del table[k]
+                except KeyError:  # closed meanwhile
+                    pass
 
     def _before_exit(self, buf: bytes) -> None:
         """A process's exit record: what it had staged goes first (its sockets were
