@@ -501,7 +501,7 @@ class ConnectionTracker:
             self.stats["token_run_writes_unread"] += len(run.lens)
             return
         try:
-            take_run(self, c, run, tmpl[0], tmpl[1], self.data_event)
+            take_run(c, run, tmpl[0], tmpl[1], self.data_event, self.stats)
         except Exception as e:  # as data_event would: this connection only
             self._contain(c, e, run.ts[-1])
 

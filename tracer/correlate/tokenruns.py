@@ -92,11 +92,11 @@ def armed(c: Any, ev: RunArmed) -> None:
         del cr.arms[next(iter(cr.arms))]
 
 
-def take_run(tracker: Any, c: Any, run: TokenRun, head: bytes, tail: bytes,
-             general: Callable[[schema.DataEvent], None]) -> None:
-    """Apply ``run`` to connection ``c`` of ``tracker``: all at once where the
-    connection stands where the run starts, in a chunked body followed through this
-    template; else write by write through ``general`` (``data_event``)."""
+def take_run(c: Any, run: TokenRun, head: bytes, tail: bytes,
+             general: Callable[[schema.DataEvent], None], stats: Counter[str]) -> None:
+    """Apply ``run`` to connection ``c``: all at once where the connection stands where
+    the run starts, in a chunked body followed through this template; else write by
+    write through ``general`` (the tracker's ``data_event``)."""
     lens = run.lens
     off = run.stream_off
     start = 0
@@ -105,13 +105,13 @@ def take_run(tracker: Any, c: Any, run: TokenRun, head: bytes, tail: bytes,
         off += lens[start]
         start += 1
     if start:
-        tracker.stats["token_run_writes_seen_twice"] += start
+        stats["token_run_writes_seen_twice"] += start
         if start == len(lens):
             return
         lens = lens[start:]
     ts = run.ts[start:] if start else run.ts
-    if not _take_all(tracker, c, run.tid, off, ts, lens, head, tail):
-        tracker.stats["token_runs_taken_write_by_write"] += 1
+    if not _take_all(c, run.tid, off, ts, lens, head, tail):
+        stats["token_runs_taken_write_by_write"] += 1
         for at, n in zip(ts, lens):
             payload = runs.chunk(head, tail, n)
             if payload is None:
@@ -121,8 +121,8 @@ def take_run(tracker: Any, c: Any, run: TokenRun, head: bytes, tail: bytes,
             off += n
 
 
-def _take_all(tracker: Any, c: Any, tid: int, off: int, ts: tuple[int, ...],
-              lens: tuple[int, ...], head: bytes, tail: bytes) -> bool:
+def _take_all(c: Any, tid: int, off: int, ts: tuple[int, ...], lens: tuple[int, ...],
+              head: bytes, tail: bytes) -> bool:
     if (c.stream_dir != _DIR_OUT or off != c.expected[False] or not c.ipc_quiet[False]
             or c.tls is not None):
         return False
