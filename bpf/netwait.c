@@ -18,8 +18,17 @@
  * does is look its local port up in `nw_ports` (the traced servers' listening ports,
  * filled by Python), so other traffic pays one lookup. Per-socket state is aggregated
  * here; a record goes out only with news: the first read of each arrival burst
- * (ARRIVAL), the first ACK that finds written bytes still unsent (HOLD) and the ACK
- * that shows them gone (DEPARTURE). Never one per packet.
+ * (ARRIVAL), the first ACK that finds written bytes still unsent (HOLD), the ACK
+ * that shows them gone (DEPARTURE), and an ACK this probe was not run for (UNSEEN).
+ * Never one per packet.
+ *
+ * UNSEEN: the kernel does not run a tracepoint's program while another BPF program
+ * (any tool's) is running on that CPU. A softirq that lands inside one (a delayed-ACK
+ * timer, on a host whose syscalls run BPF programs) processes its ACK unseen: the
+ * ACK that released held bytes can be missed. It shows at the socket's next probe:
+ * snd_una past what was sent at the last probe seen means an ACK came between them
+ * (an ACK covers only bytes the peer got, sent after that probe). Bytes sent in
+ * between left at a time not known; the agent bounds it.
  *
  * Appended after sockets.c (it uses `conns` and struct io_args); sockets.c calls
  * nw_rcv_space() and nw_io_exit() when compiled with TT_NETWAIT.
@@ -58,6 +67,8 @@ struct nw_sock {
     u8 anchored;
     u8 rx_reported;  /* the current arrival burst was sent with a read */
     u8 cause;        /* TT_NW_CAUSE_* of the open hold */
+    u32 nxt_seen;    /* snd_nxt at the last probe seen (anchored sockets) */
+    u64 seen_ts;     /* that probe's time; 0: none yet */
 };
 
 /* Listening ports of traced servers (host byte order) -> 1, written by Python. */
@@ -195,6 +206,16 @@ TRACEPOINT_PROBE(tcp, tcp_probe)
         s->anchor_next = 0;
         s->anchored = 1;
         s->tx_base = snd_una;
+    }
+    if (s->anchored) {
+        if (s->seen_ts && s->pid && (s32)(snd_una - s->nxt_seen) > 0) {
+            u32 end32 = (u32)s->tx_end;
+            u64 from = s->tx_end - (s64)(s32)(end32 - (s->nxt_seen - s->tx_base));
+            u64 to = s->tx_end - (s64)(s32)(end32 - (snd_nxt - s->tx_base));
+            nw_emit(s, TT_NW_UNSEEN, 0, now, s->seen_ts, to, from, 0);
+        }
+        s->nxt_seen = snd_nxt;
+        s->seen_ts = now;
     }
     if (!s->pid || !s->tx_end_ts)
         return 0;

@@ -91,6 +91,20 @@ def spans_by_response_id(spans: list[dict[str, Any]]) -> dict[str, dict[str, Any
     return out
 
 
+def off_by(span_s: float, client_s: float, attrs: dict[str, Any]) -> float:
+    """How far a span's time (TTFT, duration) is from the client's, seconds. Where an
+    ACK the kernel skipped the probe for hides when the response's bytes left, the
+    span gives the earliest time and ``tokentrace.network.departure_unknown`` how much
+    later they may have left: the client's time must lie in that interval."""
+    unknown = attrs.get("tokentrace.network.departure_unknown", 0.0)
+    return max(span_s - client_s, client_s - span_s - unknown, 0.0)
+
+
+def bounded(spans: list[dict[str, Any]]) -> int:
+    """How many spans' departures were bounded, not timed (``off_by``)."""
+    return sum(1 for s in spans if s["attributes"].get("tokentrace.network.departure_unknown"))
+
+
 FIRST_TEXT = re.compile(rb'"(?:content|text)": ?"(?:[^"\\]|\\.)')
 
 

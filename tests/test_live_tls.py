@@ -35,7 +35,7 @@ from samples.launch import SampleServer
 from samples.launch_grpc import GrpcSampleServer
 from samples.tlscert import make_cert
 from tests.conftest import ROOT, free_port
-from tests.live import TimedClient, spans_by_response_id, traced_cli
+from tests.live import TimedClient, bounded, off_by, spans_by_response_id, traced_cli
 from tests.test_live_grpc import realtime_thread
 
 pytestmark = pytest.mark.bpf
@@ -113,7 +113,7 @@ def test_openai_client_over_https_sample_server(https_server, trust, tmp_path):
         assert (a["tls.protocol.name"], a["tls.protocol.version"], a["url.scheme"]) == \
             ("tls", "1.3", "https")
         assert a["tokentrace.network.timing"] == "socket"
-        diffs.append(abs(a["tokentrace.time_to_first_token"] - c["ttft"]))
+        diffs.append(off_by(a["tokentrace.time_to_first_token"], c["ttft"], a))
     check_ttft(diffs, "HTTPS, asyncio memory BIOs")
     for c in late:  # opened before attach: plaintext hunted, no handshake seen
         a = spans[c["id"]]["attributes"]
@@ -212,7 +212,7 @@ def test_hf_transformers_serve_over_https_50_requests(hf_https, trust, tmp_path)
             assert "tokentrace.time_to_first_token" not in a
             continue
         assert "tokentrace.time_to_first_token" in a, (c, a)
-        diffs.append(abs(a["tokentrace.time_to_first_token"] - c["ttft"]))
+        diffs.append(off_by(a["tokentrace.time_to_first_token"], c["ttft"], a))
     assert len(diffs) >= 40
     check_ttft(diffs, "HF transformers serve over HTTPS, uvloop memory BIOs")
     rep = json.loads(summary.read_text())["report"]
@@ -308,9 +308,13 @@ def test_ssl_socket_server_requests_timed_as_its_client_sees_them(mixed):
         a = spans[c["id"]]["attributes"]
         assert a["tls.protocol.version"] == "1.3" and a["tokentrace.network.timing"] == "socket"
         assert a["gen_ai.usage.output_tokens"] == (c["output_tokens"] or c["text_chunks"])
-        diffs.append(abs(a["tokentrace.time_to_first_token"] - c["ttft"]))
-    print(f"\nSSLSocket server: |tracer TTFT - client wire TTFT| max {max(diffs) * 1e3:.3f} ms")
+        diffs.append(off_by(a["tokentrace.time_to_first_token"], c["ttft"], a))
+    n_bounded = bounded(list(spans.values()))
+    print(f"\nSSLSocket server: |tracer TTFT - client wire TTFT| max {max(diffs) * 1e3:.3f} ms"
+          f" ({n_bounded} bounded by an unseen ACK)")
     assert max(diffs) < 0.002, diffs
+    # an ACK the kernel skipped the probe for (a busy host): said, and rare
+    assert n_bounded <= 2 and (not n_bounded or mixed["got"].report["capture.probe_runs_missed"])
     holds = [s["attributes"].get("tokentrace.network.send_hold.cause") for s in spans.values()]
     assert "nagle" in holds
     assert mixed["got"].report["tls_binds.set_fd"] >= 1

@@ -62,6 +62,46 @@ def test_nagle_held_body_waits_for_its_departure_and_names_it():
     assert t.stats["net_timing.socket"] == 1
 
 
+def test_an_unseen_ack_bounds_the_departures_it_hides_and_says_by_how_much():
+    """The kernel skipped the probe for the ACK that released a Nagle-held body (a
+    delayed-ACK timer landing in another BPF program). The socket's next probe sees
+    snd_una past what the last probe seen had sent: UNSEEN. The body left between
+    them; it departs at the earliest it can have, with how much later it may have."""
+    out: list[RequestRecord] = []
+    t = timer(out)
+    t.netwait(nw("arrival", 100 * MS, 103 * MS, 0, aux=99 * MS, first=True))
+    t.data(write(104 * MS, 0, 112))  # head: sent at once
+    t.data(write(105 * MS, 112, 14))  # body: held, its release unseen
+    t.finished(rec(103 * MS, 104 * MS, 105 * MS))
+    # last probe seen at 104.5 ms had sent 112 bytes; the next, at 146 ms, 126
+    t.netwait(nw("unseen", 146 * MS, 104 * MS + MS // 2, 126, aux=112))
+    t.advance(105 * MS + t.wait_ns)
+    (r,) = out
+    n = r.net
+    assert n.timing == "socket" and n.send_hold_ns == 0
+    assert n.departures[105 * MS] == 105 * MS and n.unseen_ns == 41 * MS
+    assert n.departures.get(104 * MS, 104 * MS) == 104 * MS  # the head's bytes: not in it
+    assert t.stats["net_timing.departure_unknown"] == 1 and t.stats["netwait_unseen"] == 1
+
+
+def test_an_unseen_ack_after_a_seen_hold_moves_its_departure_to_the_earliest_possible():
+    """The hold was seen (an ACK found the body unsent at 110 ms), the ACK that let it
+    go was not: its DEPARTURE carries the last ACK seen, 110 ms; it left by 150 ms."""
+    out: list[RequestRecord] = []
+    t = timer(out)
+    t.netwait(nw("arrival", 100 * MS, 103 * MS, 0, first=True))
+    t.data(write(104 * MS, 0, 112))
+    t.data(write(105 * MS, 112, 14))
+    t.finished(rec(103 * MS, 104 * MS, 105 * MS))
+    t.netwait(nw("hold", 110 * MS, 105 * MS, 126, aux=112, cause="cwnd"))
+    t.netwait(nw("departure", 110 * MS, 105 * MS, 126, aux=112, cause="cwnd"))
+    t.netwait(nw("unseen", 150 * MS, 110 * MS, 126, aux=112))
+    t.close()
+    n = out[0].net
+    assert n.departures[105 * MS] == 110 * MS and n.send_hold_cause == "cwnd"
+    assert n.send_hold_ns == 5 * MS and n.unseen_ns == 40 * MS
+
+
 def test_no_hold_releases_after_the_wait_and_reads_share_their_burst():
     out: list[RequestRecord] = []
     t = timer(out)
@@ -117,6 +157,9 @@ def test_netwait_record_round_trips_the_wire():
     ev = schema.decode(raw)
     assert (ev.op, ev.cause, ev.anchored, ev.first, ev.held_from) == ("hold", "nagle", True,
                                                                       False, 112)
+    unseen = schema.decode(wire.NETWAIT.pack(pid=7, fd=3, conn_id=9, op=C["NW_UNSEEN"],
+                                             ts=50, ref_ts=10, stream_off=300, aux=200))
+    assert (unseen.op, unseen.sent_before, unseen.held_from) == ("unseen", 200, 0)
     bad = wire.NETWAIT.pack(op=99)
     try:
         schema.decode(bad)

@@ -21,6 +21,11 @@ it returned (memory BIO: the event loop sends what the SSL object produced), wit
 ``TLS_CARRY_NS``. A plaintext write with no such ciphertext write keeps its own time
 (counted: ``netwait_tls_unmapped``).
 
+An ACK the probe was not run for (bpf/netwait.c, UNSEEN) leaves the departure of the
+bytes sent around it unknown between two of the socket's probes: such a write departs
+at the earliest time it can have, and ``unseen_ns`` says how much later it may have
+left (counted: ``net_timing.departure_unknown``).
+
 A finished record is held until its last write can no longer be found held: a hold is
 only seen at the peer's next ACK, so a record waits ``wait_ns`` of capture time after
 its last write, and, if a hold covers one of its writes, until that hold ends (at most
@@ -72,6 +77,17 @@ class Hold:
 
 
 @dataclass
+class Unseen:
+    """Bytes ``[start, end)`` left between the socket's probes at ``after_ns`` and
+    ``by_ns``, around an ACK the probe did not see."""
+
+    start: int
+    end: int
+    after_ns: int
+    by_ns: int
+
+
+@dataclass
 class ConnLog:
     """What one followed connection's socket did."""
 
@@ -85,6 +101,7 @@ class ConnLog:
     write_ts: list[int] = field(default_factory=list)  # the same ts_exit, ascending
     tls_writes: dict[int, int] = field(default_factory=dict)  # TLS plaintext: exit -> entry
     holds: list[Hold] = field(default_factory=list)
+    unseen: list[Unseen] = field(default_factory=list)
     last_ns: int = 0  # its last record
     closed_ns: int = 0
 
@@ -189,6 +206,10 @@ class NetTimer:
             c.arrivals.append(ev.ts)
             if len(c.arrival_refs) > MAX_LOG + LOG_TRIM:
                 del c.arrival_refs[:LOG_TRIM], c.arrivals[:LOG_TRIM]
+        elif ev.op == "unseen":
+            c.unseen.append(Unseen(ev.sent_before, ev.stream_off, ev.ref_ts, ev.ts))
+            if len(c.unseen) > MAX_LOG + LOG_TRIM:
+                del c.unseen[:LOG_TRIM]
         elif ev.op == "hold":
             c.holds.append(Hold(ev.held_from, ev.stream_off, ev.ts, ev.cause))
             if len(c.holds) > MAX_LOG + LOG_TRIM:
@@ -305,27 +326,36 @@ class NetTimer:
             if ts not in c.writes and ts in c.tls_writes and \
                     _tls_carrier(c, c.tls_writes[ts], ts) is None:
                 n.tls_unmapped += 1
-            left, hold = self._departure(c, ts)
+            left, hold, latest = self._departure(c, ts)
             n.departures[ts] = left
             if left - ts > worst[0]:
                 worst = (left - ts, hold.cause if hold else None)
+            n.unseen_ns = max(n.unseen_ns, latest - left)
         n.send_hold_ns, n.send_hold_cause = worst
+        if n.unseen_ns:
+            self.stats["net_timing.departure_unknown"] += 1
         return n
 
-    def _departure(self, c: ConnLog, ts: int) -> tuple[int, Hold | None]:
-        """When the bytes of the write that returned at ``ts`` left."""
+    def _departure(self, c: ConnLog, ts: int) -> tuple[int, Hold | None, int]:
+        """When the bytes of the write that returned at ``ts`` left: the time, its hold,
+        and the latest they may have left (the time itself unless an unseen ACK hides
+        it)."""
         if ts not in c.writes and ts in c.tls_writes:
             carrier = _tls_carrier(c, c.tls_writes[ts], ts)
             if carrier is None:
                 self.stats["netwait_tls_unmapped"] += 1
-                return ts, None
-            left, hold = self._departure(c, carrier)
-            return max(left, ts), hold
-        h = _hold_of(c, c.writes.get(ts))
-        if h is None:
-            return ts, None
-        left = h.left_ns if h.left_ns is not None else h.seen_ns
-        return max(left, ts), h
+                return ts, None, ts
+            left, hold, latest = self._departure(c, carrier)
+            return max(left, ts), hold, max(latest, ts)
+        end = c.writes.get(ts)
+        h = _hold_of(c, end)
+        left = ts if h is None else max(h.left_ns if h.left_ns is not None else h.seen_ns, ts)
+        u = _unseen_of(c, end)
+        if u is None:
+            return left, h, left
+        # not sent at the probe before the unseen ACK, sent by the one after it
+        left = max(left, u.after_ns)
+        return left, h, max(left, u.by_ns)
 
 
 def _arrival(c: ConnLog, read_ts: int) -> int:
@@ -359,6 +389,19 @@ def _hold_of(c: ConnLog, end: int | None) -> Hold | None:
             return h
         if h.end < end and h.left_ns is not None:
             break  # holds are in stream order: older ones end before this
+    return None
+
+
+def _unseen_of(c: ConnLog, end: int | None) -> Unseen | None:
+    """The span of unseen ACKs in which the last byte of a write ending at ``end``
+    left, if it did in one."""
+    if end is None:
+        return None
+    for u in reversed(c.unseen):
+        if u.start < end <= u.end:
+            return u
+        if u.end < end:
+            break  # in stream order: older ones end before this
     return None
 
 

@@ -82,6 +82,9 @@ class NetTiming:
     departures: dict[int, int] = field(default_factory=dict)
     send_hold_ns: int = 0  # the longest wait of a response write's bytes in the kernel
     send_hold_cause: str | None = None  # nagle, cwnd, rwnd, cork
+    # how much later than its departure a write's bytes may have left, at most, where
+    # an ACK the probe did not see hides when (bpf/netwait.c, UNSEEN); 0: all known
+    unseen_ns: int = 0
     # TLS: plaintext writes with no ciphertext write found to carry them (their own
     # times kept as their departure)
     tls_unmapped: int = 0

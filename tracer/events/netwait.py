@@ -13,21 +13,25 @@ from dataclasses import dataclass
 from tracer.events import wire
 
 C = wire.CONSTANTS
-OPS = {C["NW_ARRIVAL"]: "arrival", C["NW_HOLD"]: "hold", C["NW_DEPARTURE"]: "departure"}
+OPS = {C["NW_ARRIVAL"]: "arrival", C["NW_HOLD"]: "hold", C["NW_DEPARTURE"]: "departure",
+       C["NW_UNSEEN"]: "unseen"}
 CAUSES = {C["NW_CAUSE_NAGLE"]: "nagle", C["NW_CAUSE_CWND"]: "cwnd",
           C["NW_CAUSE_RWND"]: "rwnd", C["NW_CAUSE_CORK"]: "cork"}
 
 
 @dataclass(frozen=True, slots=True)
 class NetWait:
-    """One NETWAIT record. ``op``: ``arrival``, ``hold`` or ``departure``.
+    """One NETWAIT record. ``op``: ``arrival``, ``hold``, ``departure`` or ``unseen``.
 
     arrival: the read that exited at ``ref_ts`` (its stream offset ``stream_off``)
     returned bytes that reached the socket at ``ts`` (0: not seen); ``estab_ts`` is the
     handshake's completion on the owner's first read of a new connection (else 0).
     hold/departure: written bytes ``[held_from, stream_off)`` were still unsent when an
     ACK came at ``ts`` (hold), or left at ``ts`` (departure); ``ref_ts`` is the exit of
-    the write that ended at ``stream_off``; ``cause`` says why they waited."""
+    the write that ended at ``stream_off``; ``cause`` says why they waited.
+    unseen: an ACK came between the socket's probe at ``ref_ts`` and this one at ``ts``
+    that the kernel did not run the probe for; bytes ``[sent_before, stream_off)`` left
+    in between, at a time not known."""
 
     pid: int
     tid: int
@@ -52,7 +56,11 @@ class NetWait:
 
     @property
     def held_from(self) -> int:
-        return self.aux if self.op != "arrival" else 0
+        return self.aux if self.op in ("hold", "departure") else 0
+
+    @property
+    def sent_before(self) -> int:
+        return self.aux if self.op == "unseen" else 0
 
 
 @dataclass(frozen=True, slots=True)

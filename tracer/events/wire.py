@@ -15,14 +15,15 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-WIRE_VERSION = 9
+WIRE_VERSION = 10
 # Versions whose records this code decodes: 2 added the GPU records, 3 the ibverbs
 # and KCOUNT records, 4 the KSTUB record, 5 the NETWAIT record, 6 the TLS record and
 # DATA's TLS flags (plaintext from the TLS library, ciphertext sent without payload),
 # 7 the KSTACKS and STACKDEF records (launch-site stacks), 8 both (6 and 7 were
 # written by parallel branches), 9 the RUN record (token writes staged in the
-# kernel); none changed an earlier layout.
-READABLE_WIRE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+# kernel), 10 NETWAIT's UNSEEN op (an ACK the kernel did not let the probe see);
+# none changed an earlier layout.
+READABLE_WIRE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
 
 # Sizes of the C scalar types used on the wire (x86-64 and arm64 alike).
 _SCALARS: dict[str, tuple[str, int]] = {
@@ -111,6 +112,10 @@ CONSTANTS: dict[str, int] = {
     "NW_ARRIVAL": 1,  # a read's oldest bytes reached the socket at ts
     "NW_HOLD": 2,  # an ACK at ts found written bytes [aux, stream_off) unsent
     "NW_DEPARTURE": 3,  # bytes up to stream_off left at ts (the last ACK that found them)
+    # an ACK came between the socket's probe at ref_ts and this one at ts and was not
+    # seen (the kernel skips a tracepoint's program while another BPF program runs on
+    # that CPU): bytes [aux, stream_off) left in between, when is not known
+    "NW_UNSEEN": 4,
     # NETWAIT.cause: why written bytes were held
     "NW_CAUSE_NAGLE": 1,  # small segments in flight, the rest waits for their ACK
     "NW_CAUSE_CWND": 2,  # congestion window full
@@ -650,11 +655,11 @@ NETWAIT = Record(
         Field("ts", "u64", "ARRIVAL: bytes reached the socket (0: unseen); HOLD: the ACK that"
               " found them; DEPARTURE: when they left"),
         Field("ref_ts", "u64", "ARRIVAL: the read's ts_exit; HOLD/DEPARTURE: exit of the write"
-              " that ended at stream_off"),
+              " that ended at stream_off; UNSEEN: the socket's last probe seen"),
         Field("stream_off", "u64", "ARRIVAL: the read's stream offset; HOLD/DEPARTURE: end of"
-              " the held bytes"),
+              " the held bytes; UNSEEN: sent by ts"),
         Field("aux", "u64", "ARRIVAL (FIRST): handshake completed, 0 if unseen; HOLD/DEPARTURE:"
-              " stream offset of the first held byte"),
+              " stream offset of the first held byte; UNSEEN: sent by ref_ts"),
     ],
 )
 

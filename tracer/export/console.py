@@ -186,3 +186,18 @@ class ConsoleTable:
 
     def close(self) -> None:
         self.out.flush()
+
+
+def skipped_runs_text(rep: dict[str, Any]) -> str:
+    """``; the kernel skipped N probe runs (...)``: runs of programs the kernel did not
+    make while another BPF program ran on that CPU (``bpfstats.missed_runs``), and
+    what the agent knows they cost; empty when there were none."""
+    n = rep.get("capture.probe_runs_missed", 0)
+    if not n:
+        return ""
+    pre = "capture.probe_runs_missed."
+    which = ", ".join(f"{k[len(pre):]}={v}" for k, v in sorted(rep.items()) if k.startswith(pre))
+    unknown = rep.get("net_timing.departure_unknown", 0)
+    return (f"; the kernel skipped {n} probe runs while another BPF program ran on the CPU "
+            f"({which})" + (f", {unknown} requests' departures bounded, not timed"
+                            if unknown else ""))

@@ -267,6 +267,8 @@ def network_attributes(rec: RequestRecord) -> dict[str, Any]:
     a["tokentrace.network.send_hold"] = _seconds(n.send_hold_ns)
     if n.send_hold_ns:
         a["tokentrace.network.send_hold.cause"] = n.send_hold_cause
+    if n.unseen_ns:  # the departures are the earliest possible; this much later at most
+        a["tokentrace.network.departure_unknown"] = _seconds(n.unseen_ns)
     if n.tls_unmapped:  # their departure is the TLS library's return, not the socket's
         a["tokentrace.network.tls_unmapped_writes"] = n.tls_unmapped
     return a

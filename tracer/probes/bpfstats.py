@@ -6,6 +6,12 @@ them on for as long as the returned descriptor stays open, so closing it (or the
 exiting) turns them off again; no sysctl is left changed. The counts are read from the
 program descriptor's ``/proc/self/fdinfo`` entry (``run_cnt``, ``run_time_ns``).
 
+Apart from those statistics, the kernel counts the runs it skipped
+(``recursion_misses``, Linux 6.7 for tracepoints): a tracepoint's program is not run
+while another BPF program, of any tool, runs on that CPU, and a softirq landing in
+one (a delayed-ACK timer, packets) runs its tracepoints unseen. ``missed_runs``
+reads them, always on.
+
 The run time is the program's own: a uprobe's trap and single-step, or a tracepoint's
 entry into BPF, are not in it. Runs are hits, so hits times a per-hit trap cost measured
 on the same host (``bench/gpu_probes.py``) gives the rest.
@@ -77,6 +83,20 @@ class ProgramStats:
                 key = name.decode() if isinstance(name, bytes) else str(name)
                 out[key] = ProgramCost(int(fields["run_cnt"]), int(fields["run_time_ns"]))
         return out
+
+
+def missed_runs(funcs: dict[Any, Any]) -> dict[str, int]:
+    """Runs the kernel skipped, per program of ``funcs`` that had any (``name`` without
+    BCC's ``tracepoint__`` prefix, ``category:event``); empty where the kernel does
+    not count them."""
+    out: dict[str, int] = {}
+    for name, fn in funcs.items():
+        n = int(fdinfo(fn.fd).get("recursion_misses", "0") or 0)
+        if n:
+            key = name.decode() if isinstance(name, bytes) else str(name)
+            key = key.removeprefix("tracepoint__").replace("__", ":", 1)
+            out[key] = n
+    return out
 
 
 def fdinfo(fd: int) -> dict[str, str]:

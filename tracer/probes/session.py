@@ -21,7 +21,7 @@ from tracer.events.gpu import GpuSampling
 from tracer.events.netwait import NetTimingMode
 from tracer.events.runs import RunArmed
 from tracer.probes import loader, procfs, ringbuf, sockdiag
-from tracer.probes.bpfstats import ProgramStats, format_costs
+from tracer.probes.bpfstats import ProgramStats, format_costs, missed_runs
 from tracer.probes.gpu import GpuProbes
 
 C = wire.CONSTANTS
@@ -785,6 +785,10 @@ class CaptureSession:
             counters["unanalysed_records"] = self.dropped_unanalysed
         if getattr(self.ring, "errors", 0):
             counters["record_handler_errors"] = self.ring.errors
+        missed = missed_runs(self.bpf.funcs)
+        if missed:  # runs the kernel skipped: records never made, counted
+            counters["probe_runs_missed"] = sum(missed.values())
+            counters.update({f"probe_runs_missed.{k}": v for k, v in missed.items()})
         if self.gpu is not None:
             counters["gpu_attach_errors"] = len(self.gpu.errors)
             counters.update(self.gpu.stubs.counters())

@@ -37,6 +37,8 @@ COLUMNS: dict[str, str] = {
     "accept_wait_ms": "a new connection's wait in the listen backlog (handshake to accept), ms",
     "send_hold_ms": "longest time a response write's bytes were held by the kernel, ms",
     "send_hold_cause": "why: nagle, cwnd, rwnd or cork",
+    "departure_unknown_ms": "how much later response bytes may have left than timed, "
+                            "where the kernel skipped the probe for an ACK; empty: none",
     "network_timing": "socket (arrival and departure seen) or syscall (server times only)",
     "tls": "TLS version of a request read through the TLS probes (1.2, 1.3; 'tls' when "
            "the handshake was not seen); empty in the clear",
@@ -84,6 +86,7 @@ _SECONDS_AS_MS = {
     "socket_wait_ms": "tokentrace.network.socket_wait",
     "accept_wait_ms": "tokentrace.network.accept_wait",
     "send_hold_ms": "tokentrace.network.send_hold",
+    "departure_unknown_ms": "tokentrace.network.departure_unknown",
 }
 _LABELS = {
     "service": None,  # from the resource
