@@ -208,6 +208,9 @@ TRACEPOINT_PROBE(tcp, tcp_probe)
         s->tx_base = snd_una;
     }
     if (s->anchored) {
+        /* Every byte sent since: one the unseen ACK let go may have been acked
+         * by a second unseen ACK before this probe (two delayed-ACK timers in a row
+         * landing in BPF programs: seen on the busy VM). */
         if (s->seen_ts && s->pid && (s32)(snd_una - s->nxt_seen) > 0) {
             u32 end32 = (u32)s->tx_end;
             u64 from = s->tx_end - (s64)(s32)(end32 - (s->nxt_seen - s->tx_base));

@@ -159,7 +159,7 @@ def test_netwait_record_round_trips_the_wire():
                                                                       False, 112)
     unseen = schema.decode(wire.NETWAIT.pack(pid=7, fd=3, conn_id=9, op=C["NW_UNSEEN"],
                                              ts=50, ref_ts=10, stream_off=300, aux=200))
-    assert (unseen.op, unseen.sent_before, unseen.held_from) == ("unseen", 200, 0)
+    assert (unseen.op, unseen.sent_from, unseen.held_from) == ("unseen", 200, 0)
     bad = wire.NETWAIT.pack(op=99)
     try:
         schema.decode(bad)

@@ -207,7 +207,7 @@ class NetTimer:
             if len(c.arrival_refs) > MAX_LOG + LOG_TRIM:
                 del c.arrival_refs[:LOG_TRIM], c.arrivals[:LOG_TRIM]
         elif ev.op == "unseen":
-            c.unseen.append(Unseen(ev.sent_before, ev.stream_off, ev.ref_ts, ev.ts))
+            c.unseen.append(Unseen(ev.sent_from, ev.stream_off, ev.ref_ts, ev.ts))
             if len(c.unseen) > MAX_LOG + LOG_TRIM:
                 del c.unseen[:LOG_TRIM]
         elif ev.op == "hold":

@@ -30,8 +30,8 @@ class NetWait:
     ACK came at ``ts`` (hold), or left at ``ts`` (departure); ``ref_ts`` is the exit of
     the write that ended at ``stream_off``; ``cause`` says why they waited.
     unseen: an ACK came between the socket's probe at ``ref_ts`` and this one at ``ts``
-    that the kernel did not run the probe for; bytes ``[sent_before, stream_off)`` left
-    in between, at a time not known."""
+    that the kernel did not run the probe for; bytes ``[sent_from, stream_off)`` left in
+    between, at a time not known."""
 
     pid: int
     tid: int
@@ -59,7 +59,7 @@ class NetWait:
         return self.aux if self.op in ("hold", "departure") else 0
 
     @property
-    def sent_before(self) -> int:
+    def sent_from(self) -> int:
         return self.aux if self.op == "unseen" else 0
 
 
