@@ -119,30 +119,40 @@ class GpuShare:
         self.methods.add(method)
 
     def fold(self) -> None:
-        """Add the parts noted since the last fold to the sums."""
+        """Add the parts noted since the last fold to the sums (a request's share of
+        each of its steps: one part per decode step, so this loop is per token)."""
         if not self.parts:
             return
         work = self.work
         mixes: dict[tuple[int, tuple[tuple[int, int], ...]], float] = {}
+        steps = estimated = bursts = 0
+        prefill_launches = decode_launches = 0.0
         for step, fk, ft, prefill, rank in self.parts:
-            for q, v in step.work.items():
-                x = v * (fk if q in KERNEL_QUANTITIES else ft)
-                if x:
-                    work[q] = work.get(q, 0) + x
-            launches = step.work.get("kernel_launches", 0) * fk
-            if step.launches:
-                key = (step.pid, step.kernel_mix())
-                mixes[key] = mixes.get(key, 0.0) + launches / step.launches
+            kernel_work, other_work, kl, nl, mix_key = step._split or step.settled_work()
+            if fk:
+                for q, v in kernel_work:
+                    work[q] = work.get(q, 0) + v * fk
+            if ft:
+                for q, v in other_work:
+                    work[q] = work.get(q, 0) + v * ft
+            launches = kl * fk
+            if nl:
+                mixes[mix_key] = mixes.get(mix_key, 0.0) + launches / nl
             if step.flame is not None:  # its stacks' share (attribution._step_flame)
                 self.add_flame(step.flame, fk, ft)  # type: ignore[arg-type]
             if rank == 0:  # other tensor-parallel ranks' steps are the same steps
-                self.steps += 1
-                self.steps_estimated += step.estimated
-            self.bursts += step.bursts
+                steps += 1
+                estimated += step.estimated
+            bursts += step.bursts
             if prefill:
-                self.prefill_launches += launches
+                prefill_launches += launches
             else:
-                self.decode_launches += launches
+                decode_launches += launches
+        self.steps += steps
+        self.steps_estimated += estimated
+        self.bursts += bursts
+        self.prefill_launches += prefill_launches
+        self.decode_launches += decode_launches
         self.parts = []
         for (pid, mix), f in mixes.items():  # each step's kernels times its share, summed
             self._add_kernels(pid, dict(mix), f)

@@ -25,8 +25,9 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
-from tracer.correlate.work import Work
+from tracer.correlate.work import KERNEL_QUANTITIES, Work
 from tracer.events.gpu import COPY_KINDS, KernelBurst, NcclEvent
 
 MAX_STEPS = 200_000  # per thread: older steps are dropped first
@@ -71,6 +72,7 @@ class Step:
     stack_samples: Counter[tuple[int, tuple[int, int]]] | None = None
     flame: object | None = None  # its stacks.Flame, computed once when it is split
     _mix: tuple[tuple[int, int], ...] | None = None
+    _split: tuple[Any, ...] | None = None  # settled_work()
 
     def kernel_mix(self) -> tuple[tuple[int, int], ...]:
         """Its kernels and their launches as a tuple, in launch order; equal mixes of
@@ -82,6 +84,20 @@ class Step:
             if len(MIXES) > MAX_MIXES:
                 MIXES.clear()
         return self._mix
+
+    def settled_work(self) -> tuple[tuple[tuple[str, float], ...], tuple[tuple[str, float], ...],
+                                    float, int, tuple[int, tuple[tuple[int, int], ...]]]:
+        """Its work once settled (final), for folding a member's share of it: the
+        non-zero kernel quantities (times the member's launch fraction), the non-zero
+        rest (times its time fraction), its kernel launches as counted and as a whole
+        number, and (pid, kernel mix)."""
+        if self._split is None:
+            items = [(q, v) for q, v in self.work.items() if v]
+            self._split = (tuple((q, v) for q, v in items if q in KERNEL_QUANTITIES),
+                           tuple((q, v) for q, v in items if q not in KERNEL_QUANTITIES),
+                           self.work.get("kernel_launches", 0), self.launches,
+                           (self.pid, self.kernel_mix()))
+        return self._split
 
     @property
     def span_ns(self) -> int:
