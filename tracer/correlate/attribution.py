@@ -128,7 +128,7 @@ class GpuShare:
         steps = estimated = bursts = 0
         prefill_launches = decode_launches = 0.0
         for step, fk, ft, prefill, rank in self.parts:
-            kernel_work, other_work, kl, nl, mix_key = step._split or step.settled_work()
+            kernel_work, other_work, kl, nl, mix_key = step._settled or step.settled_work()
             if fk:
                 for q, v in kernel_work:
                     work[q] = work.get(q, 0) + v * fk

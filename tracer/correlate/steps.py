@@ -72,7 +72,7 @@ class Step:
     stack_samples: Counter[tuple[int, tuple[int, int]]] | None = None
     flame: object | None = None  # its stacks.Flame, computed once when it is split
     _mix: tuple[tuple[int, int], ...] | None = None
-    _split: tuple[Any, ...] | None = None  # settled_work()
+    _settled: tuple[Any, ...] | None = None  # settled_work()
 
     def kernel_mix(self) -> tuple[tuple[int, int], ...]:
         """Its kernels and their launches as a tuple, in launch order; equal mixes of
@@ -91,13 +91,13 @@ class Step:
         non-zero kernel quantities (times the member's launch fraction), the non-zero
         rest (times its time fraction), its kernel launches as counted and as a whole
         number, and (pid, kernel mix)."""
-        if self._split is None:
+        if self._settled is None:
             items = [(q, v) for q, v in self.work.items() if v]
-            self._split = (tuple((q, v) for q, v in items if q in KERNEL_QUANTITIES),
+            self._settled = (tuple((q, v) for q, v in items if q in KERNEL_QUANTITIES),
                            tuple((q, v) for q, v in items if q not in KERNEL_QUANTITIES),
                            self.work.get("kernel_launches", 0), self.launches,
                            (self.pid, self.kernel_mix()))
-        return self._split
+        return self._settled
 
     @property
     def span_ns(self) -> int:
