@@ -368,7 +368,6 @@ def _report(pipeline: Pipeline, console: Any) -> None:
             if lost else "no events lost") + skipped_runs_text(rep))
 
 
-
 def tls_lines(pipeline: Pipeline) -> list[str]:
     """The exit report's TLS lines: the TLS libraries found and not probed, and what
     became of the TLS connections (decrypted, seen only as ciphertext, failed)."""

@@ -94,9 +94,9 @@ class Step:
         if self._settled is None:
             items = [(q, v) for q, v in self.work.items() if v]
             self._settled = (tuple((q, v) for q, v in items if q in KERNEL_QUANTITIES),
-                           tuple((q, v) for q, v in items if q not in KERNEL_QUANTITIES),
-                           self.work.get("kernel_launches", 0), self.launches,
-                           (self.pid, self.kernel_mix()))
+                             tuple((q, v) for q, v in items if q not in KERNEL_QUANTITIES),
+                             self.work.get("kernel_launches", 0), self.launches,
+                             (self.pid, self.kernel_mix()))
         return self._settled
 
     @property
