@@ -29,6 +29,7 @@ from samples.launch import SampleServer
 from tests.conftest import free_port
 from tests.kstamps import StampedSocket, drive, realtime_thread
 from tests.live import off_by, spans_by_response_id, traced, traced_cli
+from tracer.probes.bpfstats import fdinfo
 
 pytestmark = pytest.mark.bpf
 
@@ -235,16 +236,8 @@ def test_acks_the_kernel_did_not_probe_are_found_counted_and_bound_the_times(tmp
 
 def _skipped(pid: int) -> int:
     """The runs the kernel skipped so far of process ``pid``'s BPF programs."""
-    n = 0
-    for fd in os.listdir(f"/proc/{pid}/fdinfo"):
-        try:
-            text = open(f"/proc/{pid}/fdinfo/{fd}").read()
-        except OSError:
-            continue
-        m = re.search(r"^recursion_misses:\s*(\d+)", text, re.M)
-        if m and "prog_type" in text:
-            n += int(m.group(1))
-    return n
+    infos = (fdinfo(fd, pid) for fd in os.listdir(f"/proc/{pid}/fdinfo"))
+    return sum(int(i.get("recursion_misses", 0)) for i in infos if "prog_type" in i)
 
 
 def test_an_agent_late_after_its_drain_keeps_the_holds_it_has_not_read_yet(

@@ -99,10 +99,10 @@ def missed_runs(funcs: dict[Any, Any]) -> dict[str, int]:
     return out
 
 
-def fdinfo(fd: int) -> dict[str, str]:
-    """The ``key: value`` lines of this process's ``/proc/self/fdinfo/FD``."""
+def fdinfo(fd: int | str, pid: int | str = "self") -> dict[str, str]:
+    """The ``key: value`` lines of ``/proc/PID/fdinfo/FD`` (this process's by default)."""
     try:
-        with open(f"/proc/self/fdinfo/{fd}") as f:
+        with open(f"/proc/{pid}/fdinfo/{fd}") as f:
             text = f.read()
     except OSError:
         return {}
