@@ -31,7 +31,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
 
-from tracer.correlate.costmodel import Learner, Member, StepModel, allocate
+from tracer.correlate.costmodel import DECODING, Learner, Member, StepModel, allocate
 from tracer.correlate.ipc import IpcGraph
 from tracer.correlate.ledger import (
     ESTIMATED,
@@ -45,6 +45,7 @@ from tracer.correlate.records import ChildSpan, RequestRecord
 from tracer.correlate.sampling import LaunchSampling, StepEstimates
 from tracer.correlate.stacks import Flame, StackBook, burst_units, step_units
 from tracer.correlate.steps import MAX_STEPS, Step, StepLog, StepTotals, collective_offset
+from tracer.correlate.tally import Run, Tally
 from tracer.correlate.work import KERNEL_QUANTITIES, Work
 from tracer.events.gpu import COPY_KINDS, KernelBurst, NcclEvent
 
@@ -92,6 +93,10 @@ class GpuShare:
     flame: Flame | None = None  # its share of the launch-site stacks (stacks.py)
     # steps' parts not yet folded in: (step, launch fraction, time fraction, prefill, rank)
     parts: list[tuple[Step, float, float, bool, int]] = field(default_factory=list)
+    # its decoding steps, as runs of each log's running sums (tally.py): the open run
+    # per log, and runs a gap ended
+    runs: dict[LogKey, Run] = field(default_factory=dict)
+    ended: list[Run] = field(default_factory=list)
 
     def add_flame(self, flame: Flame, calls: float, time: float) -> None:
         if self.flame is None:
@@ -121,6 +126,8 @@ class GpuShare:
     def fold(self) -> None:
         """Add the parts noted since the last fold to the sums (a request's share of
         each of its steps: one part per decode step, so this loop is per token)."""
+        if self.runs:
+            self._fold_runs()
         if not self.parts:
             return
         work = self.work
@@ -156,6 +163,15 @@ class GpuShare:
         self.parts = []
         for (pid, mix), f in mixes.items():  # each step's kernels times its share, summed
             self._add_kernels(pid, dict(mix), f)
+
+    def _fold_runs(self) -> None:
+        for run in [*self.ended, *self.runs.values()]:
+            launches, steps, estimated, bursts = run.fold_into(self.work, self.kernels)
+            self.decode_launches += launches
+            self.steps += steps
+            self.steps_estimated += estimated
+            self.bursts += bursts
+        self.ended = []
 
     def attributes(self, pricing: Pricing | None,
                    kernel_name: Callable[[int, int], str] | None = None) -> dict[str, Any]:
@@ -254,9 +270,12 @@ class GpuAttribution:
                  kernel_name: Callable[[int, int], str] | None = None,
                  stacks: StackBook | None = None,
                  open_check: Callable[[RequestRecord], bool] | None = None,
-                 serves: Callable[[int, int], bool] | None = None) -> None:
+                 serves: Callable[[int, int], bool] | None = None,
+                 earliest_open: Callable[[int], RequestRecord | None] | None = None
+                 ) -> None:
         """``open_records(pid)``: the requests of ``pid`` still being served;
         ``open_check(rec)``: whether ``rec`` is one (default: looked for among them);
+        ``earliest_open(pid)``: the one that arrived first (default: looked for);
         ``serves(pid, tid)``: whether that thread ever moved a request's bytes, i.e.
         could be among a request's ``tids`` (default: looked for in each)."""
         self.emit = emit
@@ -273,6 +292,7 @@ class GpuAttribution:
         self.held: dict[int, dict[Key, RequestRecord]] = {}
         self.ready: dict[Key, _Ready] = {}
         self.shares: dict[Key, GpuShare] = {}
+        self.tallies: dict[LogKey, Tally] = {}  # decoding members' running sums per log
         self.released_end: dict[int, int] = {}  # pid -> latest end_ns released
         self.gpu_pids: set[int] = set()  # processes seen on the GPU
         self.request_pids: set[int] = set()  # processes that answered requests
@@ -292,6 +312,8 @@ class GpuAttribution:
         # per process group: the request that was its frontier when last computed
         self._frontier_rec: dict[frozenset[int], RequestRecord | None] = {}
         self._open_check = open_check
+        self._earliest_open = earliest_open or (
+            lambda pid: min(self.open_records(pid), key=arrival_ns, default=None))
         self._serves = serves
         # --gpu-sample: the launch probes' switches (set by the pipeline from the
         # GpuLedger's), and the estimates for steps they did not see whole
@@ -552,7 +574,8 @@ class GpuAttribution:
         out: int | None = None
         at: RequestRecord | None = None
         for pid in group:
-            for r in self.open_records(pid):
+            r = self._earliest_open(pid)
+            if r is not None:
                 a = arrival_ns(r)
                 if out is None or a < out:
                     out, at = a, r
@@ -654,11 +677,24 @@ class GpuAttribution:
                   "step_model" if kmodel.usable or tmodel.usable else "step_equal")
         described = f"launches: {kmodel.describe()}; time: {tmodel.describe()}"
         whole = len(occs) == 1
-        sum_k, sum_t = sum(kf), sum(tf)
-        owners = [self._share(o.rec) for o in occs]
+        owners: list[GpuShare] = [o.share or self._owner(o) for o in occs]  # type: ignore[misc]
+        # decoding members all cost the same (costmodel.member_costs): one fraction for
+        # all of them, summed per step by the log's Tally; the others (prefilling) get
+        # a part each
+        decoding = [j for j, m in enumerate(feats) if m is DECODING]
+        others = [j for j, m in enumerate(feats) if m is not DECODING] \
+            if len(decoding) < len(feats) else []
+        fk_d = ft_d = 0.0
+        if decoding:
+            first = decoding[0]
+            fk_d, ft_d = kf[first], tf[first]
+        sum_k = fk_d * len(decoding) + sum(kf[j] for j in others)
+        sum_t = ft_d * len(decoding) + sum(tf[j] for j in others)
+        dec_owners = [(owners[j], method if occs[j].by_tokens else "time_share")
+                      for j in decoding]
         for st, rank in steps:
             st.settled = True
-            self._step_flame(st)  # computed now, folded into each member's share later
+            flame = self._step_flame(st)  # computed now, folded into each share later
             # booked whole: what its members were charged adds up to the step times the
             # sums of their fractions (1 each, but for rounding)
             charged = self.ledger.charged[st.pid]
@@ -666,12 +702,54 @@ class GpuAttribution:
                 x = v * (sum_k if q in KERNEL_QUANTITIES else sum_t)
                 if x:
                     charged[q] = charged.get(q, 0) + x
-            for share, o, m, fk, ft in zip(owners, occs, feats, kf, tf):
-                share.add_part(st, fk, ft, whole, m.prefill,
+            for j in others:
+                o = occs[j]
+                share = owners[j]
+                share.add_part(st, kf[j], tf[j], whole, feats[j].prefill,
                                method if o.by_tokens else "time_share", rank)
                 if method == "step_model":
                     share.models.add(described)
+            if dec_owners:
+                self._decoding(st, rank, fk_d, ft_d, dec_owners, whole, flame, method,
+                               described if method == "step_model" else None)
             self.stats["gpu_step_launches_charged"] += st.launches
+
+    def _decoding(self, st: Step, rank: int, fk: float, ft: float,
+                  owners: list[tuple[GpuShare, str]], whole: bool, flame: Flame | None,
+                  method: str, described: str | None) -> None:
+        """Step ``st``'s decoding members each charged ``fk`` of its launches and ``ft``
+        of the rest: the log's running sums move once, each member's run to them."""
+        lk = (st.pid, st.tid)
+        tally = self.tallies.get(lk)
+        if tally is None:
+            tally = self.tallies[lk] = Tally()
+        before = tally.sums
+        after = tally.add(st, fk, ft, rank)
+        # a member that was in the last step was told what it says of the step (method,
+        # model, whether had alone) then; if this step says the same, only new members
+        # and members back from a gap need telling
+        label = (method, described, whole)
+        same = label == tally.label
+        tally.label = label
+        for share, as_member in owners:
+            run = share.runs.get(lk)
+            if run is not None and run.end is before:
+                run.end = after
+                if same:
+                    if flame is not None:
+                        share.add_flame(flame, fk, ft)
+                    continue
+            else:
+                if run is not None:  # it was out of the steps in between
+                    share.ended.append(run)
+                share.runs[lk] = Run(before, after)
+            share.methods.add(as_member)
+            if not whole:
+                share.whole = False
+            if described is not None:
+                share.models.add(described)
+            if flame is not None:
+                share.add_flame(flame, fk, ft)
 
     def _step_flame(self, st: Step) -> Flame | None:
         """The step's calls split among the stacks sampled in it (once; None without
@@ -874,6 +952,11 @@ class GpuAttribution:
         out += [r for r in self.held.get(pid, {}).values()
                 if r.start_ns <= last_ts and r.end_ns >= first_ts]
         return out
+
+    def _owner(self, occ: Occupancy) -> GpuShare:
+        """``occ``'s request's share, kept on it for its next steps."""
+        occ.share = share = self._share(occ.rec)
+        return share
 
     def _share(self, rec: RequestRecord) -> GpuShare:
         s = self.shares.get(rec.key)

@@ -143,6 +143,7 @@ class Occupancy:
 
     def __post_init__(self) -> None:
         self.by_tokens = not self.how.startswith("time")  # placed by its tokens (fixed)
+        self.share: object | None = None  # what its steps charge it (the attribution's)
 
     def holds(self, i: int) -> bool:
         """Its tokens place it in step ``i``."""
@@ -184,7 +185,7 @@ def request_range(rec: RequestRecord, log: StepLog, per_token: int = 1,
     batching = per_token <= 1
     if tokens and r is not None and r.streamed:
         n = max(len(tokens), n_out) if finished else len(tokens)
-        ends = [log.last_ended_by(ts) for ts in tokens]
+        ends = log.last_ended_by_each(tokens)
         if batching and n == len(tokens) and len(tokens) > 1:
             runs = token_runs(ends)
             if len(runs) > 1:  # preempted between runs of tokens
@@ -253,7 +254,7 @@ class StepsPerToken:
         r = rec.llm_response
         if r is None or not r.streamed or len(r.token_ts) < RATIO_MIN_TOKENS:
             return
-        ends = [log.last_ended_by(ts) for ts in r.token_ts]
+        ends = log.last_ended_by_each(r.token_ts)
         self.samples.append(statistics.median(b - a for a, b in zip(ends, ends[1:])))
         if len(self.samples) >= RATIO_MIN_SAMPLES:
             self.value = max(1, round(statistics.median(self.samples)))
@@ -380,9 +381,14 @@ class Membership:
         self.committed.pop(i - 1, None)
         self._next = i + 1
         out = []
-        for o in self.occupancies.values():
-            if (o.arrival <= i <= o.last if not o.by_tokens
-                    else o.start <= i < o.first or o.holds(i)):
+        for o in self.occupancies.values():  # per step: the conditions of holds, _member
+            if not o.by_tokens:
+                if o.arrival <= i <= o.last:
+                    out.append((o, DECODING))
+            elif o.first < i <= o.last:
+                if not o.gaps or o.holds(i):
+                    out.append((o, DECODING))
+            elif i == o.first or o.begin is not None and o.begin <= i < o.first:
                 out.append((o, self._member(o, i)))
         return out
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 from tracer.correlate.work import KERNEL_QUANTITIES, Work
 from tracer.events.gpu import COPY_KINDS, KernelBurst, NcclEvent
@@ -263,6 +263,11 @@ class StepLog:
     def last_ended_by(self, ts: int) -> int:
         """Index of the last step that had ended at ``ts`` (base - 1 if none)."""
         return self.base + bisect_right(self.ends, ts) - 1
+
+    def last_ended_by_each(self, times: Iterable[int]) -> list[int]:
+        """``last_ended_by`` of each of ``times`` (a request's tokens: one list)."""
+        ends, before = self.ends, self.base - 1
+        return [before + bisect_right(ends, ts) for ts in times]
 
     def first_started_after(self, ts: int) -> int:
         """Index of the first step whose first launch is at or after ``ts``."""
