@@ -72,7 +72,9 @@ class Pipeline:
         self.attribution = GpuAttribution(self._export, self._open_records, self.stats,
                                           ipc=self.ipc, pricing=pricing,
                                           kernel_name=self._kernel_name, stacks=self.stacks,
-                                          open_check=self._is_open, serves=self._serves)
+                                          open_check=self.tracker.is_open,
+                                          serves=self._serves,
+                                          earliest_open=self.tracker.arrivals.earliest)
         # under --gpu-sample the summary reports engine threads' launches as their steps
         # were booked (the same estimates the requests were charged)
         self.gpu.step_totals = self.attribution.step_totals
@@ -109,16 +111,6 @@ class Pipeline:
     def _serves(self, pid: int, tid: int) -> bool:
         threads = self.tracker.socket_threads
         return threads is None or (pid, tid) in threads
-
-    def _is_open(self, rec: RequestRecord) -> bool:
-        """Whether ``rec`` is still being assembled (one of ``_open_records``)."""
-        c = self.tracker.conns.get(rec.key[:3])
-        if c is None:
-            return False
-        ex = c.exchanges.get(rec.exchange)
-        if ex is not None and ex.rec is rec:
-            return True
-        return c.h2 is not None and any(r is rec for r in c.h2.records.values())
 
     def _export(self, rec: RequestRecord) -> None:
         """An attributed record: timed at the socket, then exported."""

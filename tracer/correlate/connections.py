@@ -25,6 +25,7 @@ from typing import Callable, Iterable
 from protocols import detect, http1, http2
 from protocols import tls as tlsproto
 from protocols.openai import ResponseFollower, operation_for, parse_request
+from tracer.correlate.arrivals import Arrivals
 from tracer.correlate.h2calls import H2Calls
 from tracer.correlate.ipc import IpcGraph
 from tracer.correlate.records import SAFE_HEADERS, RequestRecord, tenant_of
@@ -285,6 +286,17 @@ class ConnectionTracker:
         self.buffered_estimate = 0  # sum of Connection.held, give or take the closed
         self.stats: Counter[str] = Counter()
         self.runs = TokenRuns(self.stats)  # token writes the kernel stages: arms asked for
+        self.arrivals = Arrivals(self.is_open)  # open records by arrival, per process
+
+    def is_open(self, rec: RequestRecord) -> bool:
+        """Whether ``rec`` is still being assembled."""
+        c = self.conns.get(rec.key[:3])
+        if c is None:
+            return False
+        ex = c.exchanges.get(rec.exchange)
+        if ex is not None and ex.rec is rec:
+            return True
+        return c.h2 is not None and c.h2.records.get(rec.exchange) is rec
 
     # ---- connection lifecycle ---------------------------------------------------
 
@@ -718,7 +730,7 @@ class ConnectionTracker:
 
     def _start_h2(self, c: Connection, synced: bool) -> None:
         c.proto = "http2"
-        c.h2 = H2Calls(c, self.options, synced, self.stats)
+        c.h2 = H2Calls(c, self.options, synced, self.stats, self.arrivals.add)
         self.stats["connections_http2"] += 1
 
     def _lost(self, c: Connection, nbytes: int, ts: int, inbound: bool, tid: int) -> None:
@@ -763,7 +775,7 @@ class ConnectionTracker:
             # one ended here and still held (by the GPU attribution, the net timing)
             c.http.next_request = numbered
         elif h2 is not None:
-            c.h2 = H2Calls(c, self.options, False, self.stats)
+            c.h2 = H2Calls(c, self.options, False, self.stats, self.arrivals.add)
         else:
             c.proto, c.http = "opaque", None  # failed while sniffing: stop looking
         self.stats["connections_reset_after_error"] += 1
@@ -802,6 +814,7 @@ class ConnectionTracker:
             if isinstance(e, http1.Request):
                 ex = Exchange(c, e, self.options)
                 c.exchanges[e.exchange] = ex
+                self.arrivals.add(ex.rec)
                 if tid:
                     ex.add_tid(tid)
                 continue

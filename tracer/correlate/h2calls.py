@@ -11,7 +11,7 @@ message counts); a stream that is not gRPC is an HTTP/2 request record.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Protocol
+from typing import Callable, Protocol
 
 from protocols import grpc, kserve
 from tracer.correlate.records import SAFE_HEADERS, RequestRecord, tenant_of
@@ -46,8 +46,11 @@ class H2Calls:
     """Calls of one HTTP/2 connection in, finished records out."""
 
     def __init__(self, conn: ConnectionView, options: CallOptions, synced: bool,
-                 stats: Counter[str]) -> None:
+                 stats: Counter[str],
+                 opened: Callable[[RequestRecord], None] | None = None) -> None:
+        """``opened(rec)``: told each call's record as it starts."""
         self.conn = conn
+        self.opened = opened
         self.options = options
         self.grpc = grpc.GrpcConnection(synced, stats)
         self.records: dict[int, RequestRecord] = {}
@@ -98,7 +101,9 @@ class H2Calls:
             call = e.call
             sid = call.stream_id
             if isinstance(e, grpc.CallStarted):
-                self.records[sid] = self._start(call)
+                rec = self.records[sid] = self._start(call)
+                if self.opened is not None:
+                    self.opened(rec)
                 svc, meth = call.service_method
                 if call.is_grpc and kserve.is_kserve(svc, meth) and meth is not None:
                     self.followers[sid] = kserve.KServeFollower(meth, self.options.keep_content)
