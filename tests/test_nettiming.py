@@ -191,3 +191,29 @@ def test_a_long_lived_connection_keeps_a_bounded_log_in_step_and_times_its_holds
     t.close()
     (r,) = out
     assert r.net.send_hold_ns == 40 * MS and r.net.send_hold_cause == "nagle"
+
+
+def test_a_token_run_is_logged_at_once_as_its_writes_would_be_one_by_one():
+    from tracer.events.runs import TokenRun
+    cases = [((101 * MS, 102 * MS, 103 * MS), (40, 41, 42)),  # after every write: at once
+             ((99 * MS, 102 * MS), (40, 41)),  # one before the last write logged
+             ((104 * MS, 104 * MS), (40, 41))]  # two at one time: the first kept
+    for ts, lens in cases:
+        logs = []
+        for at_once in (True, False):
+            out: list = []
+            t = timer(out)
+            t.netwait(nw("arrival", 95 * MS, 95 * MS + 10_000, 0, first=True))
+            t.data(write(100 * MS, 0, 200))
+            run = TokenRun(pid=10, tid=11, fd=5, conn_id=1000, stream_off=200, arm=1,
+                           ts=ts, lens=lens)
+            if at_once:
+                t.token_run(run)
+            else:
+                off = 200
+                for at, n in zip(ts, lens):
+                    t.write(KEY, at, C["DIR_OUT"], C["FLAG_LAST"], n, off)
+                    off += n
+            c = t.conns[KEY]
+            logs.append((dict(c.writes), list(c.write_ts), c.last_ns))
+        assert logs[0] == logs[1], (ts, lens)

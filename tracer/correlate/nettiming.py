@@ -151,10 +151,25 @@ class NetTimer:
         """``data`` of each write of a RUN record (tracer/events/runs.py)."""
         if not self.conns:
             return
-        off = run.stream_off
-        for ts, n in zip(run.ts, run.lens):
-            self.write(run.key, ts, _DIR_OUT, _FLAG_LAST, n, off)
-            off += n
+        c = self.conns.get(run.key)
+        if c is None or not c.anchored or not run.ts:
+            return
+        ts = run.ts
+        # the usual run: later than every write logged, in order, none empty: logged
+        # at once (what ``write`` does one by one)
+        if (c.write_ts and ts[0] <= c.write_ts[-1]) or 0 in run.lens or any(
+                a >= b for a, b in zip(ts, ts[1:])):
+            off = run.stream_off
+            for t, n in zip(ts, run.lens):
+                self.write(run.key, t, _DIR_OUT, _FLAG_LAST, n, off)
+                off += n
+            return
+        c.last_ns = max(c.last_ns, ts[-1])
+        ends = itertools.accumulate(run.lens, initial=run.stream_off)
+        next(ends)  # the first write's start
+        c.writes.update(zip(ts, ends))
+        c.write_ts.extend(ts)
+        self._trim(c)
 
     def write(self, key: tuple[int, int, int], ts_exit: int, direction: int, flags: int,
               ret: int, stream_off: int, ts_enter: int | None = None) -> None:
@@ -181,7 +196,12 @@ class NetTimer:
             c.write_ts.append(ts_exit)
         else:
             bisect.insort(c.write_ts, ts_exit)
-        if len(c.write_ts) > MAX_LOG + LOG_TRIM:
+        self._trim(c)
+
+    @staticmethod
+    def _trim(c: ConnLog) -> None:
+        """Forget a long-lived connection's oldest writes, a block at a time."""
+        while len(c.write_ts) > MAX_LOG + LOG_TRIM:
             for old in c.write_ts[:LOG_TRIM]:
                 del c.writes[old]
             del c.write_ts[:LOG_TRIM]
@@ -291,9 +311,12 @@ class NetTimer:
 
     def _open_hold(self, rec: RequestRecord) -> Hold | None:
         c = self.conns.get(rec.key[:3])
-        if c is None:
+        if c is None or not c.holds:
             return None
-        for ts in _write_times(rec):
+        times = _write_times(rec)
+        if _untouched(c, times):
+            return None
+        for ts in times:
             if ts not in c.writes and ts in c.tls_writes:  # TLS: its ciphertext's write
                 ts = _tls_carrier(c, c.tls_writes[ts], ts) or ts
             h = _hold_of(c, c.writes.get(ts))
@@ -321,8 +344,11 @@ class NetTimer:
         if c.estab_ns and c.arrival_refs and c.arrival_refs[i] == c.first_read_ns:
             n.estab_ns = c.estab_ns  # the connection's first request: its setup counts
             n.accept_ns = c.accept_ns or None
+        times = _write_times(rec)
+        if _untouched(c, times):  # every write left when it returned
+            return n
         worst = (0, None)
-        for ts in _write_times(rec):
+        for ts in times:
             if ts not in c.writes and ts in c.tls_writes and \
                     _tls_carrier(c, c.tls_writes[ts], ts) is None:
                 n.tls_unmapped += 1
@@ -378,6 +404,21 @@ def _tls_carrier(c: ConnLog, enter: int, exit_: int) -> int | None:
     if i < len(c.write_ts) and c.write_ts[i] - exit_ <= TLS_CARRY_NS:
         return c.write_ts[i]
     return None
+
+
+def _untouched(c: ConnLog, times: list[int]) -> bool:
+    """No hold, unseen ACK or TLS record bears on the writes that returned at
+    ``times``: each left as it returned (holds and unseen spans are in stream order, so
+    the last of each ends the furthest)."""
+    if c.tls_writes:
+        return False
+    if not c.holds and not c.unseen:
+        return True
+    ends = [e for e in map(c.writes.get, times) if e is not None]
+    if not ends:
+        return True
+    lo = min(ends)
+    return (not c.holds or c.holds[-1].end < lo) and (not c.unseen or c.unseen[-1].end < lo)
 
 
 def _hold_of(c: ConnLog, end: int | None) -> Hold | None:
