@@ -244,6 +244,16 @@ class LLMResponse:
     parse_errors: int = 0
     body_truncated: bool = False
 
+    def tokens_at(self, times: list[int]) -> None:
+        """``token_at`` each of ``times``, in order."""
+        if not times:
+            return
+        if self.first_token_ts is None:
+            self.first_token_ts = times[0]
+        room = max(0, MAX_TOKEN_TS - len(self.token_ts))
+        self.token_ts.extend(times[:room])
+        self.token_ts_dropped += max(0, len(times) - room)
+
     def token_at(self, ts: int) -> None:
         """A chunk carrying generated text was seen at ``ts``."""
         if self.first_token_ts is None:
@@ -473,10 +483,9 @@ class ResponseFollower:
         sse._event = ""
         r = self.r
         r.chunks += len(texts)
-        for at, text in zip(ts, texts):
-            if text:
-                r.text_chunks += 1
-                r.token_at(at)
+        at = [t for t, text in zip(ts, texts) if text]
+        r.text_chunks += len(at)
+        r.tokens_at(at)
         return True
 
     @property

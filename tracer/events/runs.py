@@ -12,6 +12,7 @@ line, its SSE event, and whether its string was empty (not a token).
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -98,6 +99,7 @@ def pack(pid: int, tid: int, fd: int, conn_id: int, stream_off: int, arm: int,
             + b"\0" * (wire.RUN.size - wire.RUN.header_size))
 
 
+@functools.lru_cache(maxsize=4096)  # per token write; a stream's lengths repeat
 def chunk_size(length: int) -> int:
     """The data size of a chunk whose whole framing (hex size line, data, CRLF) is
     ``length`` bytes; 0 if none is."""
