@@ -167,10 +167,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{case}: {len(items)} records, {len(truth)} requests "
                   f"(generated in {time.monotonic() - t0:.1f}s)", file=sys.stderr)
             row: dict[str, Any] = {"records": len(items), "requests": len(truth)}
-            # an earlier tree may not read RUN records: the +runs cases compare with
-            # this tree's own per-write case
-            trees = (("now", ROOT),) if case.endswith("+runs") else (("before", base),
-                                                                     ("now", ROOT))
+            # an earlier tree that does not read RUN records (before tracer/events/runs.py):
+            # its +runs cases compare with this tree's own per-write case
+            old_runs = case.endswith("+runs") and not (base / "tracer/events/runs.py").exists()
+            trees = (("now", ROOT),) if old_runs else (("before", base), ("now", ROOT))
             for name, tree in trees:
                 r = child(tree, cap, truth_path, args.cpu, steady)
                 r["traffic_s"] = args.seconds

@@ -27,10 +27,12 @@ unattributed equals observed for every process and quantity.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
 
+from tracer.correlate.arrivals import Arrivals
 from tracer.correlate.costmodel import DECODING, Learner, Member, StepModel, allocate
 from tracer.correlate.ipc import IpcGraph
 from tracer.correlate.ledger import (
@@ -306,6 +308,11 @@ class GpuAttribution:
         self.shifts: dict[tuple[LogKey, LogKey], tuple[int, int | None]] = {}
         self.now = 0
         self._next_scan = 0
+        # held records by when their hold ends: (end + hold_ns, order held, record)
+        self._held_due: list[tuple[int, int, RequestRecord]] = []
+        self._held_seq = itertools.count()
+        self._alone_pids: set[int] = set()  # processes with a burst charged same-thread
+        self._held_arrivals = Arrivals(self._is_held)  # held records by arrival
         self._recheck: set[Key] = set()  # ready records that may have become due
         self._waits: dict[LogKey, list[tuple[int, int, Key]]] = {}  # (last step, seq, key)
         self._ready_seq = 0
@@ -350,6 +357,7 @@ class GpuAttribution:
                                              work.get("gpu_time_ns", 0.0)), 1.0, 1.0)
             self.stats["gpu_bursts_same_thread"] += 1
             self.same_thread.add((b.pid, b.tid))
+            self._alone_pids.add(b.pid)
         else:
             log = self._log(b.pid, b.tid)
             step = log.add_burst(b, samples)
@@ -357,7 +365,8 @@ class GpuAttribution:
                 self._closed(log, step)
         # work its own thread did is complete once its process launches after its end
         done = [r for r in self.held.get(b.pid, {}).values()
-                if r.end_ns < b.first_ts and self._served_alone(r)]
+                if r.end_ns < b.first_ts and self._served_alone(r)] \
+            if b.pid in self._alone_pids else []
         for r in done:
             self._ready(r)
         if done:
@@ -394,7 +403,10 @@ class GpuAttribution:
             self.emit(rec)
             return
         self.held.setdefault(rec.pid, {})[rec.key] = rec
-        self._next_scan = min(self._next_scan, rec.end_ns + self.hold_ns)
+        due = rec.end_ns + self.hold_ns
+        heapq.heappush(self._held_due, (due, next(self._held_seq), rec))
+        self._held_arrivals.add(rec)
+        self._next_scan = min(self._next_scan, due)
 
     @property
     def wake_ns(self) -> int:
@@ -409,14 +421,24 @@ class GpuAttribution:
         if now_ns < self._next_scan:
             return
         self._next_scan = now_ns + SCAN_EVERY_NS
-        for pid in list(self.held):
-            for r in list(self.held.get(pid, {}).values()):
-                if r.end_ns + self.hold_ns <= now_ns and (
-                        r.end_ns + self.max_hold_ns <= now_ns or self._ranks_caught_up(r)):
-                    self._ready(r)
-                else:
-                    self._next_scan = min(self._next_scan,
-                                          max(r.end_ns + self.hold_ns, now_ns + SCAN_EVERY_NS))
+        # held records past their hold, in the order they are held in (by process,
+        # then as they finished); one whose trailing ranks are yet to catch up is
+        # looked at again next time
+        due: list[tuple[int, RequestRecord]] = []
+        heap = self._held_due
+        while heap and heap[0][0] <= now_ns:
+            _, seq, r = heapq.heappop(heap)
+            held = self.held.get(r.pid)
+            if held is not None and held.get(r.key) is r:
+                due.append((seq, r))
+        if due:
+            order = {pid: i for i, pid in enumerate(self.held)}
+            due.sort(key=lambda e: (order[e[1].pid], e[0]))
+        for seq, r in due:
+            if r.end_ns + self.max_hold_ns <= now_ns or self._ranks_caught_up(r):
+                self._ready(r)
+            else:
+                heapq.heappush(heap, (now_ns + SCAN_EVERY_NS, seq, r))
         self._settle_all(force_before=now_ns - MAX_SETTLE_LAG_NS)
         self._release_due()
 
@@ -563,6 +585,10 @@ class GpuAttribution:
         a = arrival_ns(rec)
         return a if a <= first.first_ts else None
 
+    def _is_held(self, rec: RequestRecord) -> bool:
+        held = self.held.get(rec.pid)
+        return held is not None and held.get(rec.key) is rec
+
     def _still_open(self, rec: RequestRecord) -> bool:
         return any(r is rec for r in self.open_records(rec.pid)) if self._open_check is None \
             else self._open_check(rec)
@@ -579,7 +605,8 @@ class GpuAttribution:
                 a = arrival_ns(r)
                 if out is None or a < out:
                     out, at = a, r
-            for r in self.held.get(pid, {}).values():
+            r = self._held_arrivals.earliest(pid)
+            if r is not None:
                 a = arrival_ns(r)
                 if out is None or a < out:
                     out, at = a, r
