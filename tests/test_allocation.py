@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from protocols.openai import LLMResponse
 from tracer.correlate.attribution import GpuAttribution
-from tracer.correlate.costmodel import (MIN_STEPS, Member, StepModel, fit, fractions,
-                                        member_costs)
+from tracer.correlate.costmodel import (DECODING, MIN_STEPS, Member, StepModel, fit,
+                                        fractions, member_costs, split_fractions)
 from tracer.correlate.records import RequestRecord
 from tracer.events.gpu import KernelBurst
 
@@ -88,6 +88,23 @@ def test_fractions_add_up_to_exactly_one(costs):
     f = fractions(costs)
     assert len(f) == len(costs) and sum(f) == pytest.approx(1.0, abs=1e-12)
     assert abs(1.0 - sum(f)) <= 1e-12 and all(x >= -1e-12 for x in f)
+
+
+@given(st.integers(0, 60), st.lists(st.floats(0, 5000, allow_nan=False), max_size=6),
+       st.tuples(*[st.floats(0, 100, allow_nan=False)] * 4), st.booleans())
+def test_counted_fractions_are_the_listed_ones(decoding, tokens, coef, usable):
+    """split_fractions (what a step's split uses: decoding members counted) gives each
+    member what fractions(member_costs(...)) gives it, to rounding."""
+    model = StepModel(*coef, usable=usable)
+    others = [Member(prefill=True, tokens=t) for t in tokens]
+    listed = fractions(member_costs(model, [DECODING] * decoding + others))
+    one, rest = split_fractions(decoding, others, model)
+    assert len(rest) == len(others)
+    for x in listed[:decoding]:
+        assert one == pytest.approx(x, rel=1e-9, abs=1e-12)
+    assert rest == pytest.approx(listed[decoding:], rel=1e-9, abs=1e-12)
+    if listed:
+        assert one * decoding + sum(rest) == pytest.approx(1.0, abs=1e-12)
 
 
 # ---- end to end: an engine whose steps cost 6 + 4 per member + 25 per prefilling one --

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
 
 from tracer.correlate.arrivals import Arrivals
-from tracer.correlate.costmodel import DECODING, Learner, Member, StepModel, allocate
+from tracer.correlate.costmodel import (DECODING, Learner, Member, StepModel, features,
+                                        split_fractions)
 from tracer.correlate.ipc import IpcGraph
 from tracer.correlate.ledger import (
     ESTIMATED,
@@ -657,9 +658,9 @@ class GpuAttribution:
             self.stats["gpu_steps_joined_nccl"] += len(fsteps)
         if members and not step.estimated:  # an estimate would teach the model itself
             kernel, time = self.learners[log.key]
-            feats = [m for _, m in members]
-            kernel.learn(feats, step.work.get("kernel_launches", 0.0))
-            time.learn(feats, step.work.get("gpu_time_ns", 0.0))
+            row = features([m for _, m in members])
+            kernel.learn_row(row, step.work.get("kernel_launches", 0.0))
+            time.learn_row(row, step.work.get("gpu_time_ns", 0.0))
         self.pending[log.key].append((step, fsteps, members))
 
     def _allocate(self, log: StepLog, now: bool) -> None:
@@ -697,28 +698,27 @@ class GpuAttribution:
                 self.stats["gpu_steps_unattributed"] += 1
                 self.stats["gpu_launches_unattributed"] += st.launches
             return
-        occs = [o for o, _ in members]
-        feats = [m for _, m in members]
-        kf, tf = allocate(feats, kmodel, tmodel)
-        method = ("time_share" if all(not o.by_tokens for o in occs) else
-                  "step_model" if kmodel.usable or tmodel.usable else "step_equal")
-        described = f"launches: {kmodel.describe()}; time: {tmodel.describe()}"
-        whole = len(occs) == 1
-        owners: list[GpuShare] = [o.share or self._owner(o) for o in occs]  # type: ignore[misc]
         # decoding members all cost the same (costmodel.member_costs): one fraction for
         # all of them, summed per step by the log's Tally; the others (prefilling) get
         # a part each
-        decoding = [j for j, m in enumerate(feats) if m is DECODING]
-        others = [j for j, m in enumerate(feats) if m is not DECODING] \
-            if len(decoding) < len(feats) else []
-        fk_d = ft_d = 0.0
-        if decoding:
-            first = decoding[0]
-            fk_d, ft_d = kf[first], tf[first]
-        sum_k = fk_d * len(decoding) + sum(kf[j] for j in others)
-        sum_t = ft_d * len(decoding) + sum(tf[j] for j in others)
-        dec_owners = [(owners[j], method if occs[j].by_tokens else "time_share")
-                      for j in decoding]
+        decoding: list[tuple[GpuShare, bool]] = []
+        others: list[tuple[Occupancy, Member]] = []
+        any_by_tokens = False
+        for o, m in members:
+            any_by_tokens = any_by_tokens or o.by_tokens
+            if m is DECODING:
+                decoding.append((o.share or self._owner(o), o.by_tokens))  # type: ignore[arg-type]
+            else:
+                others.append((o, m))
+        method = ("step_model" if kmodel.usable or tmodel.usable else "step_equal") \
+            if any_by_tokens else "time_share"
+        described = f"launches: {kmodel.describe()}; time: {tmodel.describe()}"
+        whole = len(members) == 1
+        feats = [m for _, m in others]
+        fk_d, kf = split_fractions(len(decoding), feats, kmodel)
+        ft_d, tf = split_fractions(len(decoding), feats, tmodel)
+        sum_k = fk_d * len(decoding) + sum(kf)
+        sum_t = ft_d * len(decoding) + sum(tf)
         for st, rank in steps:
             st.settled = True
             flame = self._step_flame(st)  # computed now, folded into each share later
@@ -729,20 +729,19 @@ class GpuAttribution:
                 x = v * (sum_k if q in KERNEL_QUANTITIES else sum_t)
                 if x:
                     charged[q] = charged.get(q, 0) + x
-            for j in others:
-                o = occs[j]
-                share = owners[j]
-                share.add_part(st, kf[j], tf[j], whole, feats[j].prefill,
+            for (o, m), fk, ft in zip(others, kf, tf):
+                share = o.share or self._owner(o)  # type: ignore[assignment]
+                share.add_part(st, fk, ft, whole, m.prefill,
                                method if o.by_tokens else "time_share", rank)
                 if method == "step_model":
                     share.models.add(described)
-            if dec_owners:
-                self._decoding(st, rank, fk_d, ft_d, dec_owners, whole, flame, method,
+            if decoding:
+                self._decoding(st, rank, fk_d, ft_d, decoding, whole, flame, method,
                                described if method == "step_model" else None)
             self.stats["gpu_step_launches_charged"] += st.launches
 
     def _decoding(self, st: Step, rank: int, fk: float, ft: float,
-                  owners: list[tuple[GpuShare, str]], whole: bool, flame: Flame | None,
+                  owners: list[tuple[GpuShare, bool]], whole: bool, flame: Flame | None,
                   method: str, described: str | None) -> None:
         """Step ``st``'s decoding members each charged ``fk`` of its launches and ``ft``
         of the rest: the log's running sums move once, each member's run to them."""
@@ -758,7 +757,7 @@ class GpuAttribution:
         label = (method, described, whole)
         same = label == tally.label
         tally.label = label
-        for share, as_member in owners:
+        for share, by_tokens in owners:
             run = share.runs.get(lk)
             if run is not None and run.end is before:
                 run.end = after
@@ -770,7 +769,7 @@ class GpuAttribution:
                 if run is not None:  # it was out of the steps in between
                     share.ended.append(run)
                 share.runs[lk] = Run(before, after)
-            share.methods.add(as_member)
+            share.methods.add(method if by_tokens else "time_share")
             if not whole:
                 share.whole = False
             if described is not None:

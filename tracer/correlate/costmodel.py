@@ -235,9 +235,12 @@ class Learner:
         self._since = 0
 
     def learn(self, members: Sequence[Member], cost: float) -> None:
-        if not members:
-            return
-        self.rows.append((*features(members), float(cost)))
+        if members:
+            self.learn_row(features(members), cost)
+
+    def learn_row(self, row: tuple[float, float, float], cost: float) -> None:
+        """``learn`` from a step's ``features``, computed once for both models."""
+        self.rows.append((*row, float(cost)))
         self._since += 1
         # fitted at MIN_STEPS, then each time the window grows by half (48, 72, ...)
         # until REFIT_EVERY new steps are the rarer event
@@ -261,3 +264,22 @@ def allocate(members: Sequence[Member], kernel_model: StepModel, time_model: Ste
     the GPU-time model (for time, bytes and collectives). Each list adds up to 1."""
     return (fractions(member_costs(kernel_model, members)),
             fractions(member_costs(time_model, members)))
+
+
+def split_fractions(decoding: int, others: Sequence[Member], model: StepModel
+                    ) -> tuple[float, list[float]]:
+    """``fractions(member_costs(...))`` of a step with ``decoding`` members decoding
+    (all alike: ``DECODING``) and ``others``: one decoding member's fraction, and each
+    other member's. Counted, not listed: a step has dozens of decoding members."""
+    n = decoding + len(others)
+    if not n:
+        return 0.0, []
+    c_dec, c_others = 1.0, [1.0] * len(others)
+    if model.usable:
+        fixed = model.fixed / n
+        c = fixed + model.marginal(DECODING)
+        cs = [fixed + model.marginal(m) for m in others]
+        if c * decoding + sum(cs) > 0:
+            c_dec, c_others = c, cs
+    total = c_dec * decoding + sum(c_others)
+    return c_dec / total, [x / total for x in c_others]
