@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tracer.correlate.costmodel import DECODING, Member
 from tracer.correlate.records import RequestRecord
@@ -124,7 +124,7 @@ class PrefillChunk:
         return float(c) if j < steps - 1 else tokens - (steps - 1) * c
 
 
-@dataclass
+@dataclass(slots=True, eq=False)  # looked at per member per step: slots
 class Occupancy:
     """The steps of one log one request was in.
 
@@ -140,10 +140,11 @@ class Occupancy:
     how: str
     begin: int | None = None
     gaps: tuple[tuple[int, int], ...] = ()
+    by_tokens: bool = field(init=False)  # placed by its tokens (fixed): not "time"
+    share: object | None = field(init=False, default=None)  # the attribution's GpuShare
 
     def __post_init__(self) -> None:
-        self.by_tokens = not self.how.startswith("time")  # placed by its tokens (fixed)
-        self.share: object | None = None  # what its steps charge it (the attribution's)
+        self.by_tokens = not self.how.startswith("time")
 
     def holds(self, i: int) -> bool:
         """Its tokens place it in step ``i``."""
@@ -380,16 +381,17 @@ class Membership:
             del self._unplaced[o.rec.key]
         self.committed.pop(i - 1, None)
         self._next = i + 1
-        out = []
+        out: list[tuple[Occupancy, Member]] = []
+        add = out.append
         for o in self.occupancies.values():  # per step: the conditions of holds, _member
             if not o.by_tokens:
                 if o.arrival <= i <= o.last:
-                    out.append((o, DECODING))
+                    add((o, DECODING))
             elif o.first < i <= o.last:
                 if not o.gaps or o.holds(i):
-                    out.append((o, DECODING))
+                    add((o, DECODING))
             elif i == o.first or o.begin is not None and o.begin <= i < o.first:
-                out.append((o, self._member(o, i)))
+                add((o, self._member(o, i)))
         return out
 
     def _place(self, o: Occupancy, i: int, ahead: Counter[int], now: int) -> None:
