@@ -33,8 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
 
 from tracer.correlate.arrivals import Arrivals
-from tracer.correlate.costmodel import (DECODING, Learner, Member, StepModel, features,
-                                        split_fractions)
+from tracer.correlate.costmodel import Learner, StepModel, split_fractions
 from tracer.correlate.ipc import IpcGraph
 from tracer.correlate.ledger import (
     ESTIMATED,
@@ -43,7 +42,8 @@ from tracer.correlate.ledger import (
     UNJOINED_RANK,
     Ledger,
 )
-from tracer.correlate.membership import Membership, Occupancy, arrival_ns, request_range
+from tracer.correlate.membership import (Membership, Occupancy, StepMembers, arrival_ns,
+                                         request_range)
 from tracer.correlate.records import ChildSpan, RequestRecord
 from tracer.correlate.sampling import LaunchSampling, StepEstimates
 from tracer.correlate.stacks import Flame, StackBook, burst_units, step_units
@@ -658,7 +658,7 @@ class GpuAttribution:
             self.stats["gpu_steps_joined_nccl"] += len(fsteps)
         if members and not step.estimated:  # an estimate would teach the model itself
             kernel, time = self.learners[log.key]
-            row = features([m for _, m in members])
+            row = members.features()
             kernel.learn_row(row, step.work.get("kernel_launches", 0.0))
             time.learn_row(row, step.work.get("gpu_time_ns", 0.0))
         self.pending[log.key].append((step, fsteps, members))
@@ -686,7 +686,7 @@ class GpuAttribution:
         pending.clear()
 
     def _split(self, step: Step, fsteps: list[tuple[StepLog, Step]],
-               members: list[tuple[Occupancy, Member]], kmodel: StepModel, tmodel: StepModel
+               members: StepMembers, kmodel: StepModel, tmodel: StepModel
                ) -> None:
         """Split ``step`` (and its other ranks' steps) among its members, once."""
         steps = [(step, 0)] + [(s, f.rank or 1) for f, s in fsteps]
@@ -701,17 +701,9 @@ class GpuAttribution:
         # decoding members all cost the same (costmodel.member_costs): one fraction for
         # all of them, summed per step by the log's Tally; the others (prefilling) get
         # a part each
-        decoding: list[tuple[GpuShare, bool]] = []
-        others: list[tuple[Occupancy, Member]] = []
-        any_by_tokens = False
-        for o, m in members:
-            any_by_tokens = any_by_tokens or o.by_tokens
-            if m is DECODING:
-                decoding.append((o.share or self._owner(o), o.by_tokens))  # type: ignore[arg-type]
-            else:
-                others.append((o, m))
+        decoding, others = members.decoding, members.others
         method = ("step_model" if kmodel.usable or tmodel.usable else "step_equal") \
-            if any_by_tokens else "time_share"
+            if members.by_tokens else "time_share"
         described = f"launches: {kmodel.describe()}; time: {tmodel.describe()}"
         whole = len(members) == 1
         feats = [m for _, m in others]
@@ -741,7 +733,7 @@ class GpuAttribution:
             self.stats["gpu_step_launches_charged"] += st.launches
 
     def _decoding(self, st: Step, rank: int, fk: float, ft: float,
-                  owners: list[tuple[GpuShare, bool]], whole: bool, flame: Flame | None,
+                  members: list[Occupancy], whole: bool, flame: Flame | None,
                   method: str, described: str | None) -> None:
         """Step ``st``'s decoding members each charged ``fk`` of its launches and ``ft``
         of the rest: the log's running sums move once, each member's run to them."""
@@ -757,7 +749,8 @@ class GpuAttribution:
         label = (method, described, whole)
         same = label == tally.label
         tally.label = label
-        for share, by_tokens in owners:
+        for o in members:
+            share: GpuShare = o.share or self._owner(o)  # type: ignore[assignment]
             run = share.runs.get(lk)
             if run is not None and run.end is before:
                 run.end = after
@@ -769,7 +762,7 @@ class GpuAttribution:
                 if run is not None:  # it was out of the steps in between
                     share.ended.append(run)
                 share.runs[lk] = Run(before, after)
-            share.methods.add(method if by_tokens else "time_share")
+            share.methods.add(method if o.by_tokens else "time_share")
             if not whole:
                 share.whole = False
             if described is not None:

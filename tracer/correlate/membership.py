@@ -21,7 +21,7 @@ import statistics
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from tracer.correlate.costmodel import DECODING, Member
+from tracer.correlate.costmodel import DECODING, Member, features
 from tracer.correlate.records import RequestRecord
 from tracer.correlate.steps import StepLog
 
@@ -155,6 +155,25 @@ class Occupancy:
     def start(self) -> int:
         """First step it is charged for (``begin`` once decided, else ``first``)."""
         return self.begin if self.begin is not None else self.first
+
+
+@dataclass(slots=True)
+class StepMembers:
+    """The members of one step: those decoding (``DECODING``: they all cost the same, so
+    they are counted, not described) and the others (prefilling), each with its
+    ``Member``."""
+
+    decoding: list[Occupancy]
+    others: list[tuple[Occupancy, Member]]
+    by_tokens: bool = False  # one of them is placed by its tokens (not all by time)
+
+    def __len__(self) -> int:
+        return len(self.decoding) + len(self.others)
+
+    def features(self) -> tuple[float, float, float]:
+        """``costmodel.features`` of the step."""
+        n, prefilling, tokens = features([m for _, m in self.others])
+        return n + len(self.decoding), prefilling, tokens
 
 
 def request_range(rec: RequestRecord, log: StepLog, per_token: int = 1,
@@ -364,8 +383,8 @@ class Membership:
                 out = max(out, o.first - 1)
         return out
 
-    def members(self, i: int) -> list[tuple[Occupancy, Member]]:
-        """Who was in step ``i``, each with what the cost model needs to know."""
+    def members(self, i: int) -> StepMembers:
+        """Who was in step ``i``, with what the cost model needs to know of each."""
         rebuilt = self._ahead is None or self._next != i or self._joined
         self._joined = False
         ahead = self._emitting_ahead(i)
@@ -381,17 +400,19 @@ class Membership:
             del self._unplaced[o.rec.key]
         self.committed.pop(i - 1, None)
         self._next = i + 1
-        out: list[tuple[Occupancy, Member]] = []
-        add = out.append
+        out = StepMembers([], [])
+        decoding = out.decoding.append
         for o in self.occupancies.values():  # per step: the conditions of holds, _member
             if not o.by_tokens:
                 if o.arrival <= i <= o.last:
-                    add((o, DECODING))
+                    decoding(o)
             elif o.first < i <= o.last:
                 if not o.gaps or o.holds(i):
-                    add((o, DECODING))
+                    decoding(o)
+                    out.by_tokens = True
             elif i == o.first or o.begin is not None and o.begin <= i < o.first:
-                add((o, self._member(o, i)))
+                out.others.append((o, self._member(o, i)))
+                out.by_tokens = True
         return out
 
     def _place(self, o: Occupancy, i: int, ahead: Counter[int], now: int) -> None:
