@@ -138,13 +138,8 @@ class GpuShare:
         steps = estimated = bursts = 0
         prefill_launches = decode_launches = 0.0
         for step, fk, ft, prefill, rank in self.parts:
-            kernel_work, other_work, kl, nl, mix_key = step._settled or step.settled_work()
-            if fk:
-                for q, v in kernel_work:
-                    work[q] = work.get(q, 0) + v * fk
-            if ft:
-                for q, v in other_work:
-                    work[q] = work.get(q, 0) + v * ft
+            _, _, kl, nl, mix_key = step._settled or step.settled_work()
+            step.add_share(work, fk, ft)
             launches = kl * fk
             if nl:
                 mixes[mix_key] = mixes.get(mix_key, 0.0) + launches / nl

@@ -99,6 +99,17 @@ class Step:
                              (self.pid, self.kernel_mix()))
         return self._settled
 
+    def add_share(self, work: dict[str, float], fk: float, ft: float) -> None:
+        """Add to ``work`` a member's part of this settled step: ``fk`` of its launches
+        (kernel quantities), ``ft`` of the rest (time, bytes, collectives)."""
+        kernel_work, other_work = (self._settled or self.settled_work())[:2]
+        if fk:
+            for q, v in kernel_work:
+                work[q] = work.get(q, 0.0) + v * fk
+        if ft:
+            for q, v in other_work:
+                work[q] = work.get(q, 0.0) + v * ft
+
     @property
     def span_ns(self) -> int:
         """The GPU-time estimate: first launch to the end of the step's last wait; for

@@ -41,15 +41,10 @@ class Tally:
     def add(self, step: Step, fk: float, ft: float, rank: int) -> Sums:
         """Step ``step`` split with ``fk`` of its launches and ``ft`` of the rest (time,
         bytes, collectives) to each decoding member: the new sums."""
-        kernel_work, other_work, kl, nl, (pid, mix) = step._settled or step.settled_work()
+        _, _, kl, nl, (pid, mix) = step._settled or step.settled_work()
         s = self.sums
         work = dict(s.work)
-        if fk:
-            for q, v in kernel_work:
-                work[q] = work.get(q, 0.0) + v * fk
-        if ft:
-            for q, v in other_work:
-                work[q] = work.get(q, 0.0) + v * ft
+        step.add_share(work, fk, ft)
         launches = kl * fk
         kernels = s.kernels
         if nl and launches:
