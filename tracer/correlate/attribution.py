@@ -708,7 +708,7 @@ class GpuAttribution:
         sum_t = ft_d * len(decoding) + sum(tf)
         for st, rank in steps:
             st.settled = True
-            flame = self._step_flame(st)  # computed now, folded into each share later
+            flame = self._step_flame(st)  # once; decoding shares take theirs now, parts at fold
             # booked whole: what its members were charged adds up to the step times the
             # sums of their fractions (1 each, but for rounding)
             charged = self.ledger.charged[st.pid]
