@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import struct
 from collections import Counter, deque
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 from tracer.correlate.attribution import MAX_SETTLE_LAG_NS, GpuAttribution, Pricing
 from tracer.correlate.connections import (MAX_SOCKET_THREADS, ConnectionTracker,
@@ -69,7 +69,7 @@ class Pipeline:
         # (deadline, record, the (pid, stack id) it still waits for)
         self._flame_wait: deque[tuple[int, RequestRecord, set[tuple[int, int]]]] = deque()
         self._named = False  # a stack was named since the waiting records were checked
-        self.attribution = GpuAttribution(self._export, self._open_records, self.stats,
+        self.attribution = GpuAttribution(self._export, self.tracker.open_of, self.stats,
                                           ipc=self.ipc, pricing=pricing,
                                           kernel_name=self._kernel_name, stacks=self.stacks,
                                           open_check=self.tracker.is_open,
@@ -97,16 +97,6 @@ class Pipeline:
     def resolve_flame(self, flame: Flame) -> list[Any]:
         """A request's (or service's) stack weights as frames, kernels named."""
         return resolve(flame, self.stacks, self._kernel_name)
-
-    def _open_records(self, pid: int) -> Iterator[RequestRecord]:
-        """The exchanges of ``pid`` still being assembled, with their responses so far."""
-        for c in list(self.tracker.conns.of_pid(pid)):
-            for ex in c.exchanges.values():
-                if ex.follower is not None:
-                    ex.rec.llm_response = ex.follower.r
-                yield ex.rec
-            if c.h2 is not None:
-                yield from c.h2.records.values()
 
     def _serves(self, pid: int, tid: int) -> bool:
         threads = self.tracker.socket_threads

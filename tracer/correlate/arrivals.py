@@ -8,33 +8,40 @@ go on a heap as they open, keyed by their arrival (``membership.arrival_ns``), a
 are taken off lazily: a finished one when it comes to the top, one whose arrival
 moved (a request's arrival is its last byte's read, later than its first) put back
 under its new key. Finished records deeper in a heap are swept out once it has grown
-to several times what was open at the last sweep.
+to several times what was open at the last sweep. Only processes asked about have a
+heap (seeded from what is open when first asked): a process that never ran GPU work
+keeps no finished record alive here.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Callable
+from typing import Callable, Iterable
 
 from tracer.correlate.membership import arrival_ns
 from tracer.correlate.records import RequestRecord
 
-SWEEP_MIN = 1024  # a heap shorter than this is never swept
+SWEEP_MIN = 256  # a heap shorter than this is never swept
 
 
 class Arrivals:
     """``add`` each record as it opens; ``earliest(pid)``: the open one that arrived
-    first (``is_open`` says which still are)."""
+    first (``is_open`` says which still are; ``scan(pid)``: the open ones now, read
+    once per process, when it is first asked about)."""
 
-    def __init__(self, is_open: Callable[[RequestRecord], bool]) -> None:
+    def __init__(self, is_open: Callable[[RequestRecord], bool],
+                 scan: Callable[[int], Iterable[RequestRecord]]) -> None:
         self.is_open = is_open
+        self.scan = scan
         self.heaps: dict[int, list[tuple[int, int, RequestRecord]]] = {}
         self._sweep_at: dict[int, int] = {}
         self._seq = itertools.count()
 
     def add(self, rec: RequestRecord) -> None:
-        heap = self.heaps.setdefault(rec.pid, [])
+        heap = self.heaps.get(rec.pid)
+        if heap is None:
+            return  # not asked about (yet): the scan will find it
         heapq.heappush(heap, (arrival_ns(rec), next(self._seq), rec))
         if len(heap) >= self._sweep_at.get(rec.pid, SWEEP_MIN):
             self._sweep(rec.pid, heap)
@@ -46,6 +53,10 @@ class Arrivals:
 
     def earliest(self, pid: int) -> RequestRecord | None:
         heap = self.heaps.get(pid)
+        if heap is None:
+            heap = self.heaps[pid] = [(arrival_ns(r), next(self._seq), r)
+                                      for r in self.scan(pid)]
+            heapq.heapify(heap)
         while heap:
             key, seq, rec = heap[0]
             if not self.is_open(rec):
@@ -56,7 +67,9 @@ class Arrivals:
                 heapq.heapreplace(heap, (now, seq, rec))
                 continue
             return rec
-        if heap is not None:
-            del self.heaps[pid]
-            self._sweep_at.pop(pid, None)
         return None
+
+    def forget(self, pid: int) -> None:
+        """Process ``pid`` is gone."""
+        self.heaps.pop(pid, None)
+        self._sweep_at.pop(pid, None)

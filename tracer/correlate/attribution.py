@@ -308,7 +308,8 @@ class GpuAttribution:
         self._held_due: list[tuple[int, int, RequestRecord]] = []
         self._held_seq = itertools.count()
         self._alone_pids: set[int] = set()  # processes with a burst charged same-thread
-        self._held_arrivals = Arrivals(self._is_held)  # held records by arrival
+        self._held_arrivals = Arrivals(  # held records by arrival
+            self._is_held, lambda pid: list(self.held.get(pid, {}).values()))
         self._recheck: set[Key] = set()  # ready records that may have become due
         self._waits: dict[LogKey, list[tuple[int, int, Key]]] = {}  # (last step, seq, key)
         self._ready_seq = 0

@@ -20,7 +20,7 @@ import traceback
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 from protocols import detect, http1, http2
 from protocols import tls as tlsproto
@@ -286,7 +286,17 @@ class ConnectionTracker:
         self.buffered_estimate = 0  # sum of Connection.held, give or take the closed
         self.stats: Counter[str] = Counter()
         self.runs = TokenRuns(self.stats)  # token writes the kernel stages: arms asked for
-        self.arrivals = Arrivals(self.is_open)  # open records by arrival, per process
+        self.arrivals = Arrivals(self.is_open, self.open_of)  # open records by arrival
+
+    def open_of(self, pid: int) -> Iterator[RequestRecord]:
+        """The records of ``pid`` still being assembled, with their responses so far."""
+        for c in list(self.conns.of_pid(pid)):
+            for ex in c.exchanges.values():
+                if ex.follower is not None:
+                    ex.rec.llm_response = ex.follower.r
+                yield ex.rec
+            if c.h2 is not None:
+                yield from c.h2.records.values()
 
     def is_open(self, rec: RequestRecord) -> bool:
         """Whether ``rec`` is still being assembled."""
@@ -335,6 +345,7 @@ class ConnectionTracker:
         c.ipc_quiet = {True: False, False: False}  # addresses for the process graph
 
     def process_exit(self, pid: int, ts: int) -> None:
+        self.arrivals.forget(pid)
         if self.socket_threads is not None:
             self.socket_threads = {t for t in self.socket_threads if t[0] != pid}
         for key in [k for k in self.conns if k[0] == pid]:
