@@ -70,8 +70,9 @@ class NetTiming:
     when the response's bytes left it (``tracer.correlate.nettiming``).
 
     ``timing`` is ``socket`` when both ends were measured, else ``syscall`` (the span
-    keeps the server's syscall times) with ``reason``. ``departures`` maps each write
-    the client's view depends on (by its syscall exit) to when its bytes left."""
+    keeps the server's syscall times) with ``reason``. ``departures`` maps writes the
+    client's view depends on (by their syscall exit) to when their bytes left; a write
+    not in it left as it returned (``left`` reads it so)."""
 
     timing: str
     reason: str = ""
