@@ -258,14 +258,6 @@ class Learner:
         return fit(list(self.rows), MIN_PROVISIONAL_STEPS)
 
 
-def allocate(members: Sequence[Member], kernel_model: StepModel, time_model: StepModel
-             ) -> tuple[list[float], list[float]]:
-    """A step's fractions per member: by the launch-count model (for launches) and by
-    the GPU-time model (for time, bytes and collectives). Each list adds up to 1."""
-    return (fractions(member_costs(kernel_model, members)),
-            fractions(member_costs(time_model, members)))
-
-
 def split_fractions(decoding: int, others: Sequence[Member], model: StepModel
                     ) -> tuple[float, list[float]]:
     """``fractions(member_costs(...))`` of a step with ``decoding`` members decoding
