@@ -584,6 +584,7 @@ def _drive(args: argparse.Namespace, open_: Callable[[], Any], poll: Callable[[]
             if ctl is not None:
                 ctl.poll()
     finally:
+        _say_tls(tls(), said_tls)  # a library the last poll found, before the exit lines
         if ctl is not None:
             ctl.close()
             restore_signals()
