@@ -322,11 +322,18 @@ def traced_cli(args: list[str], jsonl: str, timeout: float = 60.0) -> Iterator[C
         lines.append(line)
         if "attached" in line:
             break
+    # the rest through the same text stream: readline() may have read past 'attached'
+    # (the TLS line follows it at once), and communicate() reads the pipe's descriptor
+    # itself, which would drop what was read ahead
+    rest: list[str] = []
+    reader = threading.Thread(target=lambda: rest.append(proc.stderr.read()), daemon=True)
+    reader.start()
     try:
         yield run
     finally:
         time.sleep(0.3)
         proc.send_signal(signal.SIGINT)
-        _, rest = proc.communicate(timeout=timeout)
-        run.stderr = "".join(lines) + rest
+        proc.wait(timeout=timeout)
+        reader.join(timeout)
+        run.stderr = "".join(lines) + "".join(rest)
         run.returncode = proc.returncode
