@@ -9,18 +9,18 @@ source NAME_HOST_STUB; a stub that cannot be named is counted (``stub_unresolved
 and its handle stays unknown.
 
 The runtime probes cost a uprobe trap per runtime launch while attached, so naming is a
-window: it opens when a traced process with libcudart is found, and closes (the probes
-detached) once runtime launches have gone on for ``quiet_s`` seconds with no new stub,
-or after ``max_s`` seconds of runtime launches in all. Only time in which runtime
-launches happened counts: an idle process costs nothing and shows nothing, so a server
-attached while it waits for its first request keeps naming open for that request. A
-newly traced process with libcudart opens the window again.
+window (tracer/probes/window.py): it opens when a traced process with libcudart is
+found, and closes (the probes detached) once runtime launches have gone on for
+``quiet_s`` seconds with no new stub, or after ``max_s`` seconds of runtime launches in
+all. Only time in which runtime launches happened counts: an idle process costs nothing
+and shows nothing, so a server attached while it waits for its first request keeps
+naming open for that request. A newly traced process with libcudart opens the window
+again.
 """
 
 from __future__ import annotations
 
 import ctypes
-import threading
 import time
 from collections import Counter
 from typing import Any
@@ -30,10 +30,10 @@ from tracer.events.gpu import KernelName, KernelStub
 from tracer.probes import procfs
 from tracer.probes.prenames import BackgroundPreNames
 from tracer.probes.symbols import SymbolError, Symbolizer
-from tracer.probes.uprobes import Attached, Site, Uprobes
+from tracer.probes.uprobes import Site, Uprobes
+from tracer.probes.window import ProbeWindow
 
 C = wire.CONSTANTS
-CHECK_S = 0.25  # how often the runtime's launch count is read while naming is open
 
 
 class StubNames:
@@ -46,20 +46,9 @@ class StubNames:
         self.bpf = bpf
         self.prenames = prenames  # names from registration code, cubins, driver objects
         self.errors = errors
-        self.uprobes = uprobes
-        self._detacher: threading.Thread | None = None
-        self.quiet_s = quiet_s
-        self.max_s = max_s
-        self.enabled = quiet_s > 0
-        self.sites: dict[tuple[str, int], str] = {}  # (path, addr) -> BPF function
-        self._groups: list[Attached] = []  # the probes attached in this window
-        self.opened_at: float | None = None  # monotonic time; None while closed
-        self.quiet_active = 0.0  # seconds with runtime launches since the last new stub
-        self.open_active = 0.0  # seconds with runtime launches since the window opened
-        self._calls = 0  # the kernel's stub_calls at the last check
-        self._last_check = 0.0
-        self.windows = 0  # times opened
-        self.closed_why = ""
+        self.window = ProbeWindow(uprobes, errors, "stub-naming-off", self._read_calls,
+                                  quiet_s, max_s, enabled=quiet_s > 0,
+                                  fires="runtime launches", news="no new host stub")
         self.symbolizer = Symbolizer()
         self.named = 0
         self.unresolved: Counter[str] = Counter()  # by reason (the error's first words)
@@ -70,67 +59,55 @@ class StubNames:
         self._exited: set[int] = set()
 
     @property
+    def enabled(self) -> bool:
+        """Whether host-stub naming is on at all (``quiet_s`` > 0)."""
+        return self.window.enabled
+
+    @property
     def attached(self) -> set[tuple[str, int]]:
         """(path, address) of the runtime's launch probes attached now."""
-        return {(s.path, s.vaddr) for g in self._groups for s in g.sites}
+        return {(path, addr) for path, addr, _ret in self.window.attached}
 
     @property
     def open(self) -> bool:
         """Whether the runtime's launch probes are attached now."""
-        return self.opened_at is not None
+        return self.window.open
+
+    @property
+    def closed_why(self) -> str:
+        """Why the window last closed."""
+        return self.window.closed_why
+
+    @property
+    def sites(self) -> dict[tuple[str, int, bool], Site]:
+        """Every runtime launch probe site known, attached or not."""
+        return self.window.sites
 
     def add_sites(self, path: str, sites: list[tuple[int, str]]) -> None:
         """Probe sites (ELF address, BPF function) of one libcudart file; attached at
         once if the window is open."""
-        for addr, fn in sites:
-            self.sites.setdefault((path, addr), fn)
-        if self.open:
-            self._attach_all()
+        self.window.add_sites([Site(path, addr, fn, name=f"{addr:#x} (stub naming)")
+                               for addr, fn in sites])
 
     def open_window(self) -> None:
         """Attach the runtime's launch probes (again) and start the quiet timer."""
-        if not self.enabled or not self.sites:
-            return
-        now = time.monotonic()
-        if self.opened_at is None:
-            self.opened_at = now
-            self.windows += 1
-            self.open_active = 0.0
-            self._calls = self._read_calls()
-            self._last_check = now
-        self.quiet_active = 0.0
-        self._attach_all()
-        self._set_flag(1)
-
-    def _attach_all(self) -> None:
-        assert self.uprobes is not None
-        self.join_detach()  # a window closed just before: its probes must be gone first
-        attached = self.attached
-        todo = [Site(path, addr, fn, name=f"{addr:#x} (stub naming)")
-                for (path, addr), fn in self.sites.items() if (path, addr) not in attached]
-        if todo:
-            self._groups.append(self.uprobes.attach(todo, self.errors))
+        self.window.open_window("a process with libcudart")
+        if self.window.open:
+            self._set_flag(1)
 
     def close_window(self, why: str) -> None:
         """Detach the runtime's launch probes; stubs already sent are still named."""
-        if self.opened_at is None:
+        if not self.window.open:
             return
         self._set_flag(0)  # launches stop pairing at once; the detach takes longer
         # calls caught mid-way are never to be paired: cleared once the probes are gone,
         # since until then each runtime launch still leaves one
         pending = self.bpf[b"stub_pending"]
-        assert self.uprobes is not None
-        groups, self._groups = self._groups, []
-        self._detacher = self.uprobes.detach_in_background(
-            groups, self.errors, "stub-naming-off", done=lambda _s: pending.clear())
-        self.closed_why = why
-        self.opened_at = None  # last: another thread reading state sees it all done
+        self.window.close_window(why, done=lambda _s: pending.clear())
 
     def join_detach(self) -> None:
         """Wait for a detach under way (before re-attaching, or tearing down)."""
-        if self._detacher is not None:
-            self._detacher.join()
-            self._detacher = None
+        self.window.join_detach()
 
     def _set_flag(self, on: int) -> None:
         self.bpf[b"config"][ctypes.c_int(C["CFG_STUB_NAMING"])] = ctypes.c_uint64(on)
@@ -140,18 +117,9 @@ class StubNames:
 
     def tick(self, now: float) -> None:
         """Close the window once naming has gone quiet, or has been busy too long."""
-        if self.opened_at is None or now - self._last_check < CHECK_S:
-            return
-        calls = self._read_calls()
-        if calls != self._calls:  # runtime launches happened since the last check
-            busy = now - self._last_check
-            self.quiet_active += busy
-            self.open_active += busy
-        self._calls, self._last_check = calls, now
-        if self.quiet_active >= self.quiet_s:
-            self.close_window(f"{self.quiet_s:g} s of runtime launches with no new host stub")
-        elif self.max_s > 0 and self.open_active >= self.max_s:
-            self.close_window(f"{self.max_s:g} s of runtime launches")
+        why = self.window.due(now)
+        if why is not None:
+            self.close_window(why)
 
     # ---- stubs -> names ---------------------------------------------------------------
 
@@ -159,7 +127,7 @@ class StubNames:
         """A KSTUB record (from the ring-buffer callback): named at the next
         ``resolve``, outside the callback."""
         self._pending.append(ev)
-        self.quiet_active = 0.0
+        self.window.news()
 
     def resolve(self) -> list[KernelName]:
         """Names for the stubs that arrived since the last call."""
@@ -248,11 +216,7 @@ class StubNames:
 
     def state(self) -> dict[str, Any]:
         """What naming did, for reports and benchmarks."""
-        return {"enabled": self.enabled, "open": self.open, "windows": self.windows,
-                "quiet_s": self.quiet_s, "max_s": self.max_s,
-                "busy_s": round(self.open_active, 3),
-                "closed_why": self.closed_why, "probe_sites": len(self.sites),
-                "attached": len(self.attached), "named": self.named,
+        return {**self.window.state(), "named": self.named,
                 "unresolved": dict(self.unresolved),
                 "unresolved_examples": dict(self.unresolved_examples),
                 "files_read": self.symbolizer.parses,

@@ -240,6 +240,14 @@ class Uprobes:
                     continue
                 got.sites.append(s)
 
+    def sites_of(self, group: Attached) -> list[Site]:
+        """``group``'s sites: attached, or parked until ``resume`` puts them back."""
+        with self._live_lock:
+            for g, sites in self._parked:
+                if g is group:
+                    return sites
+        return group.sites
+
     def detach(self, groups: Attached | list[Attached], errors: dict[str, str]) -> float:
         """Detach what ``attach`` put in place (blocking); the seconds it took."""
         t0 = time.perf_counter()
