@@ -387,12 +387,20 @@ struct alias_key {
  * (an HF serve capture: 10,640 alias records for 5 handles); one record per alias is
  * all user space needs. LRU: bounded, and a reused handle is sent again once evicted. */
 BPF_TABLE("lru_hash", struct alias_key, u8, alias_sent, 16384);
+/* name look-ups seen: user space detaches these probes after a stretch of look-ups that
+ * sent nothing new (tracer/probes/lookups.py), and must tell that from a process that
+ * looks nothing up (idle) */
+BPF_PERCPU_ARRAY(name_calls, u64, 1);
 
 static __always_inline int name_enter(u64 out, u64 name, u32 source)
 {
     u64 id = bpf_get_current_pid_tgid();
     if (!is_traced(id >> 32))
         return 0;
+    u32 zero = 0;
+    u64 *calls = name_calls.lookup(&zero);
+    if (calls)
+        (*calls)++;
     struct name_args a = {.out = out, .name = name, .source = source};
     if (name_inflight.update(&id, &a) != 0)
         count(TT_CNT_INFLIGHT_FULL);

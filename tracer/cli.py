@@ -93,6 +93,12 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                          "libcudart's launch calls stay probed (a uprobe trap per launch, "
                          "~1 us) until runtime launches went on this long with no new "
                          "stub, or for 60 s of launches in all; 0 turns it off (default: 5)")
+    g2.add_argument("--alias-lookups-quiet", type=float, default=5.0, metavar="SECONDS",
+                    help="detach the probes on cuKernelGetFunction (some libraries "
+                         "look a kernel's launch handle up before every launch: two "
+                         "uprobe traps each) once look-ups went on this long with no new "
+                         "handle; a new process or a launched handle with no name "
+                         "attaches them again; 0 keeps them attached (default: 5)")
     g2.add_argument("--burst-min-us", type=int, default=0, metavar="US",
                     help="let a sync flush a thread's GPU burst only once it is this old, "
                          "so a loop syncing thousands of times a second costs the agent "
@@ -139,7 +145,8 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                     help="listen on unix socket PATH (0600) for commands, one per "
                          "connection: pause, resume, status, and the toggles "
                          "bench/real_server.py measures each part's cost with "
-                         "(capture-limit, burst-min-us, gpu-launch, stub-naming, analysis); "
+                         "(capture-limit, burst-min-us, gpu-launch, stub-naming, "
+                         "alias-lookups, analysis); "
                          "`tokentrace ctl PATH COMMAND` sends one. SIGUSR1 pauses and "
                          "SIGUSR2 resumes without it: paused, every probe is out but "
                          "process start/exit, the traced processes run as if untraced, and "
@@ -270,7 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Send one command to the control socket of a running `tokentrace run` "
                     "or `record` and print its answer. Commands: pause, resume, status, "
                     "capture-limit BYTES, burst-min-us US, gpu-launch on|off, "
-                    "stub-naming on|off, analysis on|off, gpu-sample F (--gpu-sample, "
+                    "stub-naming on|off, alias-lookups on|off, analysis on|off, "
+                    "gpu-sample F (--gpu-sample, "
                     "changed while running), probe-stats on|off (the "
                     "kernel's run counts and run time per BPF program while on; "
                     "probe-stats alone prints them as name=runs/ns). Exit status 1 if it "
@@ -468,6 +476,7 @@ def _targets(args: argparse.Namespace) -> Any:
                          gpu_sample=_sample_fraction(args.gpu_sample),
                          gpu_sample_period_s=max(0.01, args.gpu_sample_period),
                          stub_names_quiet_s=max(0.0, args.stub_names_quiet),
+                         alias_lookups_quiet_s=max(0.0, args.alias_lookups_quiet),
                          uprobe_links=args.uprobe_links,
                          stack_every=_stack_every(args),
                          **({} if getattr(args, "token_runs", True) else {"token_runs": False}),

@@ -78,20 +78,22 @@ class TraceRun:
             self.ask_unnamed()
 
     def ask_unnamed(self) -> None:
-        """Hand kernel handles launched with no name (new since the last time) to the
-        pre-attach naming, which reads the process's handle variables again: a kernel
-        first launched after attach, once the naming window had closed, is named so.
-        Each handle is asked about once."""
+        """Kernel handles launched with no name (new since the last time): the probes
+        on cuKernelGetFunction are attached again (an alias looked up while they were
+        detached is told at its next look-up), and the pre-attach naming reads the
+        process's handle variables again (a kernel first launched after attach, once
+        the naming window had closed). Each handle is asked about once."""
         gpu = self.session.gpu
-        prenames = gpu.prenames if gpu is not None else None
-        if prenames is None:
+        if gpu is None:
             return
         for pid, proc in list(self.pipeline.gpu.processes.items()):
             asked = self._unnamed_reported.setdefault(pid, set())
             new = proc.unnamed_handles() - asked
             if new:
                 asked |= new
-                prenames.unnamed(pid, new)
+                gpu.lookups.open_window("a handle launched with no name")
+                if gpu.prenames is not None:
+                    gpu.prenames.unnamed(pid, new)
 
     def close(self) -> dict[str, int]:
         """Drain, flush every finished span, close files; returns the loss report."""

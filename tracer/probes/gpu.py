@@ -12,6 +12,7 @@ only the default version is probed: the old compat versions call the default one
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import threading
@@ -25,6 +26,7 @@ from elftools.elf.elffile import ELFFile
 from tracer.probes import procfs
 from tracer.probes.counters import CounterDeltas
 from tracer.probes.entry import entry_site
+from tracer.probes.lookups import LOOKUP_HANDLERS, AliasLookups
 from tracer.probes.uprobes import Attached, Site, Uprobes
 
 
@@ -147,7 +149,7 @@ class GpuProbes:
     once; ``verbs`` attaches to the ibverbs providers those libraries reveal."""
 
     def __init__(self, bpf: Any, stub_quiet_s: float = 5.0, stub_max_s: float = 60.0,
-                 uprobe_mode: str = "auto") -> None:
+                 uprobe_mode: str = "auto", lookups_quiet_s: float = 5.0) -> None:
         self.bpf = bpf
         self.attached: dict[tuple[int, int], AttachedLibrary] = {}  # (dev, inode) -> lib
         self.errors: dict[str, str] = {}
@@ -166,6 +168,12 @@ class GpuProbes:
         self.stubs = StubNames(bpf, self.errors, self.uprobes, stub_quiet_s, stub_max_s,
                                self.prenames)
         self._stub_seen: set[tuple[int, str]] = set()  # (pid, libcudart path) found
+        # the probes on cuKernelGetFunction: attached while they may tell a new alias
+        self.lookups = AliasLookups(bpf, self.errors, self.uprobes, lookups_quiet_s)
+        self._cuda_seen: set[int] = set()  # pids found mapping libcuda
+        # each attached file's paths through the processes mapping it: probes attached
+        # later (windows, --gpu-sample) go through a live one
+        self._mappers: dict[tuple[int, int], dict[int, str]] = {}  # (dev, ino) -> pid -> path
         self.launch_sites: list[Site] = []  # every library's launch probes
         self._launch_attached: list[Attached] = []  # those attached now
         self.launches_on = True
@@ -181,9 +189,13 @@ class GpuProbes:
         for path in mapped:
             for kind, (pattern, probes) in LIBRARIES.items():
                 if pattern.search(path):
-                    lib = self._attach_file(kind, f"/proc/{pid}/root{path}", probes)
+                    lib = self._attach_file(kind, pid, f"/proc/{pid}/root{path}", probes)
                     if lib is not None:
                         new.append(lib)
+                    if kind == "cuda" and pid not in self._cuda_seen:
+                        # a new process resolves its kernels: its look-ups tell new aliases
+                        self._cuda_seen.add(pid)
+                        self.lookups.open_window("a new process with libcuda")
                     if kind == "cudart" and (pid, path) not in self._stub_seen:
                         # its kernels may all have been resolved before we came: name
                         # them by their host stubs for a while
@@ -196,19 +208,39 @@ class GpuProbes:
         return new
 
     def forget(self, pid: int) -> None:
-        """``pid`` exited."""
+        """``pid`` exited: probes attached from now on reach its libraries through
+        another process that maps them."""
         self.stubs.forget(pid)
+        for key, paths in self._mappers.items():
+            gone = paths.pop(pid, None)
+            lib = self.attached.get(key)
+            if gone is not None and lib is not None and lib.path == gone and paths:
+                self._move_file(lib, next(iter(paths.values())))
         self._stub_seen = {k for k in self._stub_seen if k[0] != pid}
+        self._cuda_seen.discard(pid)
         self._prenames_maps.pop(pid, None)
 
-    def _attach_file(self, kind: str, path: str, probes: list[Probe]) -> AttachedLibrary | None:
+    def _move_file(self, lib: AttachedLibrary, path: str) -> None:
+        """Attach ``lib``'s later probes through ``path`` (its process gone)."""
+        old, lib.path = lib.path, path
+        self.lookups.window.move_file(old, path)
+        self.stubs.window.move_file(old, path)
+        self.launch_sites = [dataclasses.replace(s, path=path) if s.path == old else s
+                             for s in self.launch_sites]
+
+    def _attach_file(self, kind: str, pid: int, path: str,
+                     probes: list[Probe]) -> AttachedLibrary | None:
         try:
             st = os.stat(path)
         except OSError as e:
             self.errors[path] = str(e)
             return None
         key = (st.st_dev, st.st_ino)
+        self._mappers.setdefault(key, {})[pid] = path
         if key in self.attached:
+            lib = self.attached[key]
+            if lib.path != path and not os.path.exists(lib.path):  # an exit not yet seen
+                self._move_file(lib, path)
             return None
         try:
             addresses = exported_functions(path, probe_sites=True)
@@ -219,6 +251,7 @@ class GpuProbes:
         lib = AttachedLibrary(kind, path, 0, [], [])
         sites: list[Site] = []
         launch: list[Site] = []
+        lookups: list[Site] = []  # attached by their window (tracer/probes/lookups.py)
         for p in probes:
             addr = addresses.get(p.symbol)
             if addr is None:
@@ -230,19 +263,25 @@ class GpuProbes:
                 continue
             done[addr] = p.symbol
             # by address: BCC's lookup by name may pick a non-default version
+            looked_up = p.entry in LOOKUP_HANDLERS  # entry and return go in the window
             if p.entry:
-                (launch if p.entry in LAUNCH_HANDLERS else sites).append(
-                    Site(path, addr, p.entry, False, p.symbol))
+                (launch if p.entry in LAUNCH_HANDLERS else lookups if looked_up
+                 else sites).append(Site(path, addr, p.entry, False, p.symbol))
             if p.ret:
-                sites.append(Site(path, addr, p.ret, True, p.symbol))
+                (lookups if looked_up else sites).append(
+                    Site(path, addr, p.ret, True, p.symbol))
         self.launch_sites.extend(launch)
         attached = list(self.uprobes.attach(sites, self.errors).sites)
         if self.launches_on:  # else attached when sampling turns them on
             on = self.uprobes.attach(launch, self.errors)
             self._launch_attached.append(on)
             attached += on.sites
+        if lookups:
+            self.lookups.add_sites(lookups)
+            now = self.lookups.window.attached
+            attached += [s for s in lookups if (s.path, s.vaddr, s.ret) in now]
         lib.probes = len(attached)
-        wanted = sites + launch if self.launches_on else sites
+        wanted = sites + lookups + (launch if self.launches_on else [])
         failed = {s.name for s in set(wanted) - set(attached)}
         lib.symbols = [name for name in done.values() if name not in failed]
         if kind == "cudart":
@@ -295,6 +334,7 @@ class GpuProbes:
         if self._detacher is not None:
             self._detacher.join()
         self.stubs.join_detach()
+        self.lookups.join_detach()
 
     def close(self) -> float:
         """Detach every uprobe (before the BPF program is torn down); the seconds it

@@ -56,6 +56,10 @@ class CaptureConfig:
     # attach them)...
     stub_names_quiet_s: float = 5.0
     stub_names_max_s: float = 60.0  # ...or went on this long in all
+    # the probes on cuKernelGetFunction (tracer/probes/lookups.py) are detached once
+    # look-ups went on this long with no new alias, attached again when a new process
+    # or an unnamed handle turns up (0: attached all along)
+    alias_lookups_quiet_s: float = 5.0
     # uprobes through uprobe_multi links where the kernel has them ("auto"), always
     # ("multi": an error where it has not) or as BCC's perf events ("perf"); see
     # tracer/probes/uprobes.py
@@ -151,7 +155,8 @@ class CaptureSession:
         config[ctypes.c_int(C["CFG_BURST_MIN_NS"])] = ctypes.c_uint64(self.config.burst_min_ns)
         if "cuda" in self.config.concerns:
             self.gpu = GpuProbes(self.bpf, self.config.stub_names_quiet_s,
-                                 self.config.stub_names_max_s, self.config.uprobe_links)
+                                 self.config.stub_names_max_s, self.config.uprobe_links,
+                                 self.config.alias_lookups_quiet_s)
             if self.config.gpu_sample < 1.0:
                 # the first period starts "on" (so libraries found now attach their
                 # launch probes) and says so
@@ -206,6 +211,7 @@ class CaptureSession:
             for name in self.gpu.stubs.resolve():  # host stubs sent during this poll
                 self.sink(name)
             self.gpu.stubs.tick(now)
+            self.gpu.lookups.tick(now)
             if "ibverbs" in self.config.concerns:
                 self.gpu.verbs.attach_pending()  # contexts learned during this poll
             if now >= self._next_counter_maps:
@@ -418,7 +424,8 @@ class CaptureSession:
         what each part costs (bench/real_server.py): ``capture-limit BYTES`` (payload
         bytes copied per syscall), ``burst-min-us US``, ``gpu-launch off|on`` (the
         kernel-launch uprobes), ``stub-naming off|on`` (libcudart's launch probes),
-        ``analysis off|on`` (records read from the ring buffer and dropped, counted)."""
+        ``alias-lookups off|on`` (the probes on cuKernelGetFunction), ``analysis
+        off|on`` (records read from the ring buffer and dropped, counted)."""
         words = command.split()
         if not words:
             return "error: empty command"
@@ -454,7 +461,8 @@ class CaptureSession:
                         format_costs(self.program_stats.read(self.bpf.funcs)))).rstrip()
             if cmd == "gpu-sample" and len(args) == 1:
                 return f"ok gpu-sample {self.set_gpu_sample(float(args[0])):g}"
-            if cmd in ("gpu-launch", "stub-naming", "analysis") and args in (["on"], ["off"]):
+            if (cmd in ("gpu-launch", "stub-naming", "alias-lookups", "analysis")
+                    and args in (["on"], ["off"])):
                 on = args[0] == "on"
                 if cmd == "analysis":
                     self.analysis = on
@@ -467,6 +475,12 @@ class CaptureSession:
                     else:
                         self.gpu.detach_launch_probes()
                         self.gpu.join_detach()
+                elif cmd == "alias-lookups":
+                    if on:
+                        self.gpu.lookups.open_window("asked (--control alias-lookups on)")
+                    else:
+                        self.gpu.lookups.close_window("asked (--control alias-lookups off)")
+                        self.gpu.lookups.join_detach()
                 elif on:
                     self.gpu.stubs.open_window()
                 else:
@@ -643,9 +657,11 @@ class CaptureSession:
                 self.gpu.verbs.on_context(schema.decode(buf))
             elif kind == C["KIND_KSTUB"] and self.gpu is not None:
                 self.gpu.stubs.on_stub(schema.decode(buf))
-            elif kind == C["KIND_KNAME"] and self.gpu is not None and self.gpu.prenames:
-                name = schema.decode(buf)  # a known handle to learn driver objects from
-                self.gpu.prenames.live(name.pid, name.handle, name.name)
+            elif kind == C["KIND_KNAME"] and self.gpu is not None:
+                self.gpu.lookups.on_name()  # news: the look-up window stays open
+                if self.gpu.prenames:
+                    name = schema.decode(buf)  # a known handle to learn driver objects from
+                    self.gpu.prenames.live(name.pid, name.handle, name.name)
         except schema.WireError:
             self.user_counters["undecodable_records"] += 1
 

@@ -42,12 +42,12 @@ typedef struct CUlaunchConfig_st CUlaunchConfig;
 
 enum { C_LAUNCH, C_GRAPH, C_H2D, C_D2H, C_D2D, C_OTHER, C_H2D_BYTES, C_D2H_BYTES,
        C_D2D_BYTES, C_OTHER_BYTES, C_MEMSET, C_MEMSET_BYTES, C_SYNC, C_QUERY,
-       C_QUERY_NOT_READY, C_ALLOC, C_ALLOC_BYTES, C_FREE, C_NAMES, C_N };
+       C_QUERY_NOT_READY, C_ALLOC, C_ALLOC_BYTES, C_FREE, C_NAMES, C_ALIAS_LOOKUPS, C_N };
 static const char *count_names[C_N] = {
     "launches", "graph_launches", "h2d_calls", "d2h_calls", "d2d_calls", "other_calls",
     "h2d_bytes", "d2h_bytes", "d2d_bytes", "other_bytes", "memset_calls", "memset_bytes",
     "sync_calls", "query_calls", "query_not_ready", "alloc_calls", "alloc_bytes",
-    "free_calls", "names_resolved"};
+    "free_calls", "names_resolved", "alias_lookups"};
 static _Atomic unsigned long long counts[C_N];
 static _Atomic unsigned long long next_ptr = 0x7f0000000000ULL;
 static __thread unsigned long long pending_ns; /* GPU time queued by this thread */
@@ -156,6 +156,7 @@ EXPORT CUresult cuLibraryGetKernel(CUkernel *out, CUlibrary lib, const char *nam
 EXPORT CUresult cuKernelGetFunction(CUfunction *out, CUkernel kernel)
 {
     struct CUfunc_st *k = (struct CUfunc_st *)kernel;
+    add(C_ALIAS_LOOKUPS, 1);
     if (!k->function) /* the driver hands out one function per kernel and context */
         k->function = new_handle(k->name);
     *out = k->function;
