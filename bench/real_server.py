@@ -64,8 +64,9 @@ the same design together (TTFT quantiles stay per file).
 
 ``--breakdown`` adds slices (windows) with one part of the tracer off while the rest
 traces (payload copies: capture-limit 1 byte; the agent's analysis: records read and
-dropped; on GPU servers the kernel-launch uprobes, the stub-naming window, and
-``--burst-min-us 1000``), or one mode more (``census``: full tracing with the kernel's
+dropped; on GPU servers the kernel-launch uprobes, the stub-naming window, the
+cuKernelGetFunction look-up window held open, and ``--burst-min-us 1000``), or one mode
+more (``census``: full tracing with the kernel's
 per-program statistics on; ``sampled``: ``--gpu-sample --sample-fraction`` switched on
 while running), and reports each part's share of the server's added CPU;
 ``--breakdown-modes`` picks some. Every slice also records the server's system CPU,
@@ -710,6 +711,8 @@ MODES = {  # name -> control commands that set it up from "full" (the default tr
     "no-launch-probes": ["gpu-launch off"],  # the kernel-launch uprobes out
     "burst-min-1ms": ["burst-min-us 1000"],  # a burst record per ms, not per sync
     "stub-naming-open": ["stub-naming on"],  # the runtime's launch probes in (at attach)
+    # the probes on cuKernelGetFunction in (at attach; detached once quiet)
+    "alias-lookups-open": ["alias-lookups on"],
     # full, with the kernel's per-program run counts and run time on (two clock reads
     # a run more): what each probe fires per second and costs inside BPF
     "census": ["probe-stats on"],
@@ -719,6 +722,7 @@ MODES = {  # name -> control commands that set it up from "full" (the default tr
 UNDO = {"untraced": ["resume"], "full": [], "no-payload": ["capture-limit 262144"],
         "no-analysis": ["analysis on"], "no-launch-probes": ["gpu-launch on"],
         "burst-min-1ms": ["burst-min-us 0"], "stub-naming-open": ["stub-naming off"],
+        "alias-lookups-open": ["alias-lookups off"],
         "census": ["probe-stats off"], "sampled": ["gpu-sample 1"]}
 
 
@@ -806,7 +810,8 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
         if args.breakdown:
             parts = ["no-payload", "no-analysis", "census"]
             if gpu:
-                parts += ["no-launch-probes", "burst-min-1ms", "stub-naming-open", "sampled"]
+                parts += ["no-launch-probes", "burst-min-1ms", "stub-naming-open",
+                          "alias-lookups-open", "sampled"]
                 MODES["sampled"] = [f"gpu-sample {args.sample_fraction:g}"]
             wanted = args.breakdown_modes.split(",") if args.breakdown_modes else parts
             modes += [m for m in parts if m in wanted]
@@ -866,6 +871,9 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
                                             if w["mode"] == "untraced"), 3),
         "records_per_s": round(sum(w["agent_records"] for w in traced) / max(1e-9, traced_s), 1),
         "report": summary.get("report", {}),
+        # launched handles and launches by where their names came from
+        "kernel_names": [p.get("kernel_names") for p in
+                         summary.get("gpu", {}).get("processes", []) if p.get("kernel_launches")],
     }
     if mode_s:
         out["agent"]["seconds_in_mode"] = {k: round(v, 1) for k, v in mode_s.items()}
@@ -1230,7 +1238,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--breakdown", action="store_true", help="also each part off in turn")
     ap.add_argument("--breakdown-modes", metavar="M,M", default="",
                     help="only these parts of --breakdown (no-payload, no-analysis, census, "
-                         "no-launch-probes, burst-min-1ms, stub-naming-open, sampled)")
+                         "no-launch-probes, burst-min-1ms, stub-naming-open, "
+                         "alias-lookups-open, sampled)")
     ap.add_argument("--sample-fraction", type=float, default=0.1, metavar="F",
                     help="the sampled part's --gpu-sample (default 0.1; its period is the "
                          "agent's --gpu-sample-period, e.g. --agent-args=--gpu-sample-period=1)")
