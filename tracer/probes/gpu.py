@@ -189,7 +189,7 @@ class GpuProbes:
         for path in mapped:
             for kind, (pattern, probes) in LIBRARIES.items():
                 if pattern.search(path):
-                    lib = self._attach_file(kind, pid, f"/proc/{pid}/root{path}", probes)
+                    lib = self._attach_file(kind, f"/proc/{pid}/root{path}", probes, pid)
                     if lib is not None:
                         new.append(lib)
                     if kind == "cuda" and pid not in self._cuda_seen:
@@ -228,15 +228,18 @@ class GpuProbes:
         self.launch_sites = [dataclasses.replace(s, path=path) if s.path == old else s
                              for s in self.launch_sites]
 
-    def _attach_file(self, kind: str, pid: int, path: str,
-                     probes: list[Probe]) -> AttachedLibrary | None:
+    def _attach_file(self, kind: str, path: str, probes: list[Probe],
+                     pid: int = 0) -> AttachedLibrary | None:
+        """Attach ``probes`` to the library at ``path`` (as ``pid`` maps it, 0: no
+        process) unless its file is attached already."""
         try:
             st = os.stat(path)
         except OSError as e:
             self.errors[path] = str(e)
             return None
         key = (st.st_dev, st.st_ino)
-        self._mappers.setdefault(key, {})[pid] = path
+        if pid:
+            self._mappers.setdefault(key, {})[pid] = path
         if key in self.attached:
             lib = self.attached[key]
             if lib.path != path and not os.path.exists(lib.path):  # an exit not yet seen
