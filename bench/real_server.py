@@ -74,7 +74,11 @@ where the probes' own cost is paid (uprobe traps, tracepoint programs): ``server
 gives each mode's added system CPU per second over the untraced slice of its round,
 with its 95% interval, a far less noisy measure than tokens/s on a GIL-bound server.
 ``census`` gives each BPF program's runs per second and per output token and its mean
-run time.
+run time, and the server's syscalls per second by name (counted by the bench on
+``raw_syscalls:sys_enter``, in the census slices only). ``slow-path``: no probe of the
+agent's, only a do-nothing syscall tracepoint the bench holds (``bench/syscall_watch.py``):
+while any syscall tracepoint is attached every syscall of every task takes the kernel's
+slow path, so the socket probes also tax the server's futex, ioctl and sched_yield calls.
 """
 
 from __future__ import annotations
@@ -659,9 +663,11 @@ class Agent:
         self.sock = str(work / "agent.sock")
         self.summary = work / "summary.json"
         self.jsonl = work / "spans.jsonl"
+        # "full" counts every launch (not --gpu-sample auto's choice): the "sampled"
+        # mode is what auto switches a busy step engine to
         cmd = [sys.executable, "-m", "tracer", "run", "--pid", str(server.pid),
                "--control", self.sock, "--quiet", "--jsonl", str(self.jsonl),
-               "--summary", str(self.summary), *extra]
+               "--summary", str(self.summary), "--gpu-sample", "1", *extra]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True,
                                      preexec_fn=lambda: os.sched_setaffinity(0, cpus))
         assert self.proc.stderr is not None
@@ -718,12 +724,16 @@ MODES = {  # name -> control commands that set it up from "full" (the default tr
     "census": ["probe-stats on"],
     # --gpu-sample F (--sample-fraction) switched on while running: the cheaper mode
     "sampled": ["gpu-sample 0.1"],
+    # no probe of ours, only a do-nothing syscall tracepoint held by the bench: what the
+    # kernel's syscall slow path (on while any syscall tracepoint is) costs the server
+    "slow-path": ["pause", "bench:slow-path on"],
 }
 UNDO = {"untraced": ["resume"], "full": [], "no-payload": ["capture-limit 262144"],
         "no-analysis": ["analysis on"], "no-launch-probes": ["gpu-launch on"],
         "burst-min-1ms": ["burst-min-us 0"], "stub-naming-open": ["stub-naming off"],
         "alias-lookups-open": ["alias-lookups off"],
-        "census": ["probe-stats off"], "sampled": ["gpu-sample 1"]}
+        "census": ["probe-stats off"], "sampled": ["gpu-sample 1"],
+        "slow-path": ["bench:slow-path off", "resume"]}
 
 
 def t975(df: int) -> float:
@@ -780,7 +790,7 @@ def ttft_ratios(pairs: list[tuple[dict[str, Any], dict[str, Any]]], q: float,
 def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     cpus = plan_cpus()
     server = Server(kind, args.device, work, cpus["server"], keep_eos=args.keep_eos)
-    client = agent = None
+    client = agent = watch = None
     out: dict[str, Any] = {"server": kind, "device": args.device, "mode": args.mode,
                            "cpus": {k: sorted(v) for k, v in cpus.items()},
                            "requests_in_mix" if args.mode == "slices" else
@@ -808,18 +818,22 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
             # state, and the window's cost a mode of its own
         modes = ["untraced", "full"]
         if args.breakdown:
-            parts = ["no-payload", "no-analysis", "census"]
+            parts = ["no-payload", "no-analysis", "census", "slow-path"]
             if gpu:
                 parts += ["no-launch-probes", "burst-min-1ms", "stub-naming-open",
                           "alias-lookups-open", "sampled"]
                 MODES["sampled"] = [f"gpu-sample {args.sample_fraction:g}"]
             wanted = args.breakdown_modes.split(",") if args.breakdown_modes else parts
             modes += [m for m in parts if m in wanted]
+        if "slow-path" in modes or "census" in modes:
+            from bench.syscall_watch import SyscallWatch
+            watch = SyscallWatch()
         if args.mode == "windows":
-            windows, switches, elapsed = run_windows(kind, agent, client, server, args, modes)
+            windows, switches, elapsed = run_windows(kind, agent, client, server, args, modes,
+                                                     watch)
         else:
             windows, switches, elapsed, mode_s = run_slices(kind, agent, client, server, args,
-                                                            modes)
+                                                            modes, watch)
             out["load"] = client.ask("stop")
             loaded = False
             mode_s["all"] = time.monotonic() - t_attached
@@ -843,6 +857,8 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
                 out["load"] = client.ask("stop")
             except (RuntimeError, OSError, ValueError):
                 pass
+        if watch is not None:
+            watch.close()
         summary = agent.stop() if agent is not None else {}
         if client is not None:
             client.close()
@@ -903,8 +919,20 @@ def switch_time(reply: str, cmd: str, switches: list[float]) -> None:
         switches.append(float(reply.split()[-1].rstrip("s")))
 
 
+def command(agent: Agent, watch: Any, cmd: str) -> str:
+    """A mode's switch: ``bench:...`` for the bench's own probes (``SyscallWatch``),
+    anything else for the agent."""
+    if cmd.startswith("bench:"):
+        what, state = cmd[len("bench:"):].split()
+        if what != "slow-path" or watch is None:
+            raise RuntimeError(f"{cmd}: no such bench switch")
+        watch.slow_path(state == "on")
+        return "ok"
+    return agent.ctl(cmd)
+
+
 def run_windows(kind: str, agent: Agent, client: Client, server: Server,
-                args: argparse.Namespace, modes: list[str]
+                args: argparse.Namespace, modes: list[str], watch: Any = None
                 ) -> tuple[list[dict[str, Any]], list[float], float]:
     """``--mode windows``: the whole mix per window, untraced and full in ABBA order,
     each mode set up before its window and undone after it."""
@@ -920,7 +948,7 @@ def run_windows(kind: str, agent: Agent, client: Client, server: Server,
         order += 1
         for mode in rnd:
             for cmd in MODES[mode]:
-                switch_time(agent.ctl(cmd), cmd, switches)
+                switch_time(command(agent, watch, cmd), cmd, switches)
             time.sleep(args.settle_s)
             a0, s0, r0 = agent.cpu, tree_cpu(server.pid), agent.records()
             w = client.window()
@@ -929,7 +957,7 @@ def run_windows(kind: str, agent: Agent, client: Client, server: Server,
                      agent_records=agent.records() - r0)
             windows.append(w)
             for cmd in UNDO[mode]:
-                switch_time(agent.ctl(cmd), cmd, switches)
+                switch_time(command(agent, watch, cmd), cmd, switches)
         stats = summarise(windows, modes)
         elapsed = time.monotonic() - t_start
         progress(kind, order, elapsed, stats)
@@ -943,7 +971,7 @@ def run_windows(kind: str, agent: Agent, client: Client, server: Server,
 
 
 def run_slices(kind: str, agent: Agent, client: Client, server: Server,
-               args: argparse.Namespace, modes: list[str]
+               args: argparse.Namespace, modes: list[str], watch: Any = None
                ) -> tuple[list[dict[str, Any]], list[float], float, dict[str, float]]:
     """``--mode slices``: under continuous load, slices of ``--slice-s`` in the order
     U T T U U T ... (a round is one untraced and one traced slice, their order
@@ -960,7 +988,7 @@ def run_slices(kind: str, agent: Agent, client: Client, server: Server,
         if mode == state[0]:
             return
         for cmd in UNDO[state[0]] + MODES[mode]:
-            switch_time(agent.ctl(cmd), cmd, switches)
+            switch_time(command(agent, watch, cmd), cmd, switches)
         now = time.monotonic()
         mode_s[state[0]] = mode_s.get(state[0], 0.0) + now - state[1]
         resumed = state[0] == "untraced"
@@ -991,12 +1019,15 @@ def run_slices(kind: str, agent: Agent, client: Client, server: Server,
             go(mode)
             th0 = thread_cpu(server.pid)
             p0 = agent.ctl("probe-stats") if mode == "census" else ""
+            if mode == "census" and watch is not None:  # the server's syscalls, by name
+                watch.count_start(set(tree(server.pid)))
             (s0, k0), a0, c0, r0 = tree_times(server.pid), agent.cpu, client.cpu, agent.records()
             t0 = time.monotonic()
             time.sleep(args.slice_s)
             t1 = time.monotonic()
             (s1, k1), a1, c1, r1 = tree_times(server.pid), agent.cpu, client.cpu, agent.records()
             p1 = agent.ctl("probe-stats") if mode == "census" else ""
+            calls = watch.count_stop() if mode == "census" and watch is not None else None
             th1 = thread_cpu(server.pid)
             busy = sorted((v - th0.get(k, 0.0) for k, v in th1.items()), reverse=True)
             w = {"mode": mode, "round": order, "t0": t0, "wall_s": t1 - t0,
@@ -1010,6 +1041,8 @@ def run_slices(kind: str, agent: Agent, client: Client, server: Server,
                 a, none = parse_costs(p0), ProgramCost(0, 0)
                 w["programs"] = {n: [c.runs - a.get(n, none).runs, c.run_ns - a.get(n, none).run_ns]
                                  for n, c in parse_costs(p1).items()}
+                if calls is not None:
+                    w["server_syscalls"] = calls
             slices.append(w)
             pending.append(w)
         fill(done)
@@ -1121,6 +1154,11 @@ def summarise(windows: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]
     census = [w for w in windows if w.get("programs")]
     if census:
         out["census"] = program_census(census)
+        counted = [w for w in census if "server_syscalls" in w]
+        if counted:
+            from bench.syscall_watch import rates
+            out["census"]["server_syscalls"] = rates([w["server_syscalls"] for w in counted],
+                                                     sum(w["wall_s"] for w in counted))
     if windows and "t0" in windows[0]:
         out["switch_effects"] = switch_effects(windows)
     return out
@@ -1238,7 +1276,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--breakdown", action="store_true", help="also each part off in turn")
     ap.add_argument("--breakdown-modes", metavar="M,M", default="",
                     help="only these parts of --breakdown (no-payload, no-analysis, census, "
-                         "no-launch-probes, burst-min-1ms, stub-naming-open, "
+                         "slow-path, no-launch-probes, burst-min-1ms, stub-naming-open, "
                          "alias-lookups-open, sampled)")
     ap.add_argument("--sample-fraction", type=float, default=0.1, metavar="F",
                     help="the sampled part's --gpu-sample (default 0.1; its period is the "
