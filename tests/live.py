@@ -63,9 +63,11 @@ def traced(pids: list[int] | None = None, ports: list[int] | None = None,
     spans = SpanBuilder(ctx, [SimpleSpanProcessor(JsonlSpanExporter(c._jsonl, ctx.flames))])
     keep = config.pop("keep_content", False)
     pricing = config.pop("pricing", None)
+    auto = config.pop("auto_sample", None)  # --gpu-sample auto's policy (tracer/autosample.py)
     run = TraceRun(CaptureConfig(pids=pids or [], ports=ports or [], **config),
                    [*extra_sinks, c, spans],
-                   TrackerOptions(keep_content=keep), record=record, ctx=ctx, pricing=pricing)
+                   TrackerOptions(keep_content=keep), record=record, ctx=ctx, pricing=pricing,
+                   auto_sample=auto)
     run.start()
     c.sampler = run.session.stacks
     try:

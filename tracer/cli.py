@@ -11,6 +11,9 @@ import time
 from typing import Any, Callable
 
 import tracer
+from tracer.autosample import FRACTION as AUTO_FRACTION
+from tracer.autosample import MIN_RATE as AUTO_MIN_RATE
+from tracer.autosample import AutoSample
 from tracer.correlate.connections import TrackerOptions
 from tracer.events import capture
 from tracer.events.wire import CONSTANTS
@@ -78,12 +81,18 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     g2.add_argument("--burst-interval-us", type=_positive_int, default=10_000, metavar="US",
                     help="flush a thread's summed GPU calls at least this often, even "
                          "without a sync (default: 10000)")
-    g2.add_argument("--gpu-sample", type=float, default=1.0, metavar="FRACTION",
+    g2.add_argument("--gpu-sample", default="auto", metavar="FRACTION|auto",
                     help="attach the kernel-launch probes for FRACTION of each "
-                         "--gpu-sample-period and detach them for the rest, so an eager "
-                         "launch-bound loop pays the uprobe trap on that share of its "
-                         "launches only; launch counts in the summary become estimates, "
-                         "marked so (default: 1, every launch, exact)")
+                         "--gpu-sample-period and detach them for the rest, so a "
+                         "launch-bound server pays the uprobe trap on that share of its "
+                         "launches only; launch counts become estimates, marked so. 1 "
+                         "counts every launch. auto (the default) counts every launch "
+                         "until a process launches over %d a second, all of them on "
+                         "engine threads that run steps, then samples %g of each period; "
+                         "a thread launching for the one request it serves turns it back "
+                         "to counting every launch (docs/overhead.md); `record` has no "
+                         "analysis to decide with, and counts every launch"
+                         % (AUTO_MIN_RATE, AUTO_FRACTION))
     g2.add_argument("--gpu-sample-period", type=float, default=5.0, metavar="SECONDS",
                     help="the --gpu-sample duty cycle's period; without uprobe_multi "
                          "links (Linux < 6.6) detaching takes ~0.1 s per launch probe, so "
@@ -473,7 +482,8 @@ def _targets(args: argparse.Namespace) -> Any:
                          capture_limit=args.capture_limit, ringbuf_mb=args.ringbuf_mb,
                          burst_ns=args.burst_interval_us * 1000,
                          burst_min_ns=max(0, args.burst_min_us) * 1000,
-                         gpu_sample=_sample_fraction(args.gpu_sample),
+                         gpu_sample=(1.0 if args.gpu_sample == "auto"
+                                     else _sample_fraction(args.gpu_sample)),
                          gpu_sample_period_s=max(0.01, args.gpu_sample_period),
                          stub_names_quiet_s=max(0.0, args.stub_names_quiet),
                          alias_lookups_quiet_s=max(0.0, args.alias_lookups_quiet),
@@ -494,9 +504,13 @@ def _stack_every(args: argparse.Namespace) -> int:
     return (args.stack_every or DEFAULT_EVERY) if args.stacks else 0
 
 
-def _sample_fraction(f: float) -> float:
+def _sample_fraction(text: str) -> float:
+    try:
+        f = float(text)
+    except ValueError:
+        f = float("nan")
     if not 0.0 < f <= 1.0:
-        raise SystemExit(f"error: --gpu-sample must be in (0, 1], not {f}")
+        raise SystemExit(f"error: --gpu-sample must be auto or in (0, 1], not {text}")
     return f
 
 
@@ -618,24 +632,31 @@ def cmd_run(args: argparse.Namespace) -> int:
     header["gpu_model"] = pricing.model
     ctx = ExportContext(capture_id=header["capture_id"], host=header["host"])
     sinks, console = build_sinks(args, ctx)
+    targets = _targets(args)
     options = TrackerOptions(keep_content=args.capture_content,
                              tenant_salt=capture.tenant_salt(header),
                              max_connections=max(1, args.max_connections),
                              max_buffered=max(1 << 20, int(args.max_buffered_mb * 2**20)))
-    run = TraceRun(_targets(args), sinks, options, record=args.record, ctx=ctx, header=header,
-                   pricing=pricing, keep_secrets=args.capture_secrets)
-    poll = run.poll
-    if console is not None and getattr(args, "gpu_every", 0) > 0:
+    auto = AutoSample() if args.gpu_sample == "auto" and "cuda" in targets.concerns else None
+    run = TraceRun(targets, sinks, options, record=args.record, ctx=ctx, header=header,
+                   pricing=pricing, keep_secrets=args.capture_secrets, auto_sample=auto)
+    gpu_table = console is not None and getattr(args, "gpu_every", 0) > 0
+    if gpu_table:
         console.gpu, console.gpu_every_s = run.pipeline.gpu, args.gpu_every
+    said = [auto.state if auto is not None else ""]
 
-        def poll() -> None:
-            run.poll()
+    def poll() -> None:
+        run.poll()
+        if gpu_table:
             console.gpu_tick()
+        if auto is not None and auto.state != said[0]:
+            said[0] = auto.state
+            _say(f"gpu-sample auto: {auto.reason}")
 
     try:
         rc = _drive(args, run.open, poll, lambda: run.session.pids,
                     lambda: run.session.gpu, lambda: run.session.net_timing,
-                    lambda: run.session.control, lambda: run.session.tls)
+                    lambda: run.apply, lambda: run.session.tls)
     finally:
         run.close()
         _say_detached(run.session)

@@ -313,6 +313,18 @@ class Pipeline:
         for s in self.sinks:
             s.close()
 
+    def gpu_threads(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """Per launching thread (pid, tid): launches seen and engine steps closed so
+        far (``--gpu-sample auto`` decides on these, tracer/autosample.py)."""
+        steps = self.attribution.step_totals
+        out: dict[tuple[int, int], tuple[int, int]] = {}
+        for pid, proc in self.gpu.processes.items():
+            for tid, t in proc.threads.items():
+                if t.kernel_launches:
+                    s = steps.get((pid, tid))
+                    out[(pid, tid)] = (t.kernel_launches, s.steps if s is not None else 0)
+        return out
+
     def reconciliation(self) -> dict[str, Any]:
         """Per GPU process and quantity: observed = charged to requests + unattributed,
         with GPU time and its cost over each process's window (``cost.reconcile``)."""

@@ -9,6 +9,7 @@ import threading
 import time
 from typing import Any
 
+from tracer.autosample import AutoSample
 from tracer.correlate.connections import TrackerOptions
 from tracer.events import capture
 from tracer.export.context import ExportContext
@@ -22,7 +23,8 @@ class TraceRun:
     def __init__(self, config: CaptureConfig, sinks: list[Any],
                  options: TrackerOptions | None = None, record: str | None = None,
                  ctx: ExportContext | None = None, header: dict[str, Any] | None = None,
-                 pricing: Any = None, keep_secrets: bool = False) -> None:
+                 pricing: Any = None, keep_secrets: bool = False,
+                 auto_sample: AutoSample | None = None) -> None:
         self.header = header or capture.new_header(command="run")
         options = options or TrackerOptions()
         if options.tenant_salt is None:  # tenants hashed as the capture's replay will
@@ -42,6 +44,9 @@ class TraceRun:
         self.error: BaseException | None = None
         self._unnamed_reported: dict[int, set[int]] = {}  # pid -> handles asked about
         self._next_unnamed = 0.0
+        # --gpu-sample auto: counting every launch until sampling pays (tracer/autosample.py)
+        self.auto_sample = auto_sample
+        self._next_auto = time.monotonic() + (auto_sample.check_s if auto_sample else 0.0)
         # control commands from other threads, applied by the polling one
         self._commands: queue.Queue[tuple[str, threading.Event, list[str]]] = queue.Queue()
 
@@ -58,7 +63,7 @@ class TraceRun:
         """A ``--control`` command (``CaptureSession.control``), applied by the thread
         that polls (BCC is not for two threads at once); its reply."""
         if self._thread is None or not self._thread.is_alive():
-            return self.session.control(command)
+            return self.apply(command)
         done, reply = threading.Event(), [""]
         self._commands.put((command, done, reply))
         if not done.wait(timeout):
@@ -68,7 +73,7 @@ class TraceRun:
     def poll(self) -> None:
         while not self._commands.empty():
             command, done, reply = self._commands.get()
-            reply[0] = self.session.control(command)
+            reply[0] = self.apply(command)
             done.set()
         self.session.poll()
         self.session.arm_runs(self.pipeline.tracker.runs.take_requests())
@@ -76,6 +81,35 @@ class TraceRun:
         if now >= self._next_unnamed:
             self._next_unnamed = now + UNNAMED_CHECK_S
             self.ask_unnamed()
+        if self.auto_sample is not None and now >= self._next_auto:
+            self._next_auto = now + self.auto_sample.check_s
+            self.check_sampling(now)
+
+    def apply(self, command: str) -> str:
+        """A control command applied now, on the calling thread (the one that polls):
+        ``CaptureSession.control``'s reply. Setting ``gpu-sample`` by hand stands
+        ``--gpu-sample auto`` down."""
+        reply = self.session.control(command)
+        if self.auto_sample is not None and reply.startswith("ok"):
+            verb = command.split()[0] if command.split() else ""
+            if verb == "gpu-sample":
+                self.auto_sample.hand_set()
+            elif verb == "resume":
+                self.auto_sample.restart()
+        return reply
+
+    def check_sampling(self, now: float) -> None:
+        """``--gpu-sample auto``: switch the launch probes to sampling once launches are
+        frequent and every launching thread is an engine's step thread; back to
+        counting every launch if a thread launches for the one request it serves."""
+        auto, session = self.auto_sample, self.session
+        if auto is None or session.gpu is None or session.paused:
+            return
+        fraction = auto.check(now, self.pipeline.gpu_threads(),
+                              self.pipeline.attribution.same_thread)
+        if fraction is not None:
+            session.set_gpu_sample(fraction, auto.reason)
+            self.pipeline.stats["gpu_sample_auto_switches"] += 1
 
     def ask_unnamed(self) -> None:
         """Kernel handles launched with no name (new since the last time): the probes

@@ -275,6 +275,7 @@ class GpuLedger:
         # booked, and the threads that also had bursts taken whole by one request
         self.step_totals: Mapping[tuple[int, int], StepTotals] = {}
         self.same_thread: AbstractSet[tuple[int, int]] = set()
+        self.sampling_reason = ""  # why --gpu-sample auto last switched, if it did
 
     def proc(self, pid: int) -> ProcessGpu:
         p = self.processes.get(pid)
@@ -322,6 +323,8 @@ class GpuLedger:
             if self.sampling is None:
                 self.sampling = LaunchSampling(ev.fraction)
             self.sampling.switch(ev.ts, ev.enabled, ev.attach_s, ev.detach_s)
+            if ev.reason:
+                self.sampling_reason = ev.reason
         elif isinstance(ev, KernelCounts):
             kernels = self.proc(ev.pid).thread(ev.tid).kernels
             kernels[ev.handle] = kernels.get(ev.handle, 0) + ev.count
@@ -381,6 +384,8 @@ class GpuLedger:
                         "sampled x all steps / sampled steps ('steps'), or seen / the "
                         "share of the thread's active span the launch probes were on "
                         "('time_share'); *_seen are the counts the probes saw"}
+            if self.sampling_reason:
+                doc["launch_sampling"]["chosen_by"] = self.sampling_reason
         return doc
 
     def _estimated(self, pid: int, tid: int, t: ThreadTotals, sampling: LaunchSampling

@@ -218,13 +218,16 @@ class GpuSampling:
     (stamped before the detach) at ``ts``. Launch counts are then estimates
     (tracer/correlate/sampling.py). ``fraction`` is the configured share;
     ``attach_s`` is how long this switch's attach took, ``detach_s`` how long the
-    previous detach took (both 0 where unknown, as in older captures)."""
+    previous detach took (both 0 where unknown, as in older captures). ``reason``: why
+    sampling began or ended where the agent chose it (``--gpu-sample auto``), else
+    empty."""
 
     ts: int
     enabled: bool
     fraction: float
     attach_s: float = 0.0
     detach_s: float = 0.0
+    reason: str = ""
 
 
 VERBS_OPS = {C["VERBS_SEND"]: "send", C["VERBS_RECV"]: "recv",

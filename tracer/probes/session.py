@@ -270,18 +270,20 @@ class CaptureSession:
             share = fraction
         self._next_sample_toggle = time.monotonic() + self.config.gpu_sample_period_s * share
 
-    def _begin_sampled_period(self) -> None:
+    def _begin_sampled_period(self, reason: str = "") -> None:
         """--gpu-sample: a period starts with the launch probes on, said by a switch."""
         fraction = self.config.gpu_sample
-        self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=True, fraction=fraction))
+        self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=True, fraction=fraction,
+                              reason=reason))
         self._next_sample_toggle = (time.monotonic()
                                     + self.config.gpu_sample_period_s * fraction)
 
-    def set_gpu_sample(self, fraction: float) -> float:
-        """Change ``--gpu-sample`` while running (``--control gpu-sample F``). From
-        counting every launch, sampling starts with the probes on for ``F`` of a period;
-        back at 1 they are attached (once a detach under way ends) and the gate opened.
-        Every change is a ``GpuSampling`` switch, so the estimate of launch counts
+    def set_gpu_sample(self, fraction: float, reason: str = "") -> float:
+        """Change ``--gpu-sample`` while running (``--control gpu-sample F``, or
+        ``--gpu-sample auto`` with its ``reason``). From counting every launch,
+        sampling starts with the probes on for ``F`` of a period; back at 1 they are
+        attached (once a detach under way ends) and the gate opened. Every change is a
+        ``GpuSampling`` switch, so the estimate of launch counts
         (tracer/correlate/sampling.py) sees which spans were counted."""
         if not 0.0 < fraction <= 1.0:
             raise ValueError(f"gpu-sample must be in (0, 1], not {fraction:g}")
@@ -294,13 +296,14 @@ class CaptureSession:
             return fraction
         if fraction < 1.0:
             if self.gpu.launches_on:  # the first sampled period begins "on", as at start
-                self._begin_sampled_period()
+                self._begin_sampled_period(reason)
             return fraction  # off: the next toggle turns them on at the new share
         self.gpu.join_detach()
         attach_s = self.gpu.attach_launch_probes()
         self.bpf[b"config"][ctypes.c_int(C["CFG_LAUNCH_GATE_CLOSED"])] = ctypes.c_uint64(0)
         self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=True, fraction=fraction,
-                              attach_s=attach_s, detach_s=self.gpu.last_detach_s))
+                              attach_s=attach_s, detach_s=self.gpu.last_detach_s,
+                              reason=reason))
         return fraction
 
     def _collect_counters(self) -> None:

@@ -1,0 +1,107 @@
+"""``--gpu-sample auto``: the policy on its own, then on the analysis of real GPU
+captures (HF serve on an H100, every launch counted), checked as the agent checks it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.sampling_error import load
+from tracer.autosample import AutoSample
+from tracer.correlate.connections import TrackerOptions
+from tracer.events import capture
+from tracer.pipeline import Pipeline
+
+CAPTURES = Path(__file__).resolve().parents[1] / "samples/captures"
+ENGINE, OTHER = (1, 10), (1, 11)
+
+
+def test_counts_every_launch_until_launches_are_frequent():
+    auto = AutoSample(min_rate=1000, min_steps=20)
+    assert auto.check(0.0, {ENGINE: (0, 0)}, set()) is None  # the first check: a baseline
+    assert auto.check(5.0, {ENGINE: (4000, 100)}, set()) is None  # 800/s
+    assert auto.state == "exact"
+    assert auto.check(10.0, {ENGINE: (14000, 200)}, set()) == auto.fraction  # 2,000/s
+    assert auto.state == "sampling"
+    assert "engine step thread" in auto.reason
+    assert auto.check(15.0, {ENGINE: (15000, 300)}, set()) is None  # stays sampling
+
+
+def test_a_busy_thread_that_closes_no_steps_keeps_exact_counting():
+    auto = AutoSample(min_rate=1000, min_steps=20)
+    auto.check(0.0, {}, set())
+    # the engine steps, but the other thread launches a third of them with no step end
+    assert auto.check(5.0, {ENGINE: (20000, 500), OTHER: (10000, 3)}, set()) is None
+    assert auto.state == "exact"
+    # a thread with under 1% of the launches does not decide
+    assert auto.check(10.0, {ENGINE: (40000, 1000), OTHER: (10100, 3)}, set()) == auto.fraction
+
+
+def test_a_thread_serving_its_own_request_turns_sampling_back_for_good():
+    auto = AutoSample(min_rate=1000, min_steps=20)
+    auto.check(0.0, {}, set())
+    assert auto.check(5.0, {ENGINE: (20000, 500)}, set()) == auto.fraction
+    # a launch by a thread whose burst was charged whole to its one request
+    assert auto.check(10.0, {ENGINE: (30000, 900), OTHER: (5, 0)}, {OTHER}) == 1.0
+    assert auto.state == "off" and "one request it serves" in auto.reason
+    assert auto.check(15.0, {ENGINE: (90000, 2000), OTHER: (5, 0)}, {OTHER}) is None
+
+
+def test_same_thread_launches_from_the_start_never_sample():
+    auto = AutoSample(min_rate=10)
+    auto.check(0.0, {}, set())
+    assert auto.check(5.0, {OTHER: (50000, 0)}, {OTHER}) is None
+    assert auto.state == "off"
+
+
+def test_set_by_hand_stands_the_policy_down():
+    auto = AutoSample(min_rate=1)
+    auto.check(0.0, {}, set())
+    auto.hand_set()
+    assert auto.check(5.0, {ENGINE: (10**6, 10**4)}, set()) is None
+    assert auto.state == "off" and "by hand" in auto.reason
+
+
+def test_a_pause_is_no_measure_of_a_rate():
+    auto = AutoSample(min_rate=1000)
+    auto.check(0.0, {ENGINE: (0, 0)}, set())
+    auto.restart()  # resumed after a pause: the next check is a baseline only
+    assert auto.check(100.0, {ENGINE: (500000, 9000)}, set()) is None
+    assert auto.check(105.0, {ENGINE: (510000, 9200)}, set()) == auto.fraction
+
+
+def decide_over(path: Path, auto: AutoSample) -> tuple[list[tuple[float, float]], Pipeline]:
+    """Replay a capture, asking the policy every ``check_s`` of the capture's clock as
+    the agent does; the (seconds in, fraction) switches it asked for."""
+    items, header = load(path)
+    p = Pipeline([], options=TrackerOptions(tenant_salt=capture.tenant_salt(header)))
+    switches: list[tuple[float, float]] = []
+    start = next_check = None
+    for item in items:
+        p.feed(item)
+        now = p.last_ts / 1e9
+        if not now:
+            continue
+        if start is None:
+            start = next_check = now
+        if now >= next_check:
+            next_check = now + auto.check_s
+            f = auto.check(now, p.gpu_threads(), p.attribution.same_thread)
+            if f is not None:
+                switches.append((round(now - start, 1), f))
+    p.close()
+    return switches, p
+
+
+@pytest.mark.parametrize("name", ["hf-cb-c32-h100.ttcap", "hf-plain-c4-h100.ttcap"])
+def test_hf_serve_on_an_h100_is_sampled_once_its_engine_is_busy(name):
+    # both launch from threads that never move a request's bytes and close a step per
+    # sync: continuous batching's generation thread, plain serve's generate() thread
+    auto = AutoSample()
+    switches, p = decide_over(CAPTURES / name, auto)
+    assert [f for _, f in switches] == [auto.fraction], (switches, auto.reason)
+    assert switches[0][0] <= 3 * auto.check_s  # within the first checks of load
+    assert auto.state == "sampling"
+    threads = p.gpu_threads()
+    assert threads and not set(threads) & p.attribution.same_thread

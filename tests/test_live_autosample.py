@@ -1,0 +1,69 @@
+"""``--gpu-sample auto`` under real probes: an engine that steps is switched to sampling
+by the agent itself, a server that launches on each request's own thread is not."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.accuracy import run_case
+from samples.gpu.build import build
+from tests.live import spans_by_response_id, traced
+from tests.test_live_attribution import MAX_TOKENS, complete
+from tracer.autosample import AutoSample
+
+# the stand-in engine runs far fewer steps than a GPU server: the thresholds scaled down
+LOW_RATE = 200.0
+
+
+@pytest.fixture(scope="module")
+def libs(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("gpu"))
+
+
+def test_an_engine_thread_is_sampled_once_busy_and_requests_keep_their_share(libs, tmp_path):
+    auto = AutoSample(min_rate=LOW_RATE, min_steps=5, check_s=1.0)
+    r = run_case("thread", concurrency=8, requests=96, device="cpu", libs=libs,
+                 work=tmp_path, max_batch=16, auto_sample=auto, gpu_sample_period_s=0.5)
+    t = r["tracer"]
+    assert auto.state == "sampling", auto.reason
+    assert t["gpu_sample_auto_switches"] == 1
+    assert r["requests_traced"] == r["requests_truth"] == 96
+    # as test_live_batching's --gpu-sample 0.3 (0.025-0.072 there), at 0.1 of a period
+    assert r["kernel_share"]["mae_over_mean"] <= 0.15, r
+    assert t["gpu_steps_estimated"] > 0 and t["gpu_steps_counted"] > 0
+    assert t.get("gpu_steps_unestimated", 0) == 0
+    assert t["gpu_step_launches_charged"] == pytest.approx(t["gpu_step_launches"], rel=0.01)
+    assert all(v == 0 for k, v in t.items() if k.startswith("capture.lost"))
+
+
+def test_a_server_launching_on_each_requests_thread_keeps_every_launch(tmp_path: Path):
+    paths = build(tmp_path / "gpu")
+    truth_path = tmp_path / "truth.json"
+    env = dict(os.environ, TT_LIBCUDA=str(paths["libcuda"]), TT_SYNC_TRUTH=str(truth_path),
+               TT_SYNC_KERNELS="3", TT_STANDIN_KERNEL_NS="20000")
+    p = subprocess.Popen([sys.executable, "-m", "samples.gpu_sync_server"],
+                         stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        line = p.stdout.readline().split() if p.stdout else []
+        assert line[:1] == ["ready"], line
+        auto = AutoSample(min_rate=1.0, min_steps=0, check_s=0.2)
+        with traced(pids=[p.pid], auto_sample=auto, gpu_sample_period_s=0.2) as got:
+            answers = [complete(int(line[1]), n) for n in MAX_TOKENS * 3]
+    finally:
+        p.terminate()
+        p.wait(10)
+    assert auto.state == "off" and "one request it serves" in auto.reason
+    assert got.report.get("gpu_sample_auto_switches", 0) == 0
+    assert "launch_sampling" not in got.gpu
+    truth = json.loads(truth_path.read_text())
+    spans = {rid: s["attributes"] for rid, s in spans_by_response_id(got.spans).items()}
+    assert set(spans) == set(truth) == {a["id"] for a in answers}
+    for rid, a in spans.items():
+        assert a["tokentrace.gpu.kernel_launches"] == truth[rid]["launches"], rid
+        assert a["tokentrace.gpu.attribution"] == "same_thread"

@@ -1,0 +1,93 @@
+"""``--gpu-sample auto`` (the default of ``tokentrace run``): count every kernel launch
+until the launches are frequent enough to cost the server and made where sampling
+estimates them well, then sample them.
+
+Why these numbers (docs/overhead.md, "the default"):
+
+- Every launch is a uprobe trap on the thread that launched it, the thread that holds
+  the GIL in a Python server: ~0.5-1.1 us each on an H100/H200 host. HF serve
+  ``--continuous-batching`` on an H200 made ~27k launches/s: full tracing added 0.038
+  cores of system CPU to its one busy core and cost ~7% of its tokens/s;
+  ``--gpu-sample 0.1`` added 0.020 (``bench/results/real_server-hf-cb-h200-*.json``).
+  Below ``MIN_RATE`` launches a second every launch costs the server under ~0.5% of a
+  core, and is counted.
+- Sampling is estimated per engine step: a step the launch probes did not see whole
+  takes the launches and kernels of a step of its shape they did. On the H100 captures,
+  at 0.1 of each period, each request's launches were within 0.08% (median), 0.27%
+  (p90), its GPU time within 0.53% / 1.49% (``bench/sampling_error.py``).
+- A thread that serves its one request itself (a burst charged whole to it,
+  "same-thread") has no steps: sampled, its launches would only be scaled by the share
+  of time the probes were on, once 90% low on a real GPU. So sampling is chosen only
+  while every thread that launches is an engine's step thread, and given up for good
+  (back to exact counting) when a same-thread launcher shows up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import AbstractSet, Mapping
+
+FRACTION = 0.1  # the share of each --gpu-sample-period the launch probes are on
+MIN_RATE = 5000.0  # launches per second, over one check, before sampling pays
+CHECK_S = 5.0  # how often the launch rate and the launching threads are looked at
+MIN_STEPS = 20  # steps a launching thread closed in one check: it is a step engine
+MINOR_SHARE = 0.01  # a thread with less of the check's launches does not decide
+
+ThreadKey = tuple[int, int]  # (pid, tid)
+
+
+@dataclass
+class AutoSample:
+    """The policy, fed what the analysis knows at each check; it says when to switch.
+
+    ``check`` gets, per launching thread, its launches seen and steps closed so far
+    (cumulative) and the threads whose bursts were charged whole to one request; it
+    returns the ``--gpu-sample`` fraction to switch to, or None."""
+
+    fraction: float = FRACTION
+    min_rate: float = MIN_RATE
+    min_steps: int = MIN_STEPS
+    check_s: float = CHECK_S  # the caller checks this often
+    state: str = "exact"  # "exact", "sampling", or "off" (held exact for good)
+    reason: str = "launches counted until they are frequent on step engines"
+    _last: dict[ThreadKey, tuple[int, int]] = field(default_factory=dict)
+    _last_ts: float | None = None
+
+    def hand_set(self) -> None:
+        """The user set ``gpu-sample`` themselves: the policy stands down."""
+        self.state, self.reason = "off", "set by hand (control gpu-sample)"
+
+    def restart(self) -> None:
+        """Forget the last check (after a pause: its span is no measure of a rate)."""
+        self._last_ts = None
+
+    def check(self, now: float, threads: Mapping[ThreadKey, tuple[int, int]],
+              same_thread: AbstractSet[ThreadKey]) -> float | None:
+        """The fraction to switch to now, or None to stay as it is."""
+        last, last_ts = self._last, self._last_ts
+        self._last, self._last_ts = dict(threads), now
+        if self.state == "off" or last_ts is None or now <= last_ts:
+            return None
+        new = {k: (n - last.get(k, (0, 0))[0], s - last.get(k, (0, 0))[1])
+               for k, (n, s) in threads.items()}
+        launching = {k for k, (n, _) in new.items() if n > 0}
+        alone = sorted(launching & same_thread)
+        if alone:
+            was = self.state
+            self.state = "off"
+            self.reason = (f"thread {alone[0][1]} of process {alone[0][0]} launches for "
+                           "the one request it serves: every launch counted")
+            return 1.0 if was == "sampling" else None
+        if self.state != "exact":
+            return None
+        total = sum(n for n, _ in new.values())
+        rate = total / (now - last_ts)
+        if rate < self.min_rate:
+            return None
+        deciding = [k for k in launching if new[k][0] >= MINOR_SHARE * total]
+        if any(new[k][1] < self.min_steps for k in deciding):
+            return None  # a busy launcher that does not close steps (yet): no estimate
+        self.state = "sampling"
+        self.reason = (f"{rate:,.0f} launches/s on {len(deciding)} engine step "
+                       f"thread(s): launch probes on {self.fraction:g} of each period")
+        return self.fraction
