@@ -149,11 +149,23 @@ def ttft_errors(lines: list[str], spans: list[dict[str, Any]], client: dict[str,
     return {"ttft_abs_err_ms": stat(srv), "ttft_abs_err_vs_client_ms": stat(cli)}
 
 
+def sampling(sample: str) -> dict[str, Any]:
+    """``--gpu-sample`` as `tokentrace run` takes it: ``auto`` (its policy,
+    tracer/autosample.py), a fraction, or 1 (every launch counted)."""
+    if sample == "auto":
+        from tracer.autosample import AutoSample
+        return {"auto_sample": AutoSample()}
+    f = float(sample)
+    return {"gpu_sample": f} if f < 1.0 else {}
+
+
 def run_hf_case(continuous: bool, concurrency: int, requests: int, device: str, work: Path,
-                model: Path, keep: Path | None = None, pricing: Any = None) -> dict[str, Any]:
+                model: Path, keep: Path | None = None, pricing: Any = None,
+                sample: str = "1") -> dict[str, Any]:
     """HF ``transformers serve`` (a server nobody here wrote) under the tracer: its
     truth comes from ``samples/hf/truth`` inside the server, never from the tracer.
-    With ``keep``, the capture, truth and client results are copied there."""
+    With ``keep``, the capture, truth and client results are copied there. ``sample``:
+    the tracer's ``--gpu-sample``."""
     from samples.hf.serve import HfServer
 
     name = f"hf-{'cb' if continuous else 'plain'}-c{concurrency}"
@@ -164,7 +176,9 @@ def run_hf_case(continuous: bool, concurrency: int, requests: int, device: str, 
         server.wait_ready()
         server.warm_up()
         client_out = work / f"{name}.client.json"
-        with traced(pids=[server.pid], settle=1.0, pricing=pricing, record=str(cap)) as got:
+        config = sampling(sample)
+        with traced(pids=[server.pid], settle=1.0, pricing=pricing, record=str(cap),
+                    **config) as got:
             subprocess.run([sys.executable, "-m", "samples.batching.load", "--url", server.url,
                             "--requests", str(requests), "--concurrency", str(concurrency),
                             "--out", str(client_out), "--seed", str(concurrency),
@@ -186,7 +200,11 @@ def run_hf_case(continuous: bool, concurrency: int, requests: int, device: str, 
             **score(lines, got.spans, got.report),
             **ttft_errors(lines, got.spans, json.loads(client_out.read_text())),
             "kernel_names": {**kernel_names(got.gpu, lines),
-                             "naming": (got.naming or {}).get("before_attach")}}
+                             "naming": (got.naming or {}).get("before_attach")},
+            "gpu_sample": sample, "launch_sampling": got.gpu.get("launch_sampling"),
+            **({"auto_sample": {"state": config["auto_sample"].state,
+                                "reason": config["auto_sample"].reason}}
+               if "auto_sample" in config else {})}
 
 
 def kernel_names(gpu: dict[str, Any], lines: list[str]) -> dict[str, Any]:
@@ -239,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-cost", help="FIXED,PER_MEMBER,PER_PREFILL launches per step "
                     "(batching stand-in; default 6,1,2)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--gpu-sample", default="1", metavar="FRACTION|auto",
+                    help="hf: the tracer's --gpu-sample (default 1: every launch counted)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/accuracy.json"))
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="tt-accuracy-"))
@@ -250,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         counts = [int(x) for x in args.requests.split(",")]
         for c, n in zip(conc, counts * len(conc) if len(counts) == 1 else counts):
             results.append(run_hf_case(args.server == "hf-cb", c, n, args.device, work, model,
-                                       args.keep))
+                                       args.keep, sample=args.gpu_sample))
             print(json.dumps(results[-1]), flush=True)
         return finish(args, results, server=args.server)
     libs = build(work / "gpu") if args.device == "cpu" else None
