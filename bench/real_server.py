@@ -724,6 +724,9 @@ MODES = {  # name -> control commands that set it up from "full" (the default tr
     "census": ["probe-stats on"],
     # --gpu-sample F (--sample-fraction) switched on while running: the cheaper mode
     "sampled": ["gpu-sample 0.1"],
+    # the same with the launch probes on 0.5 s of every 5 s (--gpu-sample auto's period
+    # where --gpu-sample-period is left at its default)
+    "sampled-p5": ["gpu-sample 0.1 5"],
     # no probe of ours, only a do-nothing syscall tracepoint held by the bench: what the
     # kernel's syscall slow path (on while any syscall tracepoint is) costs the server
     "slow-path": ["pause", "bench:slow-path on"],
@@ -733,6 +736,7 @@ UNDO = {"untraced": ["resume"], "full": [], "no-payload": ["capture-limit 262144
         "burst-min-1ms": ["burst-min-us 0"], "stub-naming-open": ["stub-naming off"],
         "alias-lookups-open": ["alias-lookups off"],
         "census": ["probe-stats off"], "sampled": ["gpu-sample 1"],
+        "sampled-p5": ["gpu-sample 1"],
         "slow-path": ["bench:slow-path off", "resume"]}
 
 
@@ -821,8 +825,10 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
             parts = ["no-payload", "no-analysis", "census", "slow-path"]
             if gpu:
                 parts += ["no-launch-probes", "burst-min-1ms", "stub-naming-open",
-                          "alias-lookups-open", "sampled"]
-                MODES["sampled"] = [f"gpu-sample {args.sample_fraction:g}"]
+                          "alias-lookups-open", "sampled", "sampled-p5"]
+                MODES["sampled"] = [f"gpu-sample {args.sample_fraction:g}"
+                                    + (f" {args.sample_period:g}" if args.sample_period else "")]
+                MODES["sampled-p5"] = [f"gpu-sample {args.sample_fraction:g} 5"]
             wanted = args.breakdown_modes.split(",") if args.breakdown_modes else parts
             modes += [m for m in parts if m in wanted]
         if "slow-path" in modes or "census" in modes:
@@ -1277,10 +1283,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--breakdown-modes", metavar="M,M", default="",
                     help="only these parts of --breakdown (no-payload, no-analysis, census, "
                          "slow-path, no-launch-probes, burst-min-1ms, stub-naming-open, "
-                         "alias-lookups-open, sampled)")
+                         "alias-lookups-open, sampled, sampled-p5)")
     ap.add_argument("--sample-fraction", type=float, default=0.1, metavar="F",
                     help="the sampled part's --gpu-sample (default 0.1; its period is the "
                          "agent's --gpu-sample-period, e.g. --agent-args=--gpu-sample-period=1)")
+    ap.add_argument("--sample-period", type=float, metavar="S",
+                    help="the sampled part's --gpu-sample-period (default: the agent's; "
+                         "sampled-p5 is always 5 s)")
     ap.add_argument("--breakdown-every", type=int, default=1, metavar="N",
                     help="the parts' slices (windows) in every Nth round only (more pairs "
                          "for the headline ratio in the same time)")

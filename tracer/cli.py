@@ -287,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "or `record` and print its answer. Commands: pause, resume, status, "
                     "capture-limit BYTES, burst-min-us US, gpu-launch on|off, "
                     "stub-naming on|off, alias-lookups on|off, analysis on|off, "
-                    "gpu-sample F (--gpu-sample, "
+                    "gpu-sample F [PERIOD] (--gpu-sample and --gpu-sample-period, "
                     "changed while running), probe-stats on|off (the "
                     "kernel's run counts and run time per BPF program while on; "
                     "probe-stats alone prints them as name=runs/ns). Exit status 1 if it "

@@ -462,8 +462,14 @@ class CaptureSession:
                     return "error: probe-stats is off (probe-stats on)"
                 return ("ok probe-stats " + (args[0] if args else
                         format_costs(self.program_stats.read(self.bpf.funcs)))).rstrip()
-            if cmd == "gpu-sample" and len(args) == 1:
-                return f"ok gpu-sample {self.set_gpu_sample(float(args[0])):g}"
+            if cmd == "gpu-sample" and len(args) in (1, 2):
+                if len(args) == 2:  # and the duty cycle's period, from the next switch
+                    period = float(args[1])
+                    if not period >= 0.01:
+                        raise ValueError(f"gpu-sample period must be >= 0.01 s, not {args[1]}")
+                    self.config.gpu_sample_period_s = period
+                return (f"ok gpu-sample {self.set_gpu_sample(float(args[0])):g}"
+                        + (f" {self.config.gpu_sample_period_s:g}" if len(args) == 2 else ""))
             if (cmd in ("gpu-launch", "stub-naming", "alias-lookups", "analysis")
                     and args in (["on"], ["off"])):
                 on = args[0] == "on"
