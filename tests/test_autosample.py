@@ -28,6 +28,16 @@ def test_counts_every_launch_until_launches_are_frequent():
     assert auto.check(15.0, {ENGINE: (15000, 300)}, set()) is None  # stays sampling
 
 
+def test_the_rate_is_a_process_s_own():
+    auto = AutoSample(min_rate=1000, min_steps=20)
+    auto.check(0.0, {}, set())
+    # eight processes at 800 launches/s each: each pays for its own
+    eight = {(pid, 10): (4000, 100) for pid in range(1, 9)}
+    assert auto.check(5.0, eight, set()) is None
+    eight[(1, 10)] = (4000 + 6000, 200)  # one of them at 2,000/s from here
+    assert auto.check(10.0, eight, set()) == auto.fraction
+
+
 def test_a_busy_thread_that_closes_no_steps_keeps_exact_counting():
     auto = AutoSample(min_rate=1000, min_steps=20)
     auto.check(0.0, {}, set())

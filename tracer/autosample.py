@@ -1,6 +1,6 @@
 """``--gpu-sample auto`` (the default of ``tokentrace run``): count every kernel launch
-until the launches are frequent enough to cost the server and made where sampling
-estimates them well, then sample them.
+until a process launches often enough for the probes to cost it, on threads whose
+launches sampling estimates well, then sample them.
 
 Why these numbers (docs/overhead.md, "the default"):
 
@@ -81,13 +81,18 @@ class AutoSample:
         if self.state != "exact":
             return None
         total = sum(n for n, _ in new.values())
-        rate = total / (now - last_ts)
+        per_process: dict[int, int] = {}
+        for (pid, _), (n, _) in new.items():
+            per_process[pid] = per_process.get(pid, 0) + n
+        # the traps land on each process's own threads: its rate is what it pays
+        rate = max(per_process.values(), default=0) / (now - last_ts)
         if rate < self.min_rate:
             return None
         deciding = [k for k in launching if new[k][0] >= MINOR_SHARE * total]
         if any(new[k][1] < self.min_steps for k in deciding):
             return None  # a busy launcher that does not close steps (yet): no estimate
         self.state = "sampling"
-        self.reason = (f"{rate:,.0f} launches/s on {len(deciding)} engine step "
-                       f"thread(s): launch probes on {self.fraction:g} of each period")
+        self.reason = (f"{rate:,.0f} launches/s in one process, on {len(deciding)} engine "
+                       f"step thread(s) in all: launch probes on {self.fraction:g} of each "
+                       "period")
         return self.fraction
