@@ -16,7 +16,11 @@ step's start does not use it (``tracer/correlate/sampling.py``), so this does no
 flatter the result.
 
     python3 bench/sampling_error.py [CAPTURE ...] [--fraction 0.1] [--period-s 1]
-                                    [--phases 4] [--out bench/results/sampling_error.json]
+                                    [--phases 4] [--exact-s S]
+                                    [--out bench/results/sampling_error.json]
+
+``--exact-s S``: every launch counted for the first S seconds, sampling after, as
+``--gpu-sample auto`` switches.
 """
 
 from __future__ import annotations
@@ -55,15 +59,17 @@ def load(path: Path) -> tuple[list[Any], dict[str, Any]]:
     return items, reader.header
 
 
-def impose(items: list[Any], fraction: float, period_ns: int, phase_ns: int) -> list[Any]:
+def impose(items: list[Any], fraction: float, period_ns: int, phase_ns: int,
+           exact_ns: int = 0) -> list[Any]:
     """``items`` as ``--gpu-sample fraction`` with this period would have recorded them:
     launch probes on for the first ``fraction`` of each period (periods start
-    ``phase_ns`` before the first burst), switches sent before the first burst after
-    them, bursts not wholly inside an "on" window without launches."""
+    ``phase_ns`` before the first burst, or ``exact_ns`` after it: every launch counted
+    until then, as ``--gpu-sample auto`` does), switches sent before the first burst
+    after them, bursts not wholly inside an "on" window without launches."""
     bursts = [i for i in items if isinstance(i, KernelBurst)]
     if not bursts:
         return list(items)
-    start = min(b.first_ts for b in bursts) - phase_ns
+    start = min(b.first_ts for b in bursts) + exact_ns - phase_ns
     on_ns = int(fraction * period_ns)
 
     def window(ts: int) -> int:
@@ -85,8 +91,8 @@ def impose(items: list[Any], fraction: float, period_ns: int, phase_ns: int) -> 
                 ts, enabled = switches[k]
                 out.append(GpuSampling(ts=ts, enabled=enabled, fraction=fraction))
                 k += 1
-            whole = (window(item.first_ts) == window(item.last_ts)
-                     and on(item.first_ts) and on(item.last_ts))
+            whole = item.last_ts < start or (window(item.first_ts) == window(item.last_ts)
+                                             and on(item.first_ts) and on(item.last_ts))
             if not whole:
                 item = replace(item, launches=0, graph_launches=0, handle_counts={})
         out.append(item)
@@ -136,7 +142,8 @@ def errors(truth: Collect, sampled: Collect, key: str, scale: float = 1.0) -> di
             "max_error": round(rel[-1], 4) if rel else None}
 
 
-def measure(path: Path, fraction: float, period_s: float, phases: int) -> dict[str, Any]:
+def measure(path: Path, fraction: float, period_s: float, phases: int,
+            exact_s: float = 0.0) -> dict[str, Any]:
     items, header = load(path)
     truth, tp = replay(items, header)
     assert tp.attribution.ledger.balanced()
@@ -144,7 +151,8 @@ def measure(path: Path, fraction: float, period_s: float, phases: int) -> dict[s
     period_ns = int(period_s * 1e9)
     for i in range(phases):
         phase = period_ns * i // phases
-        sampled, sp = replay(impose(items, fraction, period_ns, phase), header)
+        sampled, sp = replay(impose(items, fraction, period_ns, phase, int(exact_s * 1e9)),
+                             header)
         stats = sp.stats
         recon = sp.attribution.ledger
         runs.append({
@@ -157,7 +165,7 @@ def measure(path: Path, fraction: float, period_s: float, phases: int) -> dict[s
             "gpu_time": errors(truth, sampled, "gpu.time_ms"),
         })
     return {"capture": path.name, "requests": len(truth.gpu), "fraction": fraction,
-            "period_s": period_s, "runs": runs}
+            "period_s": period_s, "exact_s": exact_s, "runs": runs}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,10 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fraction", type=float, default=0.1)
     ap.add_argument("--period-s", type=float, default=1.0)
     ap.add_argument("--phases", type=int, default=4, help="sampling phases per capture")
+    ap.add_argument("--exact-s", type=float, default=0.0, metavar="S",
+                    help="every launch counted for the first S seconds (--gpu-sample auto)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     doc = {"bench": "sampling_error", "results": [
-        measure(p, args.fraction, args.period_s, args.phases) for p in args.captures]}
+        measure(p, args.fraction, args.period_s, args.phases, args.exact_s)
+        for p in args.captures]}
     text = json.dumps(doc, indent=1)
     if args.out:
         args.out.write_text(text + "\n")

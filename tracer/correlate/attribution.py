@@ -477,6 +477,9 @@ class GpuAttribution:
         self._prev_end[log.key] = step.end_ts
         if self.sampling is not None:
             self._sampled(step, prev_end, self.sampling)
+        else:  # every launch counted: the step is its shape's reference for a later
+            # --gpu-sample (auto's switch, or ctl's), which then estimates from its start
+            self.estimates.learn(step, prev_end)
         self.step_totals[log.key].book(step)
         self.stats["gpu_step_launches"] += step.launches
         self.ledger.observe(step.pid, step.work, estimated=step.estimated)
