@@ -149,19 +149,21 @@ def ttft_errors(lines: list[str], spans: list[dict[str, Any]], client: dict[str,
     return {"ttft_abs_err_ms": stat(srv), "ttft_abs_err_vs_client_ms": stat(cli)}
 
 
-def sampling(sample: str) -> dict[str, Any]:
+def sampling(sample: str, period_s: float | None = None) -> dict[str, Any]:
     """``--gpu-sample`` as `tokentrace run` takes it: ``auto`` (its policy,
-    tracer/autosample.py), a fraction, or 1 (every launch counted)."""
+    tracer/autosample.py), a fraction, or 1 (every launch counted); ``period_s``: its
+    ``--gpu-sample-period`` (default: the agent's)."""
+    period = {"gpu_sample_period_s": period_s} if period_s else {}
     if sample == "auto":
         from tracer.autosample import AutoSample
-        return {"auto_sample": AutoSample()}
+        return {"auto_sample": AutoSample(), **period}
     f = float(sample)
-    return {"gpu_sample": f} if f < 1.0 else {}
+    return {"gpu_sample": f, **period} if f < 1.0 else {}
 
 
 def run_hf_case(continuous: bool, concurrency: int, requests: int, device: str, work: Path,
                 model: Path, keep: Path | None = None, pricing: Any = None,
-                sample: str = "1") -> dict[str, Any]:
+                sample: str = "1", period_s: float | None = None) -> dict[str, Any]:
     """HF ``transformers serve`` (a server nobody here wrote) under the tracer: its
     truth comes from ``samples/hf/truth`` inside the server, never from the tracer.
     With ``keep``, the capture, truth and client results are copied there. ``sample``:
@@ -176,7 +178,7 @@ def run_hf_case(continuous: bool, concurrency: int, requests: int, device: str, 
         server.wait_ready()
         server.warm_up()
         client_out = work / f"{name}.client.json"
-        config = sampling(sample)
+        config = sampling(sample, period_s)
         with traced(pids=[server.pid], settle=1.0, pricing=pricing, record=str(cap),
                     **config) as got:
             subprocess.run([sys.executable, "-m", "samples.batching.load", "--url", server.url,
@@ -201,7 +203,8 @@ def run_hf_case(continuous: bool, concurrency: int, requests: int, device: str, 
             **ttft_errors(lines, got.spans, json.loads(client_out.read_text())),
             "kernel_names": {**kernel_names(got.gpu, lines),
                              "naming": (got.naming or {}).get("before_attach")},
-            "gpu_sample": sample, "launch_sampling": got.gpu.get("launch_sampling"),
+            "gpu_sample": sample, "gpu_sample_period_s": period_s,
+            "launch_sampling": got.gpu.get("launch_sampling"),
             **({"auto_sample": {"state": config["auto_sample"].state,
                                 "reason": config["auto_sample"].reason}}
                if "auto_sample" in config else {})}
@@ -259,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--gpu-sample", default="1", metavar="FRACTION|auto",
                     help="hf: the tracer's --gpu-sample (default 1: every launch counted)")
+    ap.add_argument("--gpu-sample-period", type=float, metavar="S",
+                    help="hf: the tracer's --gpu-sample-period (default: its own, 5 s)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/accuracy.json"))
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="tt-accuracy-"))
@@ -270,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         counts = [int(x) for x in args.requests.split(",")]
         for c, n in zip(conc, counts * len(conc) if len(counts) == 1 else counts):
             results.append(run_hf_case(args.server == "hf-cb", c, n, args.device, work, model,
-                                       args.keep, sample=args.gpu_sample))
+                                       args.keep, sample=args.gpu_sample,
+                                       period_s=args.gpu_sample_period))
             print(json.dumps(results[-1]), flush=True)
         return finish(args, results, server=args.server)
     libs = build(work / "gpu") if args.device == "cpu" else None
