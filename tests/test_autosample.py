@@ -115,3 +115,17 @@ def test_hf_serve_on_an_h100_is_sampled_once_its_engine_is_busy(name):
     assert auto.state == "sampling"
     threads = p.gpu_threads()
     assert threads and not set(threads) & p.attribution.same_thread
+
+
+def test_the_sampling_period_follows_how_fast_the_launch_probes_detach():
+    from types import SimpleNamespace
+
+    from tracer.probes.session import CaptureConfig, CaptureSession
+
+    s = CaptureSession(CaptureConfig(), lambda item: None)
+    s.gpu = SimpleNamespace(uprobes=SimpleNamespace(multi=True))  # type: ignore[assignment]
+    assert s.sample_period_s() == 1.0  # links: a detach takes ~0.1 s
+    s.gpu.uprobes.multi = False
+    assert s.sample_period_s() == 5.0  # perf events: ~1 s
+    s.config.gpu_sample_period_s = 2.5
+    assert s.sample_period_s() == 2.5

@@ -93,10 +93,11 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                          "to counting every launch (docs/overhead.md); `record` has no "
                          "analysis to decide with, and counts every launch"
                          % (AUTO_MIN_RATE, AUTO_FRACTION))
-    g2.add_argument("--gpu-sample-period", type=float, default=5.0, metavar="SECONDS",
-                    help="the --gpu-sample duty cycle's period; without uprobe_multi "
-                         "links (Linux < 6.6) detaching takes ~0.1 s per launch probe, so "
-                         "keep the off share over a second there (default: 5)")
+    g2.add_argument("--gpu-sample-period", type=float, metavar="SECONDS",
+                    help="the --gpu-sample duty cycle's period (default: 1 through "
+                         "uprobe_multi links, 5 without them: before Linux 6.6 detaching "
+                         "takes ~0.1 s per launch probe, so keep the off share over a "
+                         "second there)")
     g2.add_argument("--stub-names-quiet", type=float, default=5.0, metavar="SECONDS",
                     help="name kernels resolved before attach by their host stubs: "
                          "libcudart's launch calls stay probed (a uprobe trap per launch, "
@@ -484,7 +485,8 @@ def _targets(args: argparse.Namespace) -> Any:
                          burst_min_ns=max(0, args.burst_min_us) * 1000,
                          gpu_sample=(1.0 if args.gpu_sample == "auto"
                                      else _sample_fraction(args.gpu_sample)),
-                         gpu_sample_period_s=max(0.01, args.gpu_sample_period),
+                         gpu_sample_period_s=(max(0.01, args.gpu_sample_period)
+                                              if args.gpu_sample_period else None),
                          stub_names_quiet_s=max(0.0, args.stub_names_quiet),
                          alias_lookups_quiet_s=max(0.0, args.alias_lookups_quiet),
                          uprobe_links=args.uprobe_links,

@@ -49,7 +49,9 @@ class CaptureConfig:
     burst_min_ns: int = 0  # ...and at a sync only if it is at least this old
     gpu_rescan_interval_s: float = 1.0  # look for newly loaded GPU libraries
     gpu_sample: float = 1.0  # share of each period the launch probes are attached
-    gpu_sample_period_s: float = 5.0
+    # None: 1 s through uprobe_multi links (a detach takes ~0.1 s), 5 s through perf
+    # events (~1 s); shorter periods refresh --gpu-sample's step references more often
+    gpu_sample_period_s: float | None = None
     counter_maps_interval_s: float = 1.0  # read the kernel's counter maps (kernels, ibverbs)
     # kernel names by host stub (tracer/probes/stubnames.py): libcudart's launch probes
     # stay attached until runtime launches went on this long with no new stub (0: never
@@ -268,7 +270,7 @@ class CaptureSession:
             self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=True, fraction=fraction,
                                   attach_s=attach_s, detach_s=self.gpu.last_detach_s))
             share = fraction
-        self._next_sample_toggle = time.monotonic() + self.config.gpu_sample_period_s * share
+        self._next_sample_toggle = time.monotonic() + self.sample_period_s() * share
 
     def _begin_sampled_period(self, reason: str = "") -> None:
         """--gpu-sample: a period starts with the launch probes on, said by a switch."""
@@ -276,7 +278,14 @@ class CaptureSession:
         self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=True, fraction=fraction,
                               reason=reason))
         self._next_sample_toggle = (time.monotonic()
-                                    + self.config.gpu_sample_period_s * fraction)
+                                    + self.sample_period_s() * fraction)
+
+    def sample_period_s(self) -> float:
+        """--gpu-sample's period: as configured, else by how the launch probes detach
+        (1 s through uprobe_multi links, 5 s through perf events)."""
+        if self.config.gpu_sample_period_s:
+            return self.config.gpu_sample_period_s
+        return 1.0 if self.gpu is not None and self.gpu.uprobes.multi else 5.0
 
     def set_gpu_sample(self, fraction: float, reason: str = "") -> float:
         """Change ``--gpu-sample`` while running (``--control gpu-sample F``, or
@@ -469,7 +478,7 @@ class CaptureSession:
                         raise ValueError(f"gpu-sample period must be >= 0.01 s, not {args[1]}")
                     self.config.gpu_sample_period_s = period
                 return (f"ok gpu-sample {self.set_gpu_sample(float(args[0])):g}"
-                        + (f" {self.config.gpu_sample_period_s:g}" if len(args) == 2 else ""))
+                        + (f" {self.sample_period_s():g}" if len(args) == 2 else ""))
             if (cmd in ("gpu-launch", "stub-naming", "alias-lookups", "analysis")
                     and args in (["on"], ["off"])):
                 on = args[0] == "on"
