@@ -8,7 +8,7 @@ agent kept running and only its probes taken out and put back (`tokentrace run
         [--slice-s 3] [--settle-s 0.5] [--settle-resume-s S] [--warmup-s 10]
         [--min-pairs 8] [--max-pairs 400] [--target 0.01] [--budget-s 240] [--breakdown]
         [--breakdown-modes M,M] [--sample-fraction F] [--breakdown-every N] [--keep-eos]
-        [--partial FILE]
+        [--partial FILE] [--replicas N] [--agent-cpus K]
         [--out bench/results/real_server.json]
     python bench/real_server.py --pool RESULT.json [RESULT.json ...]
 
@@ -62,6 +62,40 @@ counted over the run, prorated to the traced slices), records the agent read per
 second, and the switch times. ``--pool`` takes the pairs of several result files of
 the same design together (TTFT quantiles stay per file).
 
+``--replicas N`` (slices only): N servers of the same kind at once, each with its own
+client, work directory, port and CPUs (``--agent-cpus`` for the agent first, then per
+replica 2 CPUs for its client and an equal share of the rest for its server; a host
+with fewer than ``--agent-cpus`` + 3N puts everything on every CPU, says so on stderr
+and records ``cpus_shared``), on CUDA replica i on GPU i mod the host's GPUs
+(``CUDA_VISIBLE_DEVICES``; more replicas than GPUs share them: ``replicas_per_gpu``),
+all traced by ONE agent (``tokentrace run --pid P1 --pid P2 ...``, as a node's agent
+would be) and switched together. Every time slice then measures every replica: N pairs
+per round instead of one. Why: on an H100/H200 HF serve with continuous batching (a
+GIL-bound server) one pair's log ratio has sd ~0.11, so a ±1% interval needs ~500 pairs
+(~80 minutes of slices) where a session has ~20 minutes of GPU time; 4 GPUs give 4
+pairs a round. The replicas are not independent (they share the switch moments, the
+agent and the host), so the interval is over ROUNDS: per round the mean of its
+replicas' log ratios, a t-interval over those means (cluster-robust; with one replica
+exactly the interval above). Correlated replicas therefore cannot make it too narrow:
+perfectly correlated ones give the one-replica interval, independent ones one sqrt(N)
+narrower. Reported with it: ``pairs`` (rounds x replicas), ``rounds``, ``sd_log`` (per
+pair, pooled), ``sd_log_round_mean``, ``replica_correlation`` (mean pairwise
+correlation of the replicas' per-round log ratios) and ``effective_pairs`` (the
+independent pairs the run was worth); ``rounds_for_target`` / ``pairs_for_target`` /
+``seconds_for_target`` and the ``--target`` stopping rule use the round means' noise,
+and ``--min-pairs`` / ``--max-pairs`` count rounds. The same holds for server CPU per
+token, the parts, ``server_sys`` and ``switch_effects`` (its sequences per replica);
+the TTFT intervals resample whole rounds. ``per_replica`` gives each replica's own
+ratios (a bad GPU shows there), ``load_per_replica`` each client's totals (``load``:
+their sum). Slice records carry ``replica``; the agent's CPU and records of a time
+slice are split evenly among its replicas' records, the kernel's per-program census and
+the server syscall counts (all servers together) are on replica 0's record. On a
+4-GPU host (64 CPUs), one command, ~10 minutes:
+
+    python3 bench/real_server.py --servers hf-cb --device cuda --replicas 4 \\
+        --budget-s 480 --settle-resume-s 1.5 --agent-args="--gpu-sample auto" \\
+        --out OUT_DIR/real_server-hf-cb-h100x4.json
+
 ``--breakdown`` adds slices (windows) with one part of the tracer off while the rest
 traces (payload copies: capture-limit 1 byte; the agent's analysis: records read and
 dropped; on GPU servers the kernel-launch uprobes, the stub-naming window, the
@@ -97,6 +131,9 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -170,14 +207,15 @@ def thread_cpu(pid: int) -> dict[int, float]:
 
 
 class GpuClocks:
-    """The GPU's SM clock and utilisation sampled every 0.1 s through NVML (read only),
-    to see whether a slice's throughput follows them; absent without pynvml."""
+    """A GPU's SM clock and utilisation sampled every 0.1 s through NVML (read only),
+    to see whether a slice's throughput follows them; absent without pynvml. ``index``:
+    NVML's (PCI bus order, as ``CUDA_DEVICE_ORDER=PCI_BUS_ID``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, index: int = 0) -> None:
         import pynvml
         pynvml.nvmlInit()
         self.nv = pynvml
-        self.h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        self.h = pynvml.nvmlDeviceGetHandleByIndex(index)
         self.samples: list[tuple[float, int, int]] = []
         self.running = True
         threading.Thread(target=self.loop, daemon=True).start()
@@ -214,16 +252,87 @@ def pin(pid: int, cpus: set[int]) -> None:
             pass
 
 
-def plan_cpus(n: int | None = None) -> dict[str, set[int]]:
-    """Agent, server and client CPUs: apart where the host has enough."""
+@dataclass
+class CpuPlan:
+    """Where the agent and each replica's client and server run."""
+
+    agent: set[int]
+    lanes: list[dict[str, set[int]]]  # per replica: "client", "server"
+    shared: bool = False  # the host was too small: everything on every CPU
+    unused: set[int] = field(default_factory=set)
+
+    def as_json(self) -> dict[str, Any]:
+        """``agent`` and per replica ``{client, server}``; with one replica also today's
+        flat ``client`` and ``server``."""
+        out: dict[str, Any] = {"agent": sorted(self.agent)}
+        if len(self.lanes) == 1:
+            out.update({k: sorted(v) for k, v in self.lanes[0].items()})
+        out["replicas"] = [{k: sorted(v) for k, v in lane.items()} for lane in self.lanes]
+        if self.unused:
+            out["unused"] = sorted(self.unused)
+        return out
+
+
+def plan_lanes(replicas: int = 1, agent_cpus: int = 1, n: int | None = None) -> CpuPlan:
+    """The agent on the first ``agent_cpus`` CPUs, then per replica a block of an equal
+    share of the rest: its client on the block's first 2 CPUs, its server on the others.
+    One replica and one agent CPU: the plan of old (client on 1 CPU below 6 CPUs; on 2
+    CPUs the agent alone on one). A host with fewer than ``agent_cpus`` + 3 per replica:
+    everything on every CPU, said on stderr and marked ``shared``."""
     cpus = sorted(os.sched_getaffinity(0)) if n is None else list(range(n))
-    if len(cpus) >= 6:
-        return {"agent": {cpus[0]}, "client": set(cpus[1:3]), "server": set(cpus[3:])}
-    if len(cpus) >= 3:
-        return {"agent": {cpus[0]}, "client": {cpus[1]}, "server": set(cpus[2:])}
-    if len(cpus) == 2:
-        return {"agent": {cpus[1]}, "client": {cpus[0]}, "server": {cpus[0]}}
-    return {"agent": set(cpus), "client": set(cpus), "server": set(cpus)}
+    rest = cpus[agent_cpus:]
+    if replicas == 1 and agent_cpus == 1 and len(cpus) == 2:
+        return CpuPlan({cpus[1]}, [{"client": {cpus[0]}, "server": {cpus[0]}}])
+    if replicas == 1 and len(rest) >= 2:
+        c = 2 if len(rest) >= 5 else 1
+        return CpuPlan(set(cpus[:agent_cpus]),
+                       [{"client": set(rest[:c]), "server": set(rest[c:])}])
+    if replicas > 1 and len(rest) >= 3 * replicas:
+        block = len(rest) // replicas
+        lanes = [{"client": set(rest[i * block:i * block + 2]),
+                  "server": set(rest[i * block + 2:(i + 1) * block])} for i in range(replicas)]
+        return CpuPlan(set(cpus[:agent_cpus]), lanes, unused=set(rest[block * replicas:]))
+    print(f"warning: {len(cpus)} CPU(s) are too few to keep the agent ({agent_cpus}) and "
+          f"{replicas} replica(s) apart (a client and a server each; 3 CPUs each for "
+          "several): everything runs on every CPU (cpus_shared)", file=sys.stderr, flush=True)
+    every = set(cpus)
+    return CpuPlan(set(every), [{"client": set(every), "server": set(every)}
+                                for _ in range(replicas)], shared=True)
+
+
+def plan_cpus(n: int | None = None) -> dict[str, set[int]]:
+    """Agent, server and client CPUs of one replica: apart where the host has enough."""
+    plan = plan_lanes(1, 1, n)
+    return {"agent": plan.agent, **plan.lanes[0]}
+
+
+def gpu_count() -> int:
+    """The host's NVIDIA GPUs: its /dev/nvidiaN nodes, else ``nvidia-smi -L``'s lines."""
+    n = len(list(Path("/dev").glob("nvidia[0-9]*")))
+    if n:
+        return n
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], check=False, capture_output=True, text=True,
+                             timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def replica_gpus(replicas: int, device: str) -> list[str | None]:
+    """Each replica's GPU (its ``CUDA_VISIBLE_DEVICES``): replica i on GPU i mod the GPUs
+    (those ``CUDA_VISIBLE_DEVICES`` lists, if set; else all the host's). None on the
+    CPU, or where no GPU is found."""
+    if device != "cuda":
+        return [None] * replicas
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = ([x.strip() for x in visible.split(",") if x.strip()] if visible is not None
+           else [str(i) for i in range(gpu_count())])
+    if not ids:
+        print("warning: no GPU found: the replicas share whatever CUDA picks",
+              file=sys.stderr, flush=True)
+        return [None] * replicas
+    return [ids[i % len(ids)] for i in range(replicas)]
 
 
 def free_port() -> int:
@@ -285,22 +394,36 @@ def fixed_work(model: Path) -> None:
     f.write_text(json.dumps(cfg, indent=1))
 
 
+def tiny_llama(work: Path, keep_eos: bool = False) -> Path:
+    """The tiny Llama built in ``work`` (and made to do fixed work, ``fixed_work``, unless
+    ``keep_eos``): build it once, serve it from several servers."""
+    from samples.hf.model import build
+    model = build(work / "tiny-llama")
+    if not keep_eos:
+        fixed_work(model)
+    return model
+
+
 class Server:
-    """One server process (group), its URL or gRPC target, and how to load it."""
+    """One server process (group), its URL or gRPC target, and how to load it.
+
+    ``env``: more environment (a replica's ``CUDA_VISIBLE_DEVICES``); ``model``: an HF
+    kind's model directory, built already (default: the tiny Llama built in ``work``);
+    ``wait=False``: return once started, ``ready()`` waits for it to serve (several
+    servers start at once)."""
 
     def __init__(self, kind: str, device: str, work: Path, cpus: set[int],
-                 keep_eos: bool = False) -> None:
+                 keep_eos: bool = False, env: dict[str, str] | None = None,
+                 model: Path | None = None, wait: bool = True) -> None:
         self.kind = kind
         self.log = work / f"{kind}.log"
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1",
+                   **(env or {}))
         self.port = free_port()
         self.model = "tiny-gpt"
         if kind in ("hf-cb", "hf-plain"):
-            from samples.hf.model import build
-            self.model = str(build(work / "tiny-llama"))
-            if not keep_eos:
-                fixed_work(Path(self.model))
+            self.model = str(model if model is not None else tiny_llama(work, keep_eos))
             cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", self.model,
                    "--device", device, "--port", str(self.port), "--host", "127.0.0.1",
                    *(["--continuous-batching"] if kind == "hf-cb" else [])]
@@ -320,7 +443,13 @@ class Server:
                                      stderr=subprocess.STDOUT, start_new_session=True,
                                      preexec_fn=lambda: os.sched_setaffinity(0, cpus))
         self.url = f"http://127.0.0.1:{self.port}"
-        if kind == "grpc":
+        self.cpus = cpus
+        if wait:
+            self.ready()
+
+    def ready(self) -> None:
+        """Wait until the server serves (raises if it does not)."""
+        if self.kind == "grpc":
             from samples.launch_grpc import GrpcSampleServer
             probe = GrpcSampleServer(port=self.port)
             deadline = time.monotonic() + 120
@@ -329,9 +458,8 @@ class Server:
                     raise RuntimeError(f"grpc server did not start: {self.log.read_text()[-2000:]}")
                 time.sleep(0.3)
         else:
-            wait_http(self.url + ("/health" if kind != "batching" else "/v1/models"), self.proc,
-                      self.log)
-        self.cpus = cpus
+            wait_http(self.url + ("/health" if self.kind != "batching" else "/v1/models"),
+                      self.proc, self.log)
 
     @property
     def pid(self) -> int:
@@ -632,10 +760,10 @@ class Client:
     def slice(self, t0: float, t1: float) -> dict[str, Any]:
         return self.ask(f"slice {t0!r} {t1!r}")
 
-    def first_tokens(self, timeout: float = 600) -> float:
+    def first_tokens(self, timeout: float = 600, since: float | None = None) -> float:
         """Seconds until tokens flow after ``start`` (a server's first request can take
-        long: the engine is set up then)."""
-        t0 = time.monotonic()
+        long: the engine is set up then), or after ``since`` (monotonic)."""
+        t0 = time.monotonic() if since is None else since
         while not self.slice(time.monotonic() - 1.0, time.monotonic())["tokens"]:
             if time.monotonic() - t0 > timeout:
                 raise RuntimeError(f"no tokens in {timeout:g} s")
@@ -655,17 +783,21 @@ class Client:
 
 
 class Agent:
-    """`tokentrace run --pid SERVER --control SOCK` on its own CPU, kept running."""
+    """`tokentrace run --pid SERVER [--pid SERVER ...] --control SOCK` on its own CPU,
+    kept running: one agent for every replica, as a node's agent would trace them."""
 
-    def __init__(self, server: Server, work: Path, cpus: set[int], extra: list[str]) -> None:
+    def __init__(self, server: Server | Sequence[Server], work: Path, cpus: set[int],
+                 extra: list[str]) -> None:
         from tracer.control import send
         self.send = send
         self.sock = str(work / "agent.sock")
         self.summary = work / "summary.json"
         self.jsonl = work / "spans.jsonl"
+        servers = list(server) if isinstance(server, Sequence) else [server]
+        pids = [a for s in servers for a in ("--pid", str(s.pid))]
         # "full" counts every launch (not --gpu-sample auto's choice): the "sampled"
         # mode is what auto switches a busy step engine to
-        cmd = [sys.executable, "-m", "tracer", "run", "--pid", str(server.pid),
+        cmd = [sys.executable, "-m", "tracer", "run", *pids,
                "--control", self.sock, "--quiet", "--jsonl", str(self.jsonl),
                "--summary", str(self.summary), "--gpu-sample", "1", *extra]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True,
@@ -765,6 +897,95 @@ def ratio_ci(ratios: list[float]) -> dict[str, Any]:
             "half_width": round(math.exp(h) - 1, 4), "sd_log": round(sd, 4)}
 
 
+Pair = tuple[int, int, float]  # (round, replica, ratio traced / untraced)
+
+
+def round_means(values: list[tuple[int, float]]) -> list[float]:
+    """Per round (in the order rounds first appear), the mean of its values: one per
+    replica's pair."""
+    by_round: dict[int, list[float]] = {}
+    for rnd, v in values:
+        by_round.setdefault(rnd, []).append(v)
+    return [statistics.fmean(vs) for vs in by_round.values()]
+
+
+def replica_correlation(pairs: list[tuple[int, int, float]]) -> float | None:
+    """The mean, over every two replicas, of the Pearson correlation of their log
+    ratios across the rounds both have (3 at least); None for one replica, or where no
+    two replicas vary over 3 common rounds."""
+    per: dict[int, dict[int, float]] = {}
+    for rnd, rep, x in pairs:
+        per.setdefault(rep, {})[rnd] = x
+    rs = []
+    for a, b in itertools.combinations(sorted(per), 2):
+        common = [k for k in per[a] if k in per[b]]
+        xa, xb = [per[a][k] for k in common], [per[b][k] for k in common]
+        if len(common) >= 3 and statistics.pstdev(xa) > 0 and statistics.pstdev(xb) > 0:
+            rs.append(statistics.correlation(xa, xb))
+    return round(statistics.fmean(rs), 3) if rs else None
+
+
+def clustered_ci(pairs: list[Pair]) -> dict[str, Any]:
+    """Geometric mean ratio and its 95% interval over ROUNDS: per round the mean of its
+    replicas' log ratios, a t-interval over those means. The replicas of a round share
+    its switch moments and the agent, so their pairs are not independent; the rounds
+    are (a cluster-robust interval: its width follows the noise of a round's mean,
+    whatever the replicas' correlation; perfectly correlated replicas give one
+    replica's interval, independent ones one sqrt(replicas) narrower). With one replica
+    exactly ``ratio_ci``. ``sd_log``: the per-pair noise, pooled over every pair;
+    ``sd_log_round_mean``: the noise of a round's mean, what the interval and the rounds
+    a target needs follow; ``replica_correlation``; ``effective_pairs``: the independent
+    pairs the run was worth, (sd_log / sd_log_round_mean)^2 * rounds."""
+    logs = [(rnd, rep, math.log(r)) for rnd, rep, r in pairs if r > 0]
+    n = len(logs)
+    if n < 2:
+        return {"pairs": n, "ratio": pairs[0][2] if pairs else None, "ci95": None}
+    means = round_means([(rnd, x) for rnd, _, x in logs])
+    k, sd = len(means), statistics.stdev(x for _, _, x in logs)
+    m = statistics.fmean(means)
+    out: dict[str, Any] = {"pairs": n, "ratio": round(math.exp(m), 4), "ci95": None}
+    if k >= 2:
+        sd_r = statistics.stdev(means)
+        h = t975(k - 1) * sd_r / math.sqrt(k)
+        out.update(ci95=[round(math.exp(m - h), 4), round(math.exp(m + h), 4)],
+                   half_width=round(math.exp(h) - 1, 4))
+    out["sd_log"] = round(sd, 4)
+    out["rounds"] = k
+    out["replicas"] = len({rep for _, rep, _ in logs})
+    if k >= 2:
+        out["sd_log_round_mean"] = round(sd_r, 4)
+        out["effective_pairs"] = round((sd / sd_r) ** 2 * k, 1) if sd_r > 0 else None
+    out["replica_correlation"] = replica_correlation(logs)
+    return out
+
+
+def clustered_mean(values: list[tuple[int, float]]) -> dict[str, Any] | None:
+    """Mean and 95% interval of a difference measured per pair: the t-interval over the
+    rounds' means (as ``clustered_ci``, on a linear scale); None below 2 rounds."""
+    means = round_means(values)
+    k = len(means)
+    if k < 2:
+        return None
+    mean, sd = statistics.fmean(means), statistics.stdev(means)
+    hw = t975(k - 1) * sd / math.sqrt(k)
+    return {"pairs": len(values), "rounds": k, "mean": round(mean, 4),
+            "ci95": [round(mean - hw, 4), round(mean + hw, 4)]}
+
+
+def add_targets(stat: dict[str, Any], target: float, seconds_per_round: float | None) -> None:
+    """The rounds (and the pairs and seconds they take) a ``target`` interval needs at
+    the noise of a round's mean (one replica: the per-pair noise, as ever)."""
+    sd = stat.get("sd_log_round_mean") if "rounds" in stat else stat.get("sd_log")
+    if not sd:
+        return
+    k = pairs_for(sd, target)
+    per_round = stat["pairs"] / stat.get("rounds", stat["pairs"])
+    stat["rounds_for_target"] = k
+    stat["pairs_for_target"] = math.ceil(k * per_round - 1e-9)
+    if seconds_per_round:
+        stat["seconds_for_target"] = round(k * seconds_per_round)
+
+
 def pct(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
@@ -774,29 +995,122 @@ def pct(xs: list[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def ttft_ratios(pairs: list[tuple[dict[str, Any], dict[str, Any]]], q: float,
-                rng: random.Random, rounds: int = 400) -> dict[str, Any]:
+SlicePair = tuple[dict[str, Any], dict[str, Any]]  # (traced, untraced) slice records
+
+
+def ttft_ratios(rounds: list[list[SlicePair]], q: float, rng: random.Random,
+                draws: int = 400) -> dict[str, Any]:
     """Pooled TTFT quantile ``q`` traced / untraced, and a 95% interval from resampling
-    the pairs."""
-    def ratio(sample: list[tuple[dict[str, Any], dict[str, Any]]]) -> float | None:
-        t = [x for tr, _ in sample for x in tr["ttft_ms"]]
-        u = [x for _, un in sample for x in un["ttft_ms"]]
+    whole rounds (each with all its replicas' pairs: they are not independent; one
+    replica: resampling the pairs)."""
+    def ratio(sample: list[list[SlicePair]]) -> float | None:
+        t = [x for rnd in sample for tr, _ in rnd for x in tr["ttft_ms"]]
+        u = [x for rnd in sample for _, un in rnd for x in un["ttft_ms"]]
         a, b = pct(t, q), pct(u, q)
         return a / b if a and b else None
 
-    point = ratio(pairs)
-    boot = sorted(r for r in (ratio([rng.choice(pairs) for _ in pairs])
-                              for _ in range(rounds)) if r is not None)
+    point = ratio(rounds)
+    boot = sorted(r for r in (ratio([rng.choice(rounds) for _ in rounds])
+                              for _ in range(draws)) if r is not None)
     ci = [round(pct(boot, 0.025), 4), round(pct(boot, 0.975), 4)] if boot else None
     return {"ratio": round(point, 4) if point else None, "ci95": ci}
 
 
+@dataclass
+class Lane:
+    """One replica: its server, its load generator and its GPU (``CUDA_VISIBLE_DEVICES``
+    entry; None: not set)."""
+
+    replica: int
+    server: Server
+    client: Client | None = None
+    gpu: str | None = None
+
+    @property
+    def nvml_index(self) -> int | None:
+        """Its GPU's NVML index, for the clock sampler: 0 where ``CUDA_VISIBLE_DEVICES``
+        is left alone (one replica, as ever), none for a GPU named by UUID."""
+        if self.gpu is None:
+            return 0
+        return int(self.gpu) if self.gpu.isdigit() else None
+
+
+def start_lanes(kind: str, args: argparse.Namespace, work: Path, plan: CpuPlan,
+                gpus: list[str | None], lanes: list[Lane]) -> None:
+    """Start every replica's server (all at once, then wait for each), each in its own
+    work directory (``work/replica-i``) with its own port and CPUs, on CUDA with its own
+    GPU where there are several replicas; HF kinds serve one tiny Llama built once.
+    ``lanes`` is filled as they start, so that a failure stops those started."""
+    model = tiny_llama(work, args.keep_eos) if kind in ("hf-cb", "hf-plain") else None
+    for i, cpus in enumerate(plan.lanes):
+        rwork = work / f"replica-{i}"
+        rwork.mkdir()
+        env = None
+        if len(plan.lanes) > 1 and gpus[i] is not None:  # NVML's order, for its clocks
+            env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": str(gpus[i])}
+        server = Server(kind, args.device, rwork, cpus["server"], keep_eos=args.keep_eos,
+                        env=env, model=model, wait=False)
+        lanes.append(Lane(i, server, gpu=gpus[i]))
+    for lane in lanes:
+        lane.server.ready()
+
+
+def start_loads(lanes: list[Lane], args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """Every replica's continuous load (``--mode slices``), until tokens flow from each
+    (``first_tokens_after_s``: the last replica's; per replica as well where several),
+    then ``--warmup-s`` of it."""
+    t0 = time.monotonic()
+    for lane in lanes:
+        assert lane.client is not None
+        lane.client.ask("start")
+    firsts = [lane.client.first_tokens(since=t0) for lane in lanes if lane.client is not None]
+    out["first_tokens_after_s"] = max(firsts)
+    if len(firsts) > 1:
+        out["first_tokens_after_s_per_replica"] = firsts
+    time.sleep(args.warmup_s)  # the same, under the load the slices measure
+
+
+def stop_loads(lanes: list[Lane], out: dict[str, Any]) -> None:
+    """Stop every replica's load: each client's totals (``load_per_replica``) and their
+    sum (``load``; one replica: its own)."""
+    replies = [lane.client.ask("stop") for lane in lanes if lane.client is not None]
+    out["load_per_replica"] = replies
+    total: dict[str, Any] = {}
+    for reply in replies:
+        for k, v in reply.items():
+            total[k] = total.get(k, 0) + v if isinstance(v, (int, float)) else v
+    out["load"] = replies[0] if len(replies) == 1 else total
+
+
+def choose_modes(args: argparse.Namespace, gpu: bool) -> list[str]:
+    """Untraced and full, and with ``--breakdown`` the parts this server has."""
+    modes = ["untraced", "full"]
+    if args.breakdown:
+        parts = ["no-payload", "no-analysis", "census", "slow-path"]
+        if gpu:
+            parts += ["no-launch-probes", "burst-min-1ms", "stub-naming-open",
+                      "alias-lookups-open", "sampled", "sampled-p5"]
+            MODES["sampled"] = [f"gpu-sample {args.sample_fraction:g}"
+                                + (f" {args.sample_period:g}" if args.sample_period else "")]
+            MODES["sampled-p5"] = [f"gpu-sample {args.sample_fraction:g} 5"]
+        wanted = args.breakdown_modes.split(",") if args.breakdown_modes else parts
+        modes += [m for m in parts if m in wanted]
+    return modes
+
+
 def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    cpus = plan_cpus()
-    server = Server(kind, args.device, work, cpus["server"], keep_eos=args.keep_eos)
-    client = agent = watch = None
+    """One kind of server, ``--replicas`` of it, traced by one agent: the run's result."""
+    n = args.replicas
+    plan = plan_lanes(n, args.agent_cpus)
+    gpus = replica_gpus(n, args.device)
+    on_gpus = Counter(g for g in gpus if g is not None)
+    lanes: list[Lane] = []
+    agent = watch = None
     out: dict[str, Any] = {"server": kind, "device": args.device, "mode": args.mode,
-                           "cpus": {k: sorted(v) for k, v in cpus.items()},
+                           "replicas": n,
+                           "replicas_per_gpu": max(on_gpus.values()) if on_gpus else None,
+                           "gpus": gpus if args.device == "cuda" else None,
+                           "cpus": plan.as_json(), "cpus_shared": plan.shared,
                            "requests_in_mix" if args.mode == "slices" else
                            "requests_per_window": args.requests,
                            "concurrency": args.concurrency, "max_tokens": args.max_tokens,
@@ -804,80 +1118,81 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
     mode_s: dict[str, float] = {}
     loaded = False
     try:
-        client = Client(server, args, cpus["client"])
+        start_lanes(kind, args, work, plan, gpus, lanes)
+        for lane in lanes:
+            lane.client = Client(lane.server, args, plan.lanes[lane.replica]["client"])
         if args.mode == "windows":
+            assert lanes[0].client is not None
             for _ in range(args.warmup):
-                client.window()  # the engine built, kernels loaded, caches warm
+                lanes[0].client.window()  # the engine built, kernels loaded, caches warm
         else:
-            client.ask("start")
             loaded = True
-            out["first_tokens_after_s"] = client.first_tokens()
-            time.sleep(args.warmup_s)  # the same, under the load the slices measure
-        agent = Agent(server, work, cpus["agent"], args.agent_args.split())
+            start_loads(lanes, args, out)
+        agent = Agent([lane.server for lane in lanes], work, plan.agent, args.agent_args.split())
         t_attached = time.monotonic()
-        pin(server.pid, cpus["server"])  # threads the server started since
+        for lane in lanes:  # threads the servers started since
+            pin(lane.server.pid, plan.lanes[lane.replica]["server"])
         gpu = int(agent.ctl("status").rsplit("gpu_libs=", 1)[1].split()[0]) > 0
         if gpu:  # the window kernel naming opens at attach closes by itself once naming
             agent.ctl("stub-naming off")  # is quiet: closed now, "full" is the steady
             # state, and the window's cost a mode of its own
-        modes = ["untraced", "full"]
-        if args.breakdown:
-            parts = ["no-payload", "no-analysis", "census", "slow-path"]
-            if gpu:
-                parts += ["no-launch-probes", "burst-min-1ms", "stub-naming-open",
-                          "alias-lookups-open", "sampled", "sampled-p5"]
-                MODES["sampled"] = [f"gpu-sample {args.sample_fraction:g}"
-                                    + (f" {args.sample_period:g}" if args.sample_period else "")]
-                MODES["sampled-p5"] = [f"gpu-sample {args.sample_fraction:g} 5"]
-            wanted = args.breakdown_modes.split(",") if args.breakdown_modes else parts
-            modes += [m for m in parts if m in wanted]
+        modes = choose_modes(args, gpu)
         if "slow-path" in modes or "census" in modes:
             from bench.syscall_watch import SyscallWatch
             watch = SyscallWatch()
         if args.mode == "windows":
-            windows, switches, elapsed = run_windows(kind, agent, client, server, args, modes,
-                                                     watch)
+            assert lanes[0].client is not None
+            windows, switches, elapsed = run_windows(kind, agent, lanes[0].client,
+                                                     lanes[0].server, args, modes, watch)
         else:
-            windows, switches, elapsed, mode_s = run_slices(kind, agent, client, server, args,
-                                                            modes, watch)
-            out["load"] = client.ask("stop")
+            windows, switches, elapsed, mode_s = run_slices(kind, agent, lanes, args, modes,
+                                                            watch)
+            stop_loads(lanes, out)
             loaded = False
             mode_s["all"] = time.monotonic() - t_attached
         stats = summarise(windows, modes)
         out.update(stats)
         rounds = max((w["round"] for w in windows), default=0)
-        out["seconds_per_pair"] = round(elapsed / max(1, rounds), 2)
+        out["seconds_per_pair"] = round(elapsed / max(1, rounds * n), 2)
+        out["seconds_per_round"] = round(elapsed / max(1, rounds), 2)
         for key in ("tokens_per_s", "server_cpu_per_token"):
-            sd = stats[key].get("sd_log")
-            if sd:
-                n = pairs_for(sd, args.target)
-                stats[key]["pairs_for_target"] = n
-                stats[key]["seconds_for_target"] = round(n * elapsed / max(1, rounds))
+            add_targets(stats[key], args.target, elapsed / max(1, rounds))
         out["windows" if args.mode == "windows" else "slices"] = windows
         out["switch_s"] = {"max": max(switches, default=0.0),
                            "mean": round(statistics.fmean(switches), 4) if switches else 0.0,
                            "n": len(switches)}
     finally:
-        if loaded and client is not None:
+        if loaded:
             try:
-                out["load"] = client.ask("stop")
+                stop_loads(lanes, out)
             except (RuntimeError, OSError, ValueError):
                 pass
         if watch is not None:
             watch.close()
         summary = agent.stop() if agent is not None else {}
-        if client is not None:
-            client.close()
-        server.stop()
+        for lane in lanes:
+            if lane.client is not None:
+                lane.client.close()
+            lane.server.stop()
     out["agent_report_tail"] = agent.stderr.strip().splitlines()[-3:] if agent else []
+    out["agent"] = agent_stats(out, summary, mode_s, args.mode)
+    return out
+
+
+def agent_stats(out: dict[str, Any], summary: dict[str, Any], mode_s: dict[str, float],
+                mode: str) -> dict[str, Any]:
+    """The agent's CPU per 1k requests and per 1M launches over the traced slices
+    (windows), its records per second, its report. The agent's CPU and records are
+    split among a time slice's replicas: summed over the records they are the agent's;
+    time is counted once per time slice (replica 0's records)."""
     launches = sum(p.get("kernel_launches", 0) for p in summary.get("gpu", {}).get("processes", []))
     ws = out.get("windows", out.get("slices", []))
     # windows: every traced window; slices: the fully traced ones
-    traced = [w for w in ws if (w["mode"] == "full" if args.mode == "slices"
+    traced = [w for w in ws if (w["mode"] == "full" if mode == "slices"
                                 else w["mode"] != "untraced")]
     cpu_traced = sum(w["agent_cpu_s"] for w in traced)
-    traced_s = sum(w["wall_s"] for w in traced)
-    if args.mode == "slices" and launches:
+    traced_s = sum(w["wall_s"] for w in traced if w.get("replica", 0) == 0)
+    if mode == "slices" and launches:
         # launches are counted over the whole run: their rate over the time the launch
         # probes were in, times the traced slices' time
         probed_s = mode_s.get("all", 0.0) - mode_s.get("untraced", 0.0) \
@@ -885,7 +1200,7 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
         launches_in = launches * traced_s / probed_s if probed_s > 0 else 0
     else:
         launches_in = launches
-    out["agent"] = {
+    stats = {
         "cpu_per_1k_requests_s": round(1000 * cpu_traced / max(1, sum(w["requests"] for w in traced)), 4),
         "cpu_per_1m_launches_s": round(1e6 * cpu_traced / launches_in, 3) if launches_in else None,
         "launches_traced": launches,
@@ -898,8 +1213,8 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
                          summary.get("gpu", {}).get("processes", []) if p.get("kernel_launches")],
     }
     if mode_s:
-        out["agent"]["seconds_in_mode"] = {k: round(v, 1) for k, v in mode_s.items()}
-    return out
+        stats["seconds_in_mode"] = {k: round(v, 1) for k, v in mode_s.items()}
+    return stats
 
 
 def pairs_for(sd: float, target: float) -> int:
@@ -914,9 +1229,13 @@ def pairs_for(sd: float, target: float) -> int:
 
 def progress(kind: str, order: int, elapsed: float, stats: dict[str, Any]) -> None:
     tp, cp = stats["tokens_per_s"], stats["server_cpu_per_token"]
+    several = (tp.get("replicas") or 1) > 1
+    extra = (f" [{tp.get('pairs')} pairs; sd of a round's mean {tp.get('sd_log_round_mean')}, "
+             f"replica correlation {tp.get('replica_correlation')}, effective pairs "
+             f"{tp.get('effective_pairs')}]") if several else ""
     print(f"{kind}: round {order}, {elapsed:.0f}s: tokens/s ratio {tp.get('ratio')} "
           f"+-{tp.get('half_width')} (sd {tp.get('sd_log')}); server CPU/token ratio "
-          f"{cp.get('ratio')} +-{cp.get('half_width')} (sd {cp.get('sd_log')})",
+          f"{cp.get('ratio')} +-{cp.get('half_width')} (sd {cp.get('sd_log')}){extra}",
           file=sys.stderr, flush=True)
 
 
@@ -976,18 +1295,91 @@ def run_windows(kind: str, agent: Agent, client: Client, server: Server,
     return windows, switches, time.monotonic() - t_start
 
 
-def run_slices(kind: str, agent: Agent, client: Client, server: Server,
-               args: argparse.Namespace, modes: list[str], watch: Any = None
+def gpu_clocks(lanes: list[Lane]) -> dict[int, GpuClocks]:
+    """A clock sampler for each GPU the replicas use (by NVML index); none without
+    NVML."""
+    clocks: dict[int, GpuClocks] = {}
+    for lane in lanes:
+        index = lane.nvml_index
+        if index is None or index in clocks:
+            continue
+        try:
+            clocks[index] = GpuClocks(index)
+        except Exception as e:  # noqa: BLE001 (a diagnostic only: no NVML, no clocks)
+            print(f"no GPU clocks: {e!r}", file=sys.stderr)
+            break
+    return clocks
+
+
+def time_slice(mode: str, order: int, agent: Agent, lanes: list[Lane], slice_s: float,
+               watch: Any = None, clocks: dict[int, GpuClocks] | None = None
+               ) -> list[dict[str, Any]]:
+    """One time slice of ``mode``: a record per replica (``replica``) with its server's
+    CPU, system CPU and busiest threads, its client's CPU (its tokens and requests are
+    asked later, ``run_slices``), its GPU's clocks. The agent serves every replica: its
+    CPU and records in the time slice are split evenly among the replicas' records, so
+    that sums over records stay the agent's. Census mode's per-program counts and the
+    servers' syscalls (agent-wide; the union of every server's processes) go on replica
+    0's record only."""
+    census = mode == "census"
+    th0 = [thread_cpu(lane.server.pid) for lane in lanes]
+    p0 = agent.ctl("probe-stats") if census else ""
+    if census and watch is not None:  # the servers' syscalls, by name
+        watch.count_start({p for lane in lanes for p in tree(lane.server.pid)})
+    s0 = [tree_times(lane.server.pid) for lane in lanes]
+    a0, c0, r0 = agent.cpu, [lane_cpu(lane) for lane in lanes], agent.records()
+    t0 = time.monotonic()
+    time.sleep(slice_s)
+    t1 = time.monotonic()
+    s1 = [tree_times(lane.server.pid) for lane in lanes]
+    a1, c1, r1 = agent.cpu, [lane_cpu(lane) for lane in lanes], agent.records()
+    p1 = agent.ctl("probe-stats") if census else ""
+    calls = watch.count_stop() if census and watch is not None else None
+    th1 = [thread_cpu(lane.server.pid) for lane in lanes]
+    n = len(lanes)
+    records = []
+    for i, lane in enumerate(lanes):
+        busy = sorted((v - th0[i].get(k, 0.0) for k, v in th1[i].items()), reverse=True)
+        w: dict[str, Any] = {
+            "mode": mode, "round": order, "replica": lane.replica, "t0": t0, "wall_s": t1 - t0,
+            "server_cpu_s": s1[i][0] - s0[i][0], "agent_cpu_s": (a1 - a0) / n,
+            "client_cpu_s": c1[i] - c0[i],
+            "agent_records": r1 - r0 if n == 1 else (r1 - r0) / n,
+            "server_sys_s": s1[i][1] - s0[i][1],
+            # the server's busiest threads (a GIL-bound server: one near 1.0/s)
+            "server_top_threads_cpu_s": [round(b, 2) for b in busy[:3]]}
+        clock = None if lane.nvml_index is None else (clocks or {}).get(lane.nvml_index)
+        if clock is not None:
+            w["gpu"] = clock.mean(t0, t1)
+        if census and i == 0:
+            a, none = parse_costs(p0), ProgramCost(0, 0)
+            w["programs"] = {name: [c.runs - a.get(name, none).runs,
+                                    c.run_ns - a.get(name, none).run_ns]
+                             for name, c in parse_costs(p1).items()}
+            if calls is not None:
+                w["server_syscalls"] = calls
+        records.append(w)
+    return records
+
+
+def lane_cpu(lane: Lane) -> float:
+    """A replica's client's CPU seconds."""
+    return lane.client.cpu if lane.client is not None else 0.0
+
+
+def run_slices(kind: str, agent: Agent, lanes: list[Lane], args: argparse.Namespace,
+               modes: list[str], watch: Any = None
                ) -> tuple[list[dict[str, Any]], list[float], float, dict[str, float]]:
     """``--mode slices``: under continuous load, slices of ``--slice-s`` in the order
     U T T U U T ... (a round is one untraced and one traced slice, their order
     alternating), the parts' slices after a round's pair every ``--breakdown-every``
     rounds. The agent is switched only where the mode changes; ``--settle-s`` after
-    each switch. Slices are asked of the client one round late, when every request sent
-    in them has had its first token."""
+    each switch. Every time slice measures every replica (``time_slice``). Slices are
+    asked of the clients one round late, when every request sent in them has had its
+    first token."""
     slices: list[dict[str, Any]] = []
     switches: list[float] = []
-    state = ["full", time.monotonic()]
+    state: list[Any] = ["full", time.monotonic()]
     mode_s: dict[str, float] = {}
 
     def go(mode: str) -> None:
@@ -1004,14 +1396,11 @@ def run_slices(kind: str, agent: Agent, client: Client, server: Server,
 
     def fill(todo: list[dict[str, Any]]) -> None:
         for w in todo:
+            client = lanes[w["replica"]].client
+            assert client is not None
             w.update(client.slice(w["t0"], w["t0"] + w["wall_s"]))
 
-    clocks = None
-    if args.device == "cuda":
-        try:
-            clocks = GpuClocks()
-        except Exception as e:  # noqa: BLE001 (a diagnostic only: no NVML, no clocks)
-            print(f"no GPU clocks: {e!r}", file=sys.stderr)
+    clocks = gpu_clocks(lanes) if args.device == "cuda" else {}
     t_start = time.monotonic()
     order = 0
     pending: list[dict[str, Any]] = []
@@ -1023,34 +1412,9 @@ def run_slices(kind: str, agent: Agent, client: Client, server: Server,
         done, pending = pending, []
         for mode in rnd:
             go(mode)
-            th0 = thread_cpu(server.pid)
-            p0 = agent.ctl("probe-stats") if mode == "census" else ""
-            if mode == "census" and watch is not None:  # the server's syscalls, by name
-                watch.count_start(set(tree(server.pid)))
-            (s0, k0), a0, c0, r0 = tree_times(server.pid), agent.cpu, client.cpu, agent.records()
-            t0 = time.monotonic()
-            time.sleep(args.slice_s)
-            t1 = time.monotonic()
-            (s1, k1), a1, c1, r1 = tree_times(server.pid), agent.cpu, client.cpu, agent.records()
-            p1 = agent.ctl("probe-stats") if mode == "census" else ""
-            calls = watch.count_stop() if mode == "census" and watch is not None else None
-            th1 = thread_cpu(server.pid)
-            busy = sorted((v - th0.get(k, 0.0) for k, v in th1.items()), reverse=True)
-            w = {"mode": mode, "round": order, "t0": t0, "wall_s": t1 - t0,
-                 "server_cpu_s": s1 - s0, "agent_cpu_s": a1 - a0, "client_cpu_s": c1 - c0,
-                 "agent_records": r1 - r0, "server_sys_s": k1 - k0,
-                 # the server's busiest threads (a GIL-bound server: one near 1.0/s)
-                 "server_top_threads_cpu_s": [round(b, 2) for b in busy[:3]]}
-            if clocks is not None:
-                w["gpu"] = clocks.mean(t0, t1)
-            if mode == "census":
-                a, none = parse_costs(p0), ProgramCost(0, 0)
-                w["programs"] = {n: [c.runs - a.get(n, none).runs, c.run_ns - a.get(n, none).run_ns]
-                                 for n, c in parse_costs(p1).items()}
-                if calls is not None:
-                    w["server_syscalls"] = calls
-            slices.append(w)
-            pending.append(w)
+            records = time_slice(mode, order, agent, lanes, args.slice_s, watch, clocks)
+            slices += records
+            pending += records
         fill(done)
         elapsed = time.monotonic() - t_start
         if args.partial:  # what a run cut short by a time limit still leaves
@@ -1060,14 +1424,14 @@ def run_slices(kind: str, agent: Agent, client: Client, server: Server,
         if complete:
             stats = summarise(complete, modes)
             progress(kind, order - 1, elapsed, stats)
-            hw = stats["tokens_per_s"].get("half_width")
+            hw = stats["tokens_per_s"].get("half_width")  # the interval over rounds
             if order - 1 >= args.min_pairs and hw is not None and hw <= args.target:
                 break
         if order >= args.max_pairs or elapsed + elapsed / order > args.budget_s:
             break
     fill(pending)
-    if clocks is not None:
-        clocks.running = False
+    for clock in clocks.values():
+        clock.running = False
     now = time.monotonic()
     mode_s[state[0]] = mode_s.get(state[0], 0.0) + now - state[1]
     go("full")  # the agent as it started, for its report
@@ -1082,55 +1446,96 @@ def switch_effects(slices: list[dict[str, Any]]) -> dict[str, Any]:
     one slice right after a switch ("fresh") and one that follows a slice of its own
     mode; a transient after a resume (or a pause) shows as traced (untraced) fresh
     slices slower than the slices after them, and as a gap between the two kinds of
-    pair. The pairs' mean ratio holds both kinds equally often."""
-    def tps(w: dict[str, Any]) -> float:
-        return w["tokens"] / w["wall_s"] if w["wall_s"] else 0.0
-
-    blocks: dict[str, list[float]] = {"full": [], "untraced": []}
-    for a, b in itertools.pairwise(slices):
-        if a["mode"] == b["mode"] and a["mode"] in blocks and a["round"] != b["round"] \
-                and tps(a) and tps(b):
-            blocks[a["mode"]].append(tps(b) / tps(a))
-    rounds: dict[int, dict[str, dict[str, Any]]] = {}
-    first: dict[int, str] = {}
+    pair. The pairs' mean ratio holds both kinds equally often. Sequences are per
+    replica (consecutive slices of the same replica); intervals over rounds
+    (``clustered_ci``)."""
+    lanes: dict[int, list[dict[str, Any]]] = {}
     for w in slices:
-        rounds.setdefault(w["round"], {})[w["mode"]] = w
-        first.setdefault(w["round"], w["mode"])
-    kinds: dict[str, list[float]] = {"untraced": [], "full": []}
-    for k, r in rounds.items():
+        lanes.setdefault(w.get("replica", 0), []).append(w)
+    blocks: dict[str, list[Pair]] = {"full": [], "untraced": []}
+    for rep, ws in lanes.items():
+        for a, b in itertools.pairwise(ws):
+            if a["mode"] == b["mode"] and a["mode"] in blocks and a["round"] != b["round"] \
+                    and tps(a) and tps(b):
+                blocks[a["mode"]].append((b["round"], rep, tps(b) / tps(a)))
+    rounds: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
+    first: dict[tuple[int, int], str] = {}
+    for w in slices:
+        key = (w["round"], w.get("replica", 0))
+        rounds.setdefault(key, {})[w["mode"]] = w
+        first.setdefault(key, w["mode"])
+    kinds: dict[str, list[Pair]] = {"untraced": [], "full": []}
+    for key, r in rounds.items():
         if "full" in r and "untraced" in r and tps(r["untraced"]):
             # the round's second slice is the fresh one
-            second = "full" if first[k] == "untraced" else "untraced"
-            kinds[second].append(tps(r["full"]) / tps(r["untraced"]))
-    return {"traced_next_vs_after_resume": ratio_ci(blocks["full"]),
-            "untraced_next_vs_after_pause": ratio_ci(blocks["untraced"]),
-            "tokens_per_s_pairs_traced_after_resume": ratio_ci(kinds["full"]),
-            "tokens_per_s_pairs_untraced_after_pause": ratio_ci(kinds["untraced"])}
+            second = "full" if first[key] == "untraced" else "untraced"
+            kinds[second].append((*key, tps(r["full"]) / tps(r["untraced"])))
+    return {"traced_next_vs_after_resume": clustered_ci(blocks["full"]),
+            "untraced_next_vs_after_pause": clustered_ci(blocks["untraced"]),
+            "tokens_per_s_pairs_traced_after_resume": clustered_ci(kinds["full"]),
+            "tokens_per_s_pairs_untraced_after_pause": clustered_ci(kinds["untraced"])}
+
+
+LaneRounds = dict[tuple[int, int], dict[str, dict[str, Any]]]  # (round, replica) -> mode -> record
+
+
+def lane_rounds(windows: list[dict[str, Any]]) -> LaneRounds:
+    """Each replica's slices (windows) of each round, by mode; records of old (no
+    ``replica``) are replica 0's."""
+    rounds: LaneRounds = {}
+    for w in windows:
+        rounds.setdefault((w["round"], w.get("replica", 0)), {})[w["mode"]] = w
+    return rounds
+
+
+def tps(w: dict[str, Any]) -> float:
+    """A slice's (window's) output tokens per second."""
+    return w["tokens"] / w["wall_s"] if w["wall_s"] else 0.0
+
+
+def cpt(w: dict[str, Any]) -> float:
+    """A slice's (window's) server CPU seconds per output token."""
+    return w["server_cpu_s"] / max(1, w["tokens"])
+
+
+def per_replica(full: list[tuple[tuple[int, int], dict[str, Any], dict[str, Any]]]
+                ) -> list[dict[str, Any]]:
+    """Each replica's own tokens/s and server CPU per token ratios (``ratio_ci`` over its
+    pairs), and its untraced tokens/s: a replica unlike the others (a slow GPU) shows."""
+    reps: dict[int, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
+    for (_, rep), t, u in full:
+        reps.setdefault(rep, []).append((t, u))
+    return [{"replica": rep,
+             "tokens_per_s": ratio_ci([tps(t) / tps(u) for t, u in ps if tps(u)]),
+             "server_cpu_per_token": ratio_ci([cpt(t) / cpt(u) for t, u in ps if cpt(u)]),
+             "tokens_per_s_untraced": round(statistics.fmean(tps(u) for _, u in ps), 1)}
+            for rep, ps in sorted(reps.items())]
 
 
 def summarise(windows: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
-    """Per round, each mode against that round's untraced window."""
-    rounds: dict[int, dict[str, dict[str, Any]]] = {}
-    for w in windows:
-        rounds.setdefault(w["round"], {})[w["mode"]] = w
-    full = [(r["full"], r["untraced"]) for r in rounds.values() if "full" in r and "untraced" in r]
-
-    def tps(w: dict[str, Any]) -> float:
-        return w["tokens"] / w["wall_s"] if w["wall_s"] else 0.0
-
-    def cpt(w: dict[str, Any]) -> float:
-        return w["server_cpu_s"] / max(1, w["tokens"])
+    """Per round and replica, each mode against that round's untraced slice (window) of
+    the same replica; intervals over rounds (``clustered_ci``)."""
+    rounds = lane_rounds(windows)
+    full = [(key, r["full"], r["untraced"]) for key, r in rounds.items()
+            if "full" in r and "untraced" in r]
+    by_round: dict[int, list[SlicePair]] = {}
+    for (rnd, _), t, u in full:
+        by_round.setdefault(rnd, []).append((t, u))
+    clusters = list(by_round.values())
 
     rng = random.Random(0)
     out: dict[str, Any] = {
-        "tokens_per_s": ratio_ci([tps(t) / tps(u) for t, u in full if tps(u)]),
-        "ttft_p50": ttft_ratios(full, 0.5, rng) if full else {},
-        "ttft_p99": ttft_ratios(full, 0.99, rng) if full else {},
-        "server_cpu_per_token": ratio_ci([cpt(t) / cpt(u) for t, u in full if cpt(u)]),
-        "tokens_per_s_untraced": round(statistics.fmean(tps(u) for _, u in full), 1) if full else None,
+        "tokens_per_s": clustered_ci([(*k, tps(t) / tps(u)) for k, t, u in full if tps(u)]),
+        "ttft_p50": ttft_ratios(clusters, 0.5, rng) if full else {},
+        "ttft_p99": ttft_ratios(clusters, 0.99, rng) if full else {},
+        "server_cpu_per_token": clustered_ci([(*k, cpt(t) / cpt(u)) for k, t, u in full
+                                              if cpt(u)]),
+        "tokens_per_s_untraced": round(statistics.fmean(tps(u) for _, _, u in full), 1) if full else None,
         "errors": sum(w["errors"] for w in windows),
         "short_requests": sum(w.get("short_requests", 0) for w in windows),
     }
+    if full:
+        out["per_replica"] = per_replica(full)
     if windows and "t0" not in windows[0]:  # windows: the same work each?
         tok = [w["tokens"] for w in windows]
         out["tokens_per_window"] = {"min": min(tok), "max": max(tok), "distinct": len(set(tok))}
@@ -1138,28 +1543,21 @@ def summarise(windows: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]
     for m in modes:
         if m in ("untraced", "full"):
             continue
-        rows = [(r[m], r["full"], r["untraced"]) for r in rounds.values()
+        rows = [(key, r[m], r["full"], r["untraced"]) for key, r in rounds.items()
                 if m in r and "full" in r and "untraced" in r]
-        if not rows:
-            continue
-        # what the mode saves (or, stub-naming-open, adds) of the server CPU per token
-        # full tracing adds over untraced: a part's share of the overhead
-        added = [cpt(f) - cpt(u) for _, f, u in rows]
-        saved = [cpt(f) - cpt(p) for p, f, _ in rows]
-        parts[m] = {"tokens_per_s_vs_untraced": ratio_ci([tps(p) / tps(u) for p, _, u in rows]),
-                    "server_cpu_per_token_vs_untraced": ratio_ci([cpt(p) / cpt(u) for p, _, u in rows]),
-                    "server_cpu_per_token_vs_full": ratio_ci([cpt(p) / cpt(f) for p, f, _ in rows]),
-                    "share_of_added_server_cpu": round(statistics.fmean(saved) / statistics.fmean(added), 3)
-                    if statistics.fmean(added) > 0 else None,
-                    "agent_cpu_per_1k_requests_s": round(1000 * sum(p["agent_cpu_s"] for p, _, _ in rows)
-                                                         / max(1, sum(p["requests"] for p, _, _ in rows)), 4)}
+        if rows:
+            parts[m] = part_ratios(rows)
     if parts:
         out["breakdown"] = parts
     if windows and "server_sys_s" in windows[0]:
         out["server_sys"] = sys_time(windows, rounds)
     census = [w for w in windows if w.get("programs")]
     if census:
-        out["census"] = program_census(census)
+        # the programs' counts are agent-wide (every replica's server): per token over
+        # the tokens of every replica's census slices of those rounds
+        with_programs = {w["round"] for w in census}
+        lanes = [w for w in windows if w["mode"] == "census" and w["round"] in with_programs]
+        out["census"] = program_census(census, lanes)
         counted = [w for w in census if "server_syscalls" in w]
         if counted:
             from bench.syscall_watch import rates
@@ -1170,15 +1568,36 @@ def summarise(windows: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]
     return out
 
 
-def sys_time(windows: list[dict[str, Any]],
-             rounds: dict[int, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+def part_ratios(rows: list[tuple[tuple[int, int], dict[str, Any], dict[str, Any],
+                                 dict[str, Any]]]) -> dict[str, Any]:
+    """One part's mode against the round's full and untraced slices of its replica
+    (``rows``: (round, replica), part, full, untraced)."""
+    # what the mode saves (or, stub-naming-open, adds) of the server CPU per token
+    # full tracing adds over untraced: a part's share of the overhead
+    added = [cpt(f) - cpt(u) for _, _, f, u in rows]
+    saved = [cpt(f) - cpt(p) for _, p, f, _ in rows]
+    return {"tokens_per_s_vs_untraced": clustered_ci([(*k, tps(p) / tps(u))
+                                                      for k, p, _, u in rows]),
+            "server_cpu_per_token_vs_untraced": clustered_ci([(*k, cpt(p) / cpt(u))
+                                                              for k, p, _, u in rows]),
+            "server_cpu_per_token_vs_full": clustered_ci([(*k, cpt(p) / cpt(f))
+                                                          for k, p, f, _ in rows]),
+            "share_of_added_server_cpu": round(statistics.fmean(saved) / statistics.fmean(added), 3)
+            if statistics.fmean(added) > 0 else None,
+            "agent_cpu_per_1k_requests_s": round(1000 * sum(p["agent_cpu_s"] for _, p, _, _ in rows)
+                                                 / max(1, sum(p["requests"] for _, p, _, _ in rows)), 4)}
+
+
+def sys_time(windows: list[dict[str, Any]], rounds: LaneRounds) -> dict[str, Any]:
     """The server's system CPU per second of each mode, and per round what each traced
     mode adds over that round's untraced slice (mean, 95% interval): uprobe traps and
     syscall-tracepoint programs run there, in the traced threads, so this is the
     probes' own cost measured where it is paid (plus any syscalls the probes make the
     server do, none by design). A GIL-bound server loses about this share of its
     throughput where the probes fire with the GIL held (launches), less where they
-    fire in a syscall that released it (socket I/O)."""
+    fire in a syscall that released it (socket I/O). Per round the mean over its
+    replicas of each replica's added system CPU per second, the interval over rounds
+    (``clustered_mean``)."""
     def per_s(w: dict[str, Any]) -> float:
         return w["server_sys_s"] / w["wall_s"] if w["wall_s"] else 0.0
 
@@ -1188,21 +1607,24 @@ def sys_time(windows: list[dict[str, Any]],
     out: dict[str, Any] = {"per_s": {m: round(statistics.fmean(v), 4)
                                      for m, v in per_mode.items()}}
     for m in per_mode:
-        added = [per_s(r[m]) - per_s(r["untraced"]) for r in rounds.values()
+        added = [(rnd, per_s(r[m]) - per_s(r["untraced"])) for (rnd, _), r in rounds.items()
                  if m != "untraced" and m in r and "untraced" in r]
-        if len(added) >= 2:
-            mean, sd = statistics.fmean(added), statistics.stdev(added)
-            hw = t975(len(added) - 1) * sd / math.sqrt(len(added))
-            out[f"{m}_added_per_s"] = {"pairs": len(added), "mean": round(mean, 4),
-                                       "ci95": [round(mean - hw, 4), round(mean + hw, 4)]}
+        est = clustered_mean(added)
+        if est is not None:
+            out[f"{m}_added_per_s"] = est
     return out
 
 
-def program_census(census: list[dict[str, Any]]) -> dict[str, Any]:
+def program_census(census: list[dict[str, Any]],
+                   lanes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Census slices: each BPF program's runs per second and per output token, and
-    its mean run time (inside BPF only: a uprobe's trap is on top)."""
+    its mean run time (inside BPF only: a uprobe's trap is on top). ``census``: the
+    records that carry the agent-wide counts (one per time slice: replica 0's);
+    ``lanes``: every replica's records of those time slices, whose tokens the counts
+    are per (default: ``census``'s own). Per second is per second of time: all the
+    replicas' servers together."""
     wall = sum(w["wall_s"] for w in census)
-    tokens = sum(w.get("tokens", 0) for w in census)
+    tokens = sum(w.get("tokens", 0) for w in (census if lanes is None else lanes))
     totals: dict[str, list[int]] = {}
     for w in census:
         for name, (runs, ns) in w["programs"].items():
@@ -1214,13 +1636,17 @@ def program_census(census: list[dict[str, Any]]) -> dict[str, Any]:
                    "ns_per_run": round(ns / runs, 1) if runs else None,
                    "bpf_cpu_share": round(ns / wall / 1e9, 5)}
             for name, (runs, ns) in sorted(totals.items(), key=lambda kv: -kv[1][0]) if runs}
-    return {"slices": len(census), "seconds": round(wall, 2), "tokens": tokens,
-            "programs": rows,
-            "bpf_cpu_share_all": round(sum(ns for _, ns in totals.values()) / wall / 1e9, 5)}
+    out = {"slices": len(census), "seconds": round(wall, 2), "tokens": tokens,
+           "programs": rows,
+           "bpf_cpu_share_all": round(sum(ns for _, ns in totals.values()) / wall / 1e9, 5)}
+    if lanes is not None and len({w.get("replica", 0) for w in lanes}) > 1:
+        out["replicas"] = len({w.get("replica", 0) for w in lanes})
+    return out
 
 
 def pool(files: list[str], target: float) -> dict[str, Any]:
-    """Several runs' pairs as one sample (their rounds numbered apart)."""
+    """Several runs' pairs as one sample (their rounds numbered apart, their replicas
+    kept; records of old, without ``replica``, are replica 0's)."""
     runs: dict[str, list[dict[str, Any]]] = {}
     seconds: dict[str, float] = {}
     ttft: dict[str, dict[str, list[Any]]] = {}
@@ -1228,8 +1654,10 @@ def pool(files: list[str], target: float) -> dict[str, Any]:
         for r in json.loads(Path(f).read_text())["results"]:
             ws = r.get("slices") or r.get("windows") or []
             key = f"{r['server']} ({r.get('mode', 'windows')})"
-            runs.setdefault(key, []).extend(dict(w, round=w["round"] + 100000 * i) for w in ws)
-            seconds[key] = seconds.get(key, 0.0) + r.get("seconds_per_pair", 0.0) * max(
+            runs.setdefault(key, []).extend(dict(w, round=w["round"] + 100000 * i,
+                                                 replica=w.get("replica", 0)) for w in ws)
+            per_round = r.get("seconds_per_round", r.get("seconds_per_pair", 0.0))
+            seconds[key] = seconds.get(key, 0.0) + per_round * max(
                 (w["round"] for w in ws), default=0)
             for q in ("ttft_p50", "ttft_p99"):
                 ttft.setdefault(key, {}).setdefault(q + "_per_file", []).append(r.get(q))
@@ -1239,13 +1667,11 @@ def pool(files: list[str], target: float) -> dict[str, Any]:
         if len(files) > 1:  # a quantile of runs of different speeds pooled is neither's:
             del stats["ttft_p50"], stats["ttft_p99"]  # each file's own
             stats.update(ttft[key])
-        pairs = stats["tokens_per_s"].get("pairs") or 0
+        rounds = stats["tokens_per_s"].get("rounds") or 0
         for k in ("tokens_per_s", "server_cpu_per_token"):
-            sd = stats[k].get("sd_log")
-            if sd:
-                stats[k]["pairs_for_target"] = n = pairs_for(sd, target)
-                if seconds[key] and pairs:
-                    stats[k]["seconds_for_target"] = round(n * seconds[key] / pairs)
+            add_targets(stats[k], target, seconds[key] / rounds if seconds[key] and rounds
+                        else None)
+        stats["replicas"] = len(stats.get("per_replica", []))
         out[key] = stats
     return out
 
@@ -1268,8 +1694,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds of load, once tokens flow, before the agent starts (slices)")
     ap.add_argument("--warmup", type=int, default=2,
                     help="windows before the agent starts (windows)")
-    ap.add_argument("--min-pairs", type=int, default=8)
-    ap.add_argument("--max-pairs", type=int, default=400)
+    ap.add_argument("--min-pairs", type=int, default=8,
+                    help="at least this many rounds (a pair per replica each)")
+    ap.add_argument("--max-pairs", type=int, default=400,
+                    help="at most this many rounds (a pair per replica each)")
+    ap.add_argument("--replicas", type=int, default=1, metavar="N",
+                    help="slices: N servers at once (on CUDA one per GPU, round robin), "
+                         "each with its own client and CPUs, traced by one agent: N pairs "
+                         "a round, intervals over rounds")
+    ap.add_argument("--agent-cpus", type=int, default=1, metavar="K",
+                    help="CPUs for the agent, before the replicas' (default 1)")
     ap.add_argument("--target", type=float, default=0.01,
                     help="stop once the tokens/s ratio's 95%% interval is this narrow either side")
     ap.add_argument("--budget-s", type=float, default=240.0,
@@ -1314,6 +1748,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.pool:
         print(json.dumps(pool(args.pool, args.target), indent=1))
         return 0
+    if args.replicas < 1 or args.agent_cpus < 1:
+        ap.error("--replicas and --agent-cpus are at least 1")
+    if args.replicas > 1 and args.mode != "slices":
+        ap.error("--replicas takes --mode slices (windows: one server)")
     if os.geteuid() != 0:
         raise SystemExit("needs root (BPF)")
     results = []
@@ -1324,9 +1762,10 @@ def main(argv: list[str] | None = None) -> int:
             work.mkdir()
             results.append(run_server(kind, args, work))
             r = results[-1]
-            print(json.dumps({k: r.get(k) for k in ("server", "mode", "tokens_per_s", "ttft_p50",
-                                                   "ttft_p99", "server_cpu_per_token",
-                                                   "seconds_per_pair", "switch_s", "load",
+            print(json.dumps({k: r.get(k) for k in ("server", "mode", "replicas", "tokens_per_s",
+                                                   "ttft_p50", "ttft_p99",
+                                                   "server_cpu_per_token", "seconds_per_pair",
+                                                   "seconds_per_round", "switch_s", "load",
                                                    "short_requests", "errors",
                                                    "agent", "breakdown")}, default=str),
                   file=sys.stderr, flush=True)

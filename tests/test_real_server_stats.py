@@ -1,0 +1,237 @@
+"""bench/real_server.py's statistics over replicas (``--replicas N``), on synthetic slice
+records: the interval is over rounds (per round the mean of its replicas' log ratios),
+so it equals the one-replica interval for one replica or perfectly correlated ones and
+narrows by ~sqrt(N) for independent ones; old result files (no ``replica``) pool as
+replica 0; the census is per token of every replica."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import real_server as rs
+
+Record = dict[str, Any]
+
+
+def record(mode: str, rnd: int, tokens: float, replica: int | None = 0,
+           **extra: Any) -> Record:
+    """A slice record as run_slices writes it (1 s long, 0.1 s server CPU per 100
+    tokens); ``replica=None``: an old record, without the key."""
+    w: Record = {"mode": mode, "round": rnd, "t0": float(rnd), "wall_s": 1.0,
+                 "tokens": round(tokens), "server_cpu_s": tokens / 1000.0, "requests": 10,
+                 "errors": 0, "short_requests": 0, "ttft_ms": [10.0, 20.0],
+                 "server_sys_s": 0.05 + (0.02 if mode != "untraced" else 0.0),
+                 "agent_cpu_s": 0.01, "agent_records": 100, **extra}
+    if replica is not None:
+        w["replica"] = replica
+    return w
+
+
+def slices(log_ratios: list[list[float]], base: list[float] | None = None,
+           replica_key: bool = True) -> list[Record]:
+    """ABBA slices: ``log_ratios[round][replica]`` is the pair's log(traced/untraced);
+    replica i's untraced slice makes ``base[i]`` tokens. Records in run_slices' order:
+    each time slice's replicas one after the other."""
+    out: list[Record] = []
+    for k, row in enumerate(log_ratios, start=1):
+        order = ["untraced", "full"] if k % 2 else ["full", "untraced"]
+        for mode in order:
+            for i, x in enumerate(row):
+                b = (base or [10000.0] * len(row))[i]
+                tokens = b * math.exp(x) if mode == "full" else b
+                out.append(record(mode, k, tokens, i if replica_key else None))
+    return out
+
+
+def same_interval(a: dict[str, Any], b: dict[str, Any]) -> None:
+    for key in ("ratio", "ci95", "half_width"):
+        assert a[key] == b[key], key
+
+
+def test_one_replica_is_ratio_ci() -> None:
+    rng = random.Random(1)
+    ratios = [math.exp(rng.gauss(-0.05, 0.1)) for _ in range(40)]
+    clustered = rs.clustered_ci([(k, 0, r) for k, r in enumerate(ratios)])
+    plain = rs.ratio_ci(ratios)
+    for key, value in plain.items():
+        assert clustered[key] == value, key
+    assert clustered["rounds"] == clustered["pairs"] == 40
+    assert clustered["sd_log_round_mean"] == plain["sd_log"]
+    assert clustered["replica_correlation"] is None
+    assert clustered["effective_pairs"] == 40.0
+    # and through summarise: the tokens/s pairs of one replica
+    logs = [[math.log(r)] for r in ratios[:12]]
+    stats = rs.summarise(slices(logs), ["untraced", "full"])
+    plain = rs.ratio_ci([round(10000 * r) / 10000 for r in ratios[:12]])
+    for key in ("pairs", "ratio", "ci95", "half_width", "sd_log"):
+        assert stats["tokens_per_s"][key] == plain[key], key
+
+
+def test_correlated_replicas_do_not_narrow_the_interval() -> None:
+    rng = random.Random(2)
+    logs = [rng.gauss(-0.05, 0.1) for _ in range(12)]
+    one = rs.summarise(slices([[x] for x in logs]), ["untraced", "full"])
+    three = rs.summarise(slices([[x, x, x] for x in logs]), ["untraced", "full"])
+    same_interval(three["tokens_per_s"], one["tokens_per_s"])
+    t = three["tokens_per_s"]
+    assert (t["pairs"], t["rounds"], t["replicas"]) == (36, 12, 3)
+    assert t["replica_correlation"] == 1.0
+    assert t["sd_log_round_mean"] == one["tokens_per_s"]["sd_log"]
+    # worth the rounds, not the pairs: 3k(k-1)/(3k-1) = 11.31 for k = 12
+    assert t["effective_pairs"] == pytest.approx(11.3, abs=0.05)
+    # the naive interval over all 36 pairs would be ~sqrt(3) narrower: wrong
+    naive = rs.ratio_ci([math.exp(x) for x in logs for _ in range(3)])
+    assert naive["half_width"] < 0.62 * t["half_width"]
+    # the CPU per token and the added system CPU are clustered the same way
+    same_interval(three["server_cpu_per_token"], one["server_cpu_per_token"])
+    a, b = one["server_sys"]["full_added_per_s"], three["server_sys"]["full_added_per_s"]
+    assert (a["mean"], a["ci95"], a["rounds"]) == (b["mean"], b["ci95"], b["rounds"])
+    assert (a["pairs"], b["pairs"]) == (12, 36)
+
+
+def test_independent_replicas_narrow_it_by_sqrt_n() -> None:
+    rng = random.Random(3)
+    rounds = 300
+    pairs = [(k, i, math.exp(rng.gauss(-0.05, 0.1))) for k in range(rounds) for i in range(3)]
+    three = rs.clustered_ci(pairs)
+    one = rs.clustered_ci([p for p in pairs if p[1] == 0])
+    ratio = math.log1p(three["half_width"]) / math.log1p(one["half_width"])
+    assert 0.5 < ratio < 0.67  # 1/sqrt(3) = 0.577
+    assert three["effective_pairs"] == pytest.approx(900, rel=0.2)
+    assert abs(three["replica_correlation"]) < 0.15
+    assert three["sd_log"] == pytest.approx(0.1, rel=0.1)
+    assert three["sd_log_round_mean"] == pytest.approx(0.1 / math.sqrt(3), rel=0.1)
+
+
+def test_a_shared_round_effect_is_not_averaged_away() -> None:
+    """Replicas sharing each round's shock (the switch, the agent): the interval stays
+    as wide as the shocks make it, where one over all pairs would not."""
+    rng = random.Random(4)
+    pairs = []
+    for k in range(200):
+        shock = rng.gauss(0, 0.1)
+        pairs += [(k, i, math.exp(shock + rng.gauss(0, 0.02))) for i in range(4)]
+    clustered = rs.clustered_ci(pairs)
+    naive = rs.ratio_ci([r for _, _, r in pairs])
+    assert clustered["half_width"] > 1.8 * naive["half_width"]
+    assert clustered["replica_correlation"] > 0.9
+    assert clustered["effective_pairs"] < 250
+
+
+def test_targets_count_rounds() -> None:
+    rng = random.Random(5)
+    pairs = [(k, i, math.exp(rng.gauss(0, 0.1))) for k in range(50) for i in range(4)]
+    stat = rs.clustered_ci(pairs)
+    rs.add_targets(stat, 0.01, 10.0)
+    k = rs.pairs_for(stat["sd_log_round_mean"], 0.01)
+    assert stat["rounds_for_target"] == k
+    assert stat["pairs_for_target"] == 4 * k
+    assert stat["seconds_for_target"] == round(10.0 * k)
+    one = rs.ratio_ci([math.exp(rng.gauss(0, 0.1)) for _ in range(20)])
+    rs.add_targets(one, 0.01, 5.0)  # ratio_ci's dict: per pair, as ever
+    assert one["pairs_for_target"] == rs.pairs_for(one["sd_log"], 0.01)
+
+
+def test_per_replica_and_switch_sequences_stay_within_a_replica() -> None:
+    # replica 1 twice as fast as replica 0, tracing free: every ratio within a
+    # replica is 1, any pairing across replicas would give 2 or 0.5
+    logs = [[0.0, 0.0] for _ in range(8)]
+    stats = rs.summarise(slices(logs, base=[5000.0, 10000.0]), ["untraced", "full"])
+    per = stats["per_replica"]
+    assert [p["replica"] for p in per] == [0, 1]
+    assert [p["tokens_per_s_untraced"] for p in per] == [5000.0, 10000.0]
+    assert all(p["tokens_per_s"]["ratio"] == 1.0 for p in per)
+    effects = stats["switch_effects"]
+    nxt = effects["traced_next_vs_after_resume"]
+    assert nxt["pairs"] == 8 and nxt["ratio"] == 1.0  # 4 per replica in 8 rounds
+    assert effects["untraced_next_vs_after_pause"]["pairs"] == 6
+    assert effects["tokens_per_s_pairs_traced_after_resume"]["pairs"] == 8
+
+
+def test_pool_takes_old_files_as_replica_0(tmp_path: Path) -> None:
+    rng = random.Random(6)
+    old_logs = [[rng.gauss(-0.05, 0.1)] for _ in range(10)]
+    new_logs = [[rng.gauss(-0.05, 0.1), rng.gauss(-0.05, 0.1)] for _ in range(6)]
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"results": [{
+        "server": "hf-cb", "mode": "slices", "seconds_per_pair": 7.0,
+        "slices": slices(old_logs, replica_key=False)}]}))
+    new = tmp_path / "new.json"
+    new.write_text(json.dumps({"results": [{
+        "server": "hf-cb", "mode": "slices", "seconds_per_pair": 4.5, "seconds_per_round": 9.0,
+        "slices": slices(new_logs)}]}))
+    alone = rs.pool([str(old)], 0.01)["hf-cb (slices)"]
+    direct = rs.summarise(slices(old_logs), ["untraced", "full"])
+    same_interval(alone["tokens_per_s"], direct["tokens_per_s"])
+    assert alone["replicas"] == 1
+    t = alone["tokens_per_s"]
+    assert t["pairs"] == t["rounds"] == 10
+    assert t["pairs_for_target"] == rs.pairs_for(t["sd_log"], 0.01)
+    assert t["seconds_for_target"] == round(7.0 * t["pairs_for_target"])
+    both = rs.pool([str(old), str(new)], 0.01)["hf-cb (slices)"]
+    t = both["tokens_per_s"]
+    assert (t["pairs"], t["rounds"], both["replicas"]) == (10 + 12, 16, 2)
+    # per round the mean of its replicas: the old file's rounds one pair, the new two
+    means = [x[0] for x in old_logs] + [(a + b) / 2 for a, b in new_logs]
+    want = rs.ratio_ci([math.exp(m) for m in means])
+    assert t["ratio"] == pytest.approx(want["ratio"], abs=2e-4)
+    assert t["ci95"] == pytest.approx(want["ci95"], abs=2e-4)
+    # seconds: 10 rounds at 7 s and 6 at 9 s, 124 s for 16 rounds
+    assert t["seconds_for_target"] == round(t["rounds_for_target"] * 124 / 16)
+
+
+def test_census_is_per_token_of_every_replica() -> None:
+    ws = slices([[0.0, 0.0, 0.0]] * 2)
+    for k, n in ((3, 1000), (4, 3000)):  # census slices in two rounds, counts on replica 0
+        for i in range(3):
+            extra = {"programs": {"tt_launch": [n, n * 200]}} if i == 0 else {}
+            ws.append(record("census", k, 2000.0, i, **extra))
+    census = rs.summarise(ws, ["untraced", "full", "census"])["census"]
+    assert census["tokens"] == 4 * 3 * 2000 // 2  # 2 time slices x 3 replicas x 2000
+    assert census["seconds"] == 2.0  # time, once per time slice
+    assert census["replicas"] == 3
+    row = census["programs"]["tt_launch"]
+    assert row["runs_per_token"] == round(4000 / 12000, 3)
+    assert row["runs_per_s"] == 2000.0
+    assert row["ns_per_run"] == 200.0
+    # one replica: as ever, per its own tokens
+    one = rs.program_census([w for w in ws if w.get("programs")])
+    assert one["tokens"] == 4000 and "replicas" not in one
+
+
+def test_ttft_bootstrap_draws_whole_rounds() -> None:
+    ws = slices([[0.0, 0.0]] * 6)
+    for w in ws:  # replica 1's traced TTFTs twice its untraced, replica 0's equal
+        if w["replica"] == 1 and w["mode"] == "full":
+            w["ttft_ms"] = [20.0, 40.0]
+    stats = rs.summarise(ws, ["untraced", "full"])
+    p50 = stats["ttft_p50"]
+    assert p50["ratio"] == pytest.approx(20.0 / 15.0, abs=1e-4)  # pooled over every pair
+    # every round holds both replicas: each resample has the same pooled quantiles
+    assert p50["ci95"] == [p50["ratio"], p50["ratio"]]
+
+
+def test_cpu_plan() -> None:
+    assert rs.plan_cpus(16) == {"agent": {0}, "client": {1, 2}, "server": set(range(3, 16))}
+    assert rs.plan_cpus(4) == {"agent": {0}, "client": {1}, "server": {2, 3}}
+    assert rs.plan_cpus(2) == {"agent": {1}, "client": {0}, "server": {0}}
+    plan = rs.plan_lanes(4, 1, 64)
+    assert plan.agent == {0} and not plan.shared
+    assert [lane["client"] for lane in plan.lanes] == [{1, 2}, {16, 17}, {31, 32}, {46, 47}]
+    assert all(len(lane["server"]) == 13 for lane in plan.lanes)
+    assert plan.unused == {61, 62, 63}
+    assert rs.plan_lanes(2, 2, 8).agent == {0, 1}
+
+
+def test_a_small_host_shares_every_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    plan = rs.plan_lanes(2, 1, 6)
+    assert plan.shared and plan.agent == set(range(6))
+    assert all(lane["server"] == lane["client"] == set(range(6)) for lane in plan.lanes)
+    assert "too few" in capsys.readouterr().err
+    assert plan.as_json()["replicas"][1]["server"] == list(range(6))
