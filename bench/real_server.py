@@ -102,7 +102,8 @@ dropped; on GPU servers the kernel-launch uprobes, the stub-naming window, the
 cuKernelGetFunction look-up window held open, and ``--burst-min-us 1000``), or one mode
 more (``census``: full tracing with the kernel's
 per-program statistics on; ``sampled``: ``--gpu-sample --sample-fraction`` switched on
-while running), and reports each part's share of the server's added CPU;
+while running; ``sampled-copies``: the same with the device-to-device copies' probes
+switched with the launch probes), and reports each part's share of the server's added CPU;
 ``--breakdown-modes`` picks some. Every slice also records the server's system CPU,
 where the probes' own cost is paid (uprobe traps, tracepoint programs): ``server_sys``
 gives each mode's added system CPU per second over the untraced slice of its round,
@@ -859,6 +860,9 @@ MODES = {  # name -> control commands that set it up from "full" (the default tr
     # the same with the launch probes on 0.5 s of every 5 s (--gpu-sample auto's period
     # where --gpu-sample-period is left at its default)
     "sampled-p5": ["gpu-sample 0.1 5"],
+    # "sampled" with the device-to-device copies' probes switched with the launch probes
+    # (as --gpu-sample auto does where a thread's steps are told apart without them)
+    "sampled-copies": ["gpu-sample 0.1 copies"],
     # no probe of ours, only a do-nothing syscall tracepoint held by the bench: what the
     # kernel's syscall slow path (on while any syscall tracepoint is) costs the server
     "slow-path": ["pause", "bench:slow-path on"],
@@ -868,7 +872,7 @@ UNDO = {"untraced": ["resume"], "full": [], "no-payload": ["capture-limit 262144
         "burst-min-1ms": ["burst-min-us 0"], "stub-naming-open": ["stub-naming off"],
         "alias-lookups-open": ["alias-lookups off"],
         "census": ["probe-stats off"], "sampled": ["gpu-sample 1"],
-        "sampled-p5": ["gpu-sample 1"],
+        "sampled-p5": ["gpu-sample 1"], "sampled-copies": ["gpu-sample 1"],
         "slow-path": ["bench:slow-path off", "resume"]}
 
 
@@ -1089,10 +1093,11 @@ def choose_modes(args: argparse.Namespace, gpu: bool) -> list[str]:
         parts = ["no-payload", "no-analysis", "census", "slow-path"]
         if gpu:
             parts += ["no-launch-probes", "burst-min-1ms", "stub-naming-open",
-                      "alias-lookups-open", "sampled", "sampled-p5"]
+                      "alias-lookups-open", "sampled", "sampled-p5", "sampled-copies"]
             MODES["sampled"] = [f"gpu-sample {args.sample_fraction:g}"
                                 + (f" {args.sample_period:g}" if args.sample_period else "")]
             MODES["sampled-p5"] = [f"gpu-sample {args.sample_fraction:g} 5"]
+            MODES["sampled-copies"] = [MODES["sampled"][0] + " copies"]
         wanted = args.breakdown_modes.split(",") if args.breakdown_modes else parts
         modes += [m for m in parts if m in wanted]
     return modes
@@ -1717,7 +1722,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--breakdown-modes", metavar="M,M", default="",
                     help="only these parts of --breakdown (no-payload, no-analysis, census, "
                          "slow-path, no-launch-probes, burst-min-1ms, stub-naming-open, "
-                         "alias-lookups-open, sampled, sampled-p5)")
+                         "alias-lookups-open, sampled, sampled-p5, sampled-copies)")
     ap.add_argument("--sample-fraction", type=float, default=0.1, metavar="F",
                     help="the sampled part's --gpu-sample (default 0.1; its period is the "
                          "agent's --gpu-sample-period, e.g. --agent-args=--gpu-sample-period=1)")

@@ -5,7 +5,7 @@ Each capture is replayed twice through ``Pipeline.feed``: as recorded (the truth
 with the launch probes' sampling imposed on it. For the second, the launch probes are on
 for FRACTION of each PERIOD: a burst not wholly inside an "on" window loses its launches
 and kernels, as it would with the probes detached (its copies, memsets and syncs stay:
-those probes stay on), and the switches arrive as ``GpuSampling`` events, as the agent
+those probes stay on, but see ``--copies``), and the switches arrive as ``GpuSampling`` events, as the agent
 sends them. Per request, the kernel launches and GPU time charged are then compared
 with the truth; the totals charged, and the conservation (charged plus unattributed
 equals observed), are checked in both.
@@ -16,11 +16,14 @@ step's start does not use it (``tracer/correlate/sampling.py``), so this does no
 flatter the result.
 
     python3 bench/sampling_error.py [CAPTURE ...] [--fraction 0.1] [--period-s 1]
-                                    [--phases 4] [--exact-s S]
+                                    [--phases 4] [--exact-s S] [--copies]
                                     [--out bench/results/sampling_error.json]
 
 ``--exact-s S``: every launch counted for the first S seconds, sampling after, as
-``--gpu-sample auto`` switches.
+``--gpu-sample auto`` switches. ``--copies``: the device-to-device copies are switched
+with the launch probes, as ``--gpu-sample auto`` does where the other probes tell a
+thread's steps apart without them (``copies_blind_error`` in the output: how far off
+launches estimated without them were, per step thread, on the truth's steps).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 from tracer.correlate.connections import TrackerOptions  # noqa: E402
 from tracer.correlate.records import RequestRecord  # noqa: E402
 from tracer.events import capture, schema  # noqa: E402
-from tracer.events.gpu import GpuSampling, KernelBurst  # noqa: E402
+from tracer.events.gpu import SAMPLED_COPY_KINDS, GpuSampling, KernelBurst  # noqa: E402
 from tracer.pipeline import Pipeline  # noqa: E402
 
 DEFAULT_CAPTURES = [ROOT / "samples/captures/hf-cb-c32-h100.ttcap",
@@ -60,12 +63,13 @@ def load(path: Path) -> tuple[list[Any], dict[str, Any]]:
 
 
 def impose(items: list[Any], fraction: float, period_ns: int, phase_ns: int,
-           exact_ns: int = 0) -> list[Any]:
+           exact_ns: int = 0, copies: bool = False) -> list[Any]:
     """``items`` as ``--gpu-sample fraction`` with this period would have recorded them:
     launch probes on for the first ``fraction`` of each period (periods start
     ``phase_ns`` before the first burst, or ``exact_ns`` after it: every launch counted
     until then, as ``--gpu-sample auto`` does), switches sent before the first burst
-    after them, bursts not wholly inside an "on" window without launches."""
+    after them, bursts not wholly inside an "on" window without launches (and, with
+    ``copies``, without device-to-device copies: switched with the launches)."""
     bursts = [i for i in items if isinstance(i, KernelBurst)]
     if not bursts:
         return list(items)
@@ -89,12 +93,18 @@ def impose(items: list[Any], fraction: float, period_ns: int, phase_ns: int,
         if isinstance(item, KernelBurst):
             while k < len(switches) and switches[k][0] <= item.last_ts:
                 ts, enabled = switches[k]
-                out.append(GpuSampling(ts=ts, enabled=enabled, fraction=fraction))
+                out.append(GpuSampling(ts=ts, enabled=enabled, fraction=fraction,
+                                       copies=copies))
                 k += 1
             whole = item.last_ts < start or (window(item.first_ts) == window(item.last_ts)
                                              and on(item.first_ts) and on(item.last_ts))
             if not whole:
                 item = replace(item, launches=0, graph_launches=0, handle_counts={})
+            if not whole and copies:  # the copies switched with the launches
+                item = replace(item, copy_bytes={k: 0 if k in SAMPLED_COPY_KINDS else n
+                                                 for k, n in item.copy_bytes.items()},
+                               copy_calls={k: 0 if k in SAMPLED_COPY_KINDS else n
+                                           for k, n in item.copy_calls.items()})
         out.append(item)
     return out
 
@@ -143,7 +153,7 @@ def errors(truth: Collect, sampled: Collect, key: str, scale: float = 1.0) -> di
 
 
 def measure(path: Path, fraction: float, period_s: float, phases: int,
-            exact_s: float = 0.0) -> dict[str, Any]:
+            exact_s: float = 0.0, copies: bool = False) -> dict[str, Any]:
     items, header = load(path)
     truth, tp = replay(items, header)
     assert tp.attribution.ledger.balanced()
@@ -151,8 +161,8 @@ def measure(path: Path, fraction: float, period_s: float, phases: int,
     period_ns = int(period_s * 1e9)
     for i in range(phases):
         phase = period_ns * i // phases
-        sampled, sp = replay(impose(items, fraction, period_ns, phase, int(exact_s * 1e9)),
-                             header)
+        sampled, sp = replay(impose(items, fraction, period_ns, phase, int(exact_s * 1e9),
+                                    copies), header)
         stats = sp.stats
         recon = sp.attribution.ledger
         runs.append({
@@ -163,9 +173,17 @@ def measure(path: Path, fraction: float, period_s: float, phases: int,
             "steps_unestimated": stats["gpu_steps_unestimated"],
             "kernel_launches": errors(truth, sampled, "gpu.kernel_launches"),
             "gpu_time": errors(truth, sampled, "gpu.time_ms"),
+            **{f"memcpy_bytes_{k}": errors(truth, sampled, f"gpu.memcpy_bytes.{k}")
+               for k in SAMPLED_COPY_KINDS},
         })
+    est = tp.attribution.estimates
     return {"capture": path.name, "requests": len(truth.gpu), "fraction": fraction,
-            "period_s": period_s, "exact_s": exact_s, "runs": runs}
+            "period_s": period_s, "exact_s": exact_s, "copies": copies,
+            # how far launches estimated without the device-to-device copies were off,
+            # per step thread, over the truth's steps (what --gpu-sample auto decides by)
+            "copies_blind_error": {f"{pid}/{tid}": round(e, 4) for (pid, tid) in est.blind
+                                   if (e := est.blind_error(pid, tid)) is not None},
+            "runs": runs}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,10 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phases", type=int, default=4, help="sampling phases per capture")
     ap.add_argument("--exact-s", type=float, default=0.0, metavar="S",
                     help="every launch counted for the first S seconds (--gpu-sample auto)")
+    ap.add_argument("--copies", action="store_true",
+                    help="the device-to-device copies switched with the launch probes")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     doc = {"bench": "sampling_error", "results": [
-        measure(p, args.fraction, args.period_s, args.phases, args.exact_s)
+        measure(p, args.fraction, args.period_s, args.phases, args.exact_s, args.copies)
         for p in args.captures]}
     text = json.dumps(doc, indent=1)
     if args.out:

@@ -97,24 +97,45 @@ def decide_over(path: Path, auto: AutoSample) -> tuple[list[tuple[float, float]]
             start = next_check = now
         if now >= next_check:
             next_check = now + auto.check_s
-            f = auto.check(now, p.gpu_threads(), p.attribution.same_thread)
+            threads = p.gpu_threads()
+            est = p.attribution.estimates
+            f = auto.check(now, threads, p.attribution.same_thread,
+                           {k: est.copies_tell_steps_apart(*k) for k in threads})
             if f is not None:
                 switches.append((round(now - start, 1), f))
     p.close()
     return switches, p
 
 
-@pytest.mark.parametrize("name", ["hf-cb-c32-h100.ttcap", "hf-plain-c4-h100.ttcap"])
-def test_hf_serve_on_an_h100_is_sampled_once_its_engine_is_busy(name):
+@pytest.mark.parametrize("name,copies", [("hf-cb-c32-h100.ttcap", True),
+                                          ("hf-plain-c4-h100.ttcap", False)])
+def test_hf_serve_on_an_h100_is_sampled_once_its_engine_is_busy(name, copies):
     # both launch from threads that never move a request's bytes and close a step per
-    # sync: continuous batching's generation thread, plain serve's generate() thread
+    # sync: continuous batching's generation thread, plain serve's generate() thread.
+    # Continuous batching's steps are told apart without their device-to-device copies
+    # (those are sampled too); generate()'s are not (three kinds of step, one shape
+    # without them: they stay probed)
     auto = AutoSample()
     switches, p = decide_over(CAPTURES / name, auto)
     assert [f for _, f in switches] == [auto.fraction], (switches, auto.reason)
     assert switches[0][0] <= 3 * auto.check_s  # within the first checks of load
     assert auto.state == "sampling"
+    assert auto.copies is copies, auto.reason
     threads = p.gpu_threads()
     assert threads and not set(threads) & p.attribution.same_thread
+
+
+def test_the_copies_go_with_the_launches_only_where_every_deciding_thread_allows():
+    for needed, copies in (({ENGINE: False}, True), ({ENGINE: True}, False),
+                           ({ENGINE: None}, False), ({}, False),
+                           ({ENGINE: False, OTHER: True}, False)):
+        auto = AutoSample()
+        auto.check(0.0, {}, set())
+        launched = {ENGINE: (40000, 1000), OTHER: (40000, 1000)}
+        if OTHER not in needed:
+            del launched[OTHER]
+        assert auto.check(5.0, launched, set(), needed) == auto.fraction
+        assert auto.copies is copies, (needed, auto.reason)
 
 
 def test_the_sampling_period_follows_how_fast_the_launch_probes_detach():

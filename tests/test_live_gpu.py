@@ -169,33 +169,46 @@ def test_sampled_launch_probes_give_marked_estimates_close_to_the_truth(gpu_buil
     assert proc["sync_calls"] == truth["sync_calls"]
 
 
-def test_sampling_switched_on_and_off_while_running(gpu_build, tmp_path):
-    """`--control gpu-sample F PERIOD` while the workload launches: full counting, then
-    half of each 0.6 s period (the agent started with 5 s periods), then full again.
-    The launch probes really went off (fewer seen than launched), the estimate from
-    the steps counted whole stays within 5 %, what is not sampled stays exact, and a
-    fraction out of (0, 1] or a period under 10 ms is refused."""
+@pytest.mark.parametrize("copies", [False, True])
+def test_sampling_switched_on_and_off_while_running(gpu_build, tmp_path, copies):
+    """`--control gpu-sample F PERIOD [copies]` while the workload launches: full
+    counting, then half of each 0.6 s period (the agent started with 5 s periods), then
+    full again. The launch probes really went off (fewer seen than launched), the
+    estimate from the steps counted whole stays within 5 %, what is not sampled stays
+    exact, and a fraction out of (0, 1] or a period under 10 ms is refused. With
+    ``copies`` the device-to-device copies' probes go off with the launch probes (fewer
+    seen) and are estimated with them; without, they are all counted."""
     from tracer.control import send
 
     sock = str(tmp_path / "ctl.sock")
     replies = []
+    on = "gpu-sample 0.5 0.6" + (" copies" if copies else "")
 
     def switch() -> None:
         time.sleep(0.8)
         replies.extend(send(sock, w) for w in ("gpu-sample 0", "gpu-sample 1.5",
-                                               "gpu-sample 0.5 0", "gpu-sample 0.5 0.6"))
+                                               "gpu-sample 0.5 0", on))
         time.sleep(3.0)
         replies.append(send(sock, "gpu-sample 1"))
 
     proc, truth, _, doc, _ = run_workload(
-        gpu_build, tmp_path, ["--steps", "5000", "--kernels", "12"],
+        gpu_build, tmp_path, ["--steps", "5000", "--kernels", "12", "--d2d", "3"],
         ["--control", sock, "--gpu-sample-period", "5"], kernel_ns=100_000,
         during=switch)
     assert [r.split()[0] for r in replies] == ["error:", "error:", "error:", "ok", "ok"], replies
-    assert replies[3:] == ["ok gpu-sample 0.5 0.6", "ok gpu-sample 1"]
+    assert replies[3:] == ["ok " + on, "ok gpu-sample 1"]
     s = doc["gpu"]["launch_sampling"]
     assert s["estimated"] and s["switches"] >= 8, s  # 0.6 s periods, not 5 s
+    assert s["copies_sampled"] is copies
     assert proc["kernel_launches_seen"] < 0.95 * truth["launches"]
     assert abs(proc["kernel_launches"] - truth["launches"]) < 0.05 * truth["launches"]
     assert proc["memcpy_calls"]["h2d"] == truth["h2d_calls"]
     assert proc["sync_calls"] == truth["sync_calls"]
+    seen, d2d = proc["memcpy_calls_seen"]["d2d"], proc["memcpy_calls"]["d2d"]
+    if copies:
+        assert seen < 0.95 * truth["d2d_calls"]
+        assert abs(d2d - truth["d2d_calls"]) < 0.05 * truth["d2d_calls"]
+        assert abs(proc["memcpy_bytes"]["d2d"] - truth["d2d_bytes"]) < 0.05 * truth["d2d_bytes"]
+    else:
+        assert seen == d2d == truth["d2d_calls"]
+        assert proc["memcpy_bytes"]["d2d"] == truth["d2d_bytes"]

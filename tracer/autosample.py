@@ -18,6 +18,12 @@ Why these numbers (docs/overhead.md, "the default"):
   (``bench/sampling_error.py``); live under this policy, 1,152 requests at
   concurrency 32 scored against the profiler: kernel-share error 1.1% (0.9% with every
   launch counted), GPU-time share 3.6% (1.6%) (``bench/accuracy.py --gpu-sample auto``).
+- The device-to-device copies (HF serve CB: ~38 a step, 45% of the traps left once
+  launches are sampled) are switched with the launch probes too where the other probes
+  tell the deciding threads' steps apart as well without them: launches estimated
+  without them over the steps counted so far were off by 3% or less
+  (``StepEstimates.copies_tell_steps_apart``; HF serve CB ~1%, HF generate 29%: its
+  steps of 143, 5 and 2 launches differ only in these copies). Else they stay probed.
 - A thread that serves its one request itself (a burst charged whole to it,
   "same-thread") has no steps: sampled, its launches would only be scaled by the share
   of time the probes were on, once 90% low on a real GPU. So sampling is chosen only
@@ -44,8 +50,10 @@ class AutoSample:
     """The policy, fed what the analysis knows at each check; it says when to switch.
 
     ``check`` gets, per launching thread, its launches seen and steps closed so far
-    (cumulative) and the threads whose bursts were charged whole to one request; it
-    returns the ``--gpu-sample`` fraction to switch to, or None."""
+    (cumulative), the threads whose bursts were charged whole to one request, and per
+    thread whether its steps need the device-to-device copies to be told apart (None:
+    not known yet); it returns the ``--gpu-sample`` fraction to switch to, or None, and
+    leaves in ``copies`` whether those copies are to be switched with the launches."""
 
     fraction: float = FRACTION
     min_rate: float = MIN_RATE
@@ -53,6 +61,7 @@ class AutoSample:
     check_s: float = CHECK_S  # the caller checks this often
     state: str = "exact"  # "exact", "sampling", or "off" (held exact for good)
     reason: str = "launches counted until they are frequent on step engines"
+    copies: bool = False  # the device-to-device copies switched with the launches
     _last: dict[ThreadKey, tuple[int, int]] = field(default_factory=dict)
     _last_ts: float | None = None
 
@@ -65,7 +74,8 @@ class AutoSample:
         self._last_ts = None
 
     def check(self, now: float, threads: Mapping[ThreadKey, tuple[int, int]],
-              same_thread: AbstractSet[ThreadKey]) -> float | None:
+              same_thread: AbstractSet[ThreadKey],
+              copies_needed: Mapping[ThreadKey, bool | None] | None = None) -> float | None:
         """The fraction to switch to now, or None to stay as it is."""
         last, last_ts = self._last, self._last_ts
         self._last, self._last_ts = dict(threads), now
@@ -95,7 +105,13 @@ class AutoSample:
         if any(new[k][1] < self.min_steps for k in deciding):
             return None  # a busy launcher that does not close steps (yet): no estimate
         self.state = "sampling"
+        needed = [(copies_needed or {}).get(k) for k in deciding]
+        self.copies = bool(needed) and all(n is False for n in needed)
         self.reason = (f"{rate:,.0f} launches/s in one process, on {len(deciding)} engine "
                        f"step thread(s) in all: launch probes on {self.fraction:g} of each "
-                       "period")
+                       "period" + (", with the device-to-device copies" if self.copies else
+                                   "; device-to-device copies all counted (they tell "
+                                   "steps apart)" if any(needed) else
+                                   "; device-to-device copies all counted (too few steps "
+                                   "to tell whether they are needed)"))
         return self.fraction

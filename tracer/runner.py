@@ -105,10 +105,12 @@ class TraceRun:
         auto, session = self.auto_sample, self.session
         if auto is None or session.gpu is None or session.paused:
             return
-        fraction = auto.check(now, self.pipeline.gpu_threads(),
-                              self.pipeline.attribution.same_thread)
+        threads = self.pipeline.gpu_threads()
+        estimates = self.pipeline.attribution.estimates
+        fraction = auto.check(now, threads, self.pipeline.attribution.same_thread,
+                              {k: estimates.copies_tell_steps_apart(*k) for k in threads})
         if fraction is not None:
-            session.set_gpu_sample(fraction, auto.reason)
+            session.set_gpu_sample(fraction, auto.reason, copies=auto.copies)
             self.pipeline.stats["gpu_sample_auto_switches"] += 1
 
     def ask_unnamed(self) -> None:

@@ -36,6 +36,7 @@ CUresult cuLaunchKernelEx(const CUlaunchConfig *, CUfunction, void **, void **);
 CUresult cuGraphLaunch(CUgraphExec, CUstream);
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr, const void *, size_t, CUstream);
 CUresult cuMemcpyDtoHAsync_v2(void *, CUdeviceptr, size_t, CUstream);
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr, CUdeviceptr, size_t, CUstream);
 CUresult cuMemsetD32Async(CUdeviceptr, unsigned, size_t, CUstream);
 CUresult cuStreamSynchronize(CUstream);
 CUresult cuStreamQuery(CUstream);
@@ -47,7 +48,7 @@ int ncclAllReduce(const void *, void *, size_t, int, int, ncclComm_t, CUstream);
 int ncclGroupStart(void);
 int ncclGroupEnd(void);
 
-static int steps = 100, kernels = 8, threads = 1, graph_every = 0, use_nccl = 0;
+static int steps = 100, kernels = 8, threads = 1, graph_every = 0, use_nccl = 0, d2d = 0;
 static ncclComm_t comm;
 
 static void *run(void *arg)
@@ -85,6 +86,8 @@ static void *run(void *arg)
         }
         if (graph_every && step % graph_every == 0)
             cuGraphLaunch((CUgraphExec)0x1, s);
+        for (int c = 0; c < d2d; c++) /* device-to-device copies, as an engine's step */
+            cuMemcpyDtoDAsync_v2(out, buf, 256, s);
         cuMemsetD32Async(out, 0, 256, s);
         if (use_nccl) {
             ncclGroupStart();
@@ -117,6 +120,7 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--kernels") && i + 1 < argc) kernels = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--graph-every") && i + 1 < argc) graph_every = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--d2d") && i + 1 < argc) d2d = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--nccl")) use_nccl = 1;
         else if (!strcmp(argv[i], "--wait")) wait = 1;
         else if (!strcmp(argv[i], "--linger")) linger = 1; /* exit at the next line */

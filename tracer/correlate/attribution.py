@@ -36,11 +36,11 @@ from tracer.correlate.arrivals import Arrivals
 from tracer.correlate.costmodel import Learner, StepModel, split_fractions
 from tracer.correlate.ipc import IpcGraph
 from tracer.correlate.ledger import (
-    ESTIMATED,
     EVICTED,
     NO_REQUEST,
     UNJOINED_RANK,
     Ledger,
+    estimated_quantities,
 )
 from tracer.correlate.membership import (Membership, Occupancy, StepMembers, arrival_ns,
                                          request_range)
@@ -482,7 +482,8 @@ class GpuAttribution:
             self.estimates.learn(step, prev_end)
         self.step_totals[log.key].book(step)
         self.stats["gpu_step_launches"] += step.launches
-        self.ledger.observe(step.pid, step.work, estimated=step.estimated)
+        self.ledger.observe(step.pid, step.work, estimated=step.estimated,
+                            copies_estimated=step.copies_estimated)
         if len(log.steps) > MAX_STEPS:
             self._retire(log, log.prune(log.steps[-MAX_STEPS].end_ts))
 
@@ -493,7 +494,7 @@ class GpuAttribution:
         if sampling.counted(start, step.end_ts):
             self.estimates.learn(step, prev_end)
             self.stats["gpu_steps_counted"] += 1
-        elif self.estimates.fill(step, prev_end):
+        elif self.estimates.fill(step, prev_end, sampling.copies_at(step.end_ts)):
             self.stats["gpu_steps_estimated"] += 1
         else:  # no reference yet: tried again when its members are decided
             step.unestimated_after = start
@@ -502,17 +503,17 @@ class GpuAttribution:
     def _estimate_late(self, step: Step) -> None:
         """A step closed before its thread had a step counted whole: estimated now if
         one has been since, the difference booked as observed."""
-        seen = Work({q: step.work.get(q, 0.0) for q in ESTIMATED})
-        seen_kernels = step.kernels  # fill() gives the step a new Counter
-        if not self.estimates.fill(step, step.unestimated_after):
+        copies = self.sampling is not None and self.sampling.copies_at(step.end_ts)
+        quantities = estimated_quantities(copies)
+        seen = Work({q: step.work.get(q, 0.0) for q in quantities})
+        seen_counts = step.counts()  # fill() gives the step a new Counter of kernels
+        if not self.estimates.fill(step, step.unestimated_after, copies):
             return
-        seen_launches = int(seen.get("kernel_launches", 0))
-        self.step_totals[(step.pid, step.tid)].revise(
-            step, seen_launches, int(seen.get("graph_launches", 0)), seen_kernels)
+        self.step_totals[(step.pid, step.tid)].revise(step, seen_counts)
         step.unestimated_after = None
-        estimate = Work({q: step.work.get(q, 0.0) for q in ESTIMATED})
+        estimate = Work({q: step.work.get(q, 0.0) for q in quantities})
         self.ledger.revise(step.pid, seen, estimate)
-        self.stats["gpu_step_launches"] += step.launches - seen_launches
+        self.stats["gpu_step_launches"] += step.launches - seen_counts.launches
         self.stats["gpu_steps_unestimated"] -= 1
         self.stats["gpu_steps_estimated_late"] += 1
 

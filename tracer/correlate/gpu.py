@@ -11,12 +11,13 @@ from dataclasses import dataclass, field
 from typing import AbstractSet, Any, Iterator, Mapping
 
 from tracer.correlate.kernelnames import readable
-from tracer.correlate.sampling import LaunchSampling, StepSample, estimate
+from tracer.correlate.sampling import (LaunchSampling, StepSample, estimate,
+                                      sampled_copy_counts)
 from tracer.correlate.steps import StepTotals
 from tracer.events import wire
-from tracer.events.gpu import (COPY_KINDS, LIVE_NAME_SOURCES, NAME_SOURCES, GpuSampling,
-                               KernelBurst, KernelCounts, KernelName, KernelStub, MemEvent,
-                               NcclEvent, VerbsContext, VerbsCounts, VerbsMr, VerbsQp)
+from tracer.events.gpu import (COPY_KINDS, LIVE_NAME_SOURCES, NAME_SOURCES, SAMPLED_COPY_KINDS,
+                               GpuSampling, KernelBurst, KernelCounts, KernelName, KernelStub,
+                               MemEvent, NcclEvent, VerbsContext, VerbsCounts, VerbsMr, VerbsQp)
 
 HOST_STUB = wire.CONSTANTS["NAME_HOST_STUB"]
 # kernel_names rows: live names, then each route for handles resolved before attach
@@ -290,12 +291,16 @@ class GpuLedger:
             t = self.proc(ev.pid).thread(ev.tid)
             t.add_burst(ev)
             if self.sampling is not None:
+                copies = sampled_copy_counts(ev.copy_calls, ev.copy_bytes)
                 if t.sample is None:  # what came before sampling began was all counted
                     t.sample = StepSample(
                         exact_launches=t.kernel_launches - ev.launches,
-                        exact_graph_launches=t.graph_launches - ev.graph_launches)
+                        exact_graph_launches=t.graph_launches - ev.graph_launches,
+                        exact_copies=Counter(sampled_copy_counts(t.memcpy_calls,
+                                                                 t.memcpy_bytes)))
+                    t.sample.exact_copies.subtract(copies)
                 t.sample.add(ev.reason, ev.first_ts, ev.last_ts, ev.launches,
-                             ev.graph_launches, self.sampling)
+                             ev.graph_launches, self.sampling, copies)
         elif isinstance(ev, KernelName):
             p = self.proc(ev.pid)
             p.name_records += 1
@@ -322,7 +327,7 @@ class GpuLedger:
         elif isinstance(ev, GpuSampling):
             if self.sampling is None:
                 self.sampling = LaunchSampling(ev.fraction)
-            self.sampling.switch(ev.ts, ev.enabled, ev.attach_s, ev.detach_s)
+            self.sampling.switch(ev.ts, ev.enabled, ev.attach_s, ev.detach_s, ev.copies)
             if ev.reason:
                 self.sampling_reason = ev.reason
         elif isinstance(ev, KernelCounts):
@@ -396,7 +401,9 @@ class GpuLedger:
         if steps is not None and steps.steps and (pid, tid) not in self.same_thread:
             return (ThreadTotals(kernel_launches=steps.launches,
                                  graph_launches=steps.graph_launches,
-                                 kernels=+steps.kernels),
+                                 kernels=+steps.kernels,
+                                 memcpy_calls=_sampled_kinds(t.memcpy_calls, steps.copy_calls),
+                                 memcpy_bytes=_sampled_kinds(t.memcpy_bytes, steps.copy_bytes)),
                     {"method": "step_shapes", "steps": steps.steps,
                      "estimated_steps": steps.estimated})
         est, method = _scaled(t, sampling)
@@ -428,9 +435,30 @@ def _scaled(t: ThreadTotals, sampling: LaunchSampling) -> tuple[ThreadTotals, st
                          s.exact_graph_launches if s else 0)
     # per kernel: the thread's seen mix, scaled to the estimated total
     f = launches / t.kernel_launches if t.kernel_launches else 0.0
+    if not sampling.copies_ever:  # every copy counted
+        return ThreadTotals(kernel_launches=launches,  # type: ignore[arg-type]
+                            graph_launches=graphs,  # type: ignore[arg-type]
+                            kernels=Counter({h: n * f for h, n in t.kernels.items()}),
+                            memcpy_calls=t.memcpy_calls, memcpy_bytes=t.memcpy_bytes), method
+    copies: dict[str, Counter[str]] = {"calls": Counter(), "bytes": Counter()}
+    for what, seen in (("calls", t.memcpy_calls), ("bytes", t.memcpy_bytes)):
+        for k in SAMPLED_COPY_KINDS:
+            key = f"{what}.{k}"
+            copies[what][k], _ = estimate(seen.get(k, 0), s.sampled_copies[key] if s else 0,
+                                          s, sampling, t.first_ts, t.last_ts,
+                                          s.exact_copies[key] if s else 0)
     return ThreadTotals(kernel_launches=launches,  # type: ignore[arg-type]
                         graph_launches=graphs,  # type: ignore[arg-type]
-                        kernels=Counter({h: n * f for h, n in t.kernels.items()})), method
+                        kernels=Counter({h: n * f for h, n in t.kernels.items()}),
+                        memcpy_calls=_sampled_kinds(t.memcpy_calls, copies["calls"]),
+                        memcpy_bytes=_sampled_kinds(t.memcpy_bytes, copies["bytes"])), method
+
+
+def _sampled_kinds(seen: Counter[str], estimated: Counter[str]) -> Counter[str]:
+    """Copies by kind: those of ``SAMPLED_COPY_KINDS`` as estimated, the rest as seen."""
+    out = Counter({k: n for k, n in seen.items() if k not in SAMPLED_COPY_KINDS})
+    out.update({k: estimated.get(k, 0) for k in SAMPLED_COPY_KINDS})
+    return out
 
 
 def _totals(t: ThreadTotals, p: ProcessGpu, top: int,
@@ -440,14 +468,16 @@ def _totals(t: ThreadTotals, p: ProcessGpu, top: int,
     named: Counter[str] = Counter()
     for h, n in src.kernels.items():
         named[p.name_of(h)] += n
-    seen = ({"kernel_launches_seen": t.kernel_launches, "graph_launches_seen": t.graph_launches}
+    seen = ({"kernel_launches_seen": t.kernel_launches, "graph_launches_seen": t.graph_launches,
+             "memcpy_bytes_seen": {k: t.memcpy_bytes.get(k, 0) for k in SAMPLED_COPY_KINDS},
+             "memcpy_calls_seen": {k: t.memcpy_calls.get(k, 0) for k in SAMPLED_COPY_KINDS}}
             if est is not None else {})
     return {
         "kernel_launches": round(src.kernel_launches),
         "graph_launches": round(src.graph_launches),
         **seen,
-        "memcpy_bytes": {k: t.memcpy_bytes.get(k, 0) for k in COPY_KINDS},
-        "memcpy_calls": {k: t.memcpy_calls.get(k, 0) for k in COPY_KINDS},
+        "memcpy_bytes": {k: round(src.memcpy_bytes.get(k, 0)) for k in COPY_KINDS},
+        "memcpy_calls": {k: round(src.memcpy_calls.get(k, 0)) for k in COPY_KINDS},
         "memset_bytes": t.memset_bytes,
         "memset_calls": t.memset_calls,
         "sync_calls": t.sync_calls,

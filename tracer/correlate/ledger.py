@@ -16,13 +16,22 @@ from collections import defaultdict
 from typing import Any, Mapping
 
 from tracer.correlate.work import QUANTITIES, Work
+from tracer.events.gpu import SAMPLED_COPY_KINDS
 
 # Why work was left unattributed.
 NO_REQUEST = "no_request"  # a step no traced request was in (warm-up, idle, untraced)
 UNJOINED_RANK = "unjoined_rank"  # a tensor-parallel rank's step not matched to rank 0's
 EVICTED = "evicted"  # dropped unsettled to bound memory
-# what --gpu-sample estimates for a step the launch probes did not see whole
+# what --gpu-sample estimates for a step the launch probes did not see whole: its
+# launches and span, and the device-to-device copies where those were sampled too
 ESTIMATED = ("kernel_launches", "graph_launches", "gpu_time_ns")
+ESTIMATED_COPIES = tuple(f"memcpy_bytes.{k}" for k in SAMPLED_COPY_KINDS)
+
+
+def estimated_quantities(copies: bool) -> tuple[str, ...]:
+    """What is estimated of a step the probes did not see whole (``copies``: with the
+    device-to-device copies)."""
+    return ESTIMATED + ESTIMATED_COPIES if copies else ESTIMATED
 TOLERANCE = 1e-6  # relative: float rounding of many fractional shares
 
 
@@ -37,10 +46,12 @@ class Ledger:
         self.charged: dict[int, Work] = defaultdict(Work)
         self.unattributed: dict[int, dict[str, Work]] = defaultdict(lambda: defaultdict(Work))
 
-    def observe(self, pid: int, work: Mapping[str, float], estimated: bool = False) -> None:
+    def observe(self, pid: int, work: Mapping[str, float], estimated: bool = False,
+                copies_estimated: bool = False) -> None:
         self.observed[pid].add(work)
         if estimated:
-            self.estimated[pid].add({q: work.get(q, 0.0) for q in ESTIMATED})
+            self.estimated[pid].add({q: work.get(q, 0.0)
+                                     for q in estimated_quantities(copies_estimated)})
 
     def revise(self, pid: int, seen: Mapping[str, float], estimate: Mapping[str, float]
                ) -> None:

@@ -1,5 +1,7 @@
 """Launch-count estimates under ``--gpu-sample``: the launch probes are attached for a
-share of each period, the copy, memset and sync probes all the time.
+share of each period, the copy, memset and sync probes all the time (but the
+device-to-device copies', switched with the launch probes where a thread's steps are
+told apart without them: ``GpuSampling.copies``, ``StepEstimates.copies_tell_steps_apart``).
 
 The estimate is a ratio over steps. A thread's step ends where its work is known to be
 done (a burst flushed by a synchronisation or a query that found the work finished);
@@ -28,10 +30,10 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from tracer.correlate.steps import Step
-from tracer.events.gpu import COPY_KINDS
+from tracer.events.gpu import COPY_KINDS, SAMPLED_COPY_KINDS, SHAPE_COPY_KINDS
 
 # fewer sampled steps than this and the step ratio is too noisy: use the time share
 MIN_SAMPLED_STEPS = 8
@@ -47,16 +49,31 @@ class LaunchSampling:
     switches: list[tuple[int, bool]] = field(default_factory=list)  # (ts, on)
     attach_s: list[float] = field(default_factory=list)
     detach_s: list[float] = field(default_factory=list)
+    # whether the device-to-device copies were switched with the launches, per switch
+    copies: list[bool] = field(default_factory=list)
 
     _ts: list[int] = field(default_factory=list)  # the switches' times, for bisect
 
-    def switch(self, ts: int, on: bool, attach_s: float = 0.0, detach_s: float = 0.0) -> None:
+    def switch(self, ts: int, on: bool, attach_s: float = 0.0, detach_s: float = 0.0,
+               copies: bool = False) -> None:
         self.switches.append((ts, on))
         self._ts.append(ts)
+        self.copies.append(copies)
         if on and attach_s:
             self.attach_s.append(attach_s)
         if detach_s:
             self.detach_s.append(detach_s)
+
+    def copies_at(self, ts: int) -> bool:
+        """Whether the device-to-device copies went on and off with the launch probes
+        at ``ts`` (as the last switch at or before it said)."""
+        i = bisect_right(self._ts, ts)
+        return self.copies[i - 1] if i else False
+
+    @property
+    def copies_ever(self) -> bool:
+        """Whether any switch had the device-to-device copies switched too."""
+        return any(self.copies)
 
     def on_share(self, a: int, b: int) -> float:
         """The share of [a, b] the launch probes were on (1.0 for an empty span)."""
@@ -91,6 +108,7 @@ class LaunchSampling:
         sw = self.switches
         out: dict[str, Any] = {
             "estimated": True, "fraction": self.fraction, "switches": len(sw),
+            "copies_sampled": self.copies_ever,
             "measured_on_share": round(self.on_share(sw[0][0], sw[-1][0]), 6) if sw else 0.0,
         }
         for name, xs in (("attach_ms", self.attach_s), ("detach_ms", self.detach_s)):
@@ -102,8 +120,8 @@ class LaunchSampling:
 
 @dataclass
 class StepSample:
-    """One thread's steps under sampling: how many there were, and the launches of those
-    wholly inside an "on" window."""
+    """One thread's steps under sampling: how many there were, and the launches (and
+    sampled copies) of those wholly inside an "on" window."""
 
     steps: int = 0
     sampled_steps: int = 0
@@ -113,17 +131,25 @@ class StepSample:
     exact_graph_launches: int = 0
     sampled_launches: int = 0
     sampled_graph_launches: int = 0
+    # the same for the copies sampled with the launches: "calls.KIND" / "bytes.KIND"
+    exact_copies: Counter[str] = field(default_factory=Counter)
+    sampled_copies: Counter[str] = field(default_factory=Counter)
     # the step being built: bursts since the last step end (interval flushes split one)
     _start: int = 0
     _launches: int = 0
     _graphs: int = 0
+    _copies: Counter[str] = field(default_factory=Counter)
 
     def add(self, reason: str, first_ts: int, last_ts: int, launches: int,
-            graph_launches: int, sampling: LaunchSampling) -> None:
+            graph_launches: int, sampling: LaunchSampling,
+            copies: Mapping[str, int] | None = None) -> None:
+        """One burst: its launches and its sampled copies (``sampled_copy_counts``)."""
         if not self._start:
             self._start = first_ts
         self._launches += launches
         self._graphs += graph_launches
+        if copies:
+            self._copies.update(copies)
         if reason not in STEP_ENDS:
             return
         self.steps += 1
@@ -131,10 +157,12 @@ class StepSample:
             self.sampled_steps += 1
             self.sampled_launches += self._launches
             self.sampled_graph_launches += self._graphs
+            self.sampled_copies.update(self._copies)
         # the next step starts where this one ended: a launch before the next burst
         # opens would otherwise be missed by the "wholly on" test
         self._start = last_ts
         self._launches = self._graphs = 0
+        self._copies.clear()
 
     def scale(self) -> float | None:
         """The factor from launches in sampled steps to all launches (all steps /
@@ -142,6 +170,19 @@ class StepSample:
         if self.sampled_steps < MIN_SAMPLED_STEPS:
             return None
         return self.steps / self.sampled_steps
+
+
+def sampled_copy_counts(copy_calls: Mapping[str, int], copy_bytes: Mapping[str, int]
+                        ) -> dict[str, int]:
+    """The calls and bytes of the copy kinds sampled with the launches
+    (``SAMPLED_COPY_KINDS``), keyed "calls.KIND" and "bytes.KIND", zeros left out."""
+    out = {}
+    for k in SAMPLED_COPY_KINDS:
+        if copy_calls.get(k):
+            out[f"calls.{k}"] = copy_calls[k]
+        if copy_bytes.get(k):
+            out[f"bytes.{k}"] = copy_bytes[k]
+    return out
 
 
 def estimate(seen: float, sampled: float, sample: StepSample | None,
@@ -177,6 +218,19 @@ class StepReference:
     kernels: Counter[int]
     gap_ns: int  # previous step's end to its first launch
     first_burst_ns: int  # its first launch to its first burst's end
+    copies: tuple[tuple[int, int], ...]  # (calls, bytes) per SAMPLED_COPY_KINDS
+
+
+ThreadKey = tuple[int, int]  # (pid, tid)
+Shapes = dict[tuple[int, ...], dict[tuple[int, ...], StepReference]]
+# Device-to-device copies are sampled with the launches only where the other probes
+# tell a thread's steps apart as well without them: where launches estimated without
+# them (over the steps counted whole) were off by more than this share of the launches,
+# they stay probed. HF serve --continuous-batching (H100 captures): 0.5-1.3%, its
+# batch size shows in its input copies' bytes as well; HF generate (plain serve): 53%,
+# three kinds of step with one shape but for these copies (143, 5 and 2 launches).
+BLIND_ERROR = 0.03
+BLIND_MIN_STEPS = 50  # steps counted whole and compared before the share decides
 
 
 class StepEstimates:
@@ -187,12 +241,21 @@ class StepEstimates:
     whole yet, the nearest one. Own-shape estimates are within 0.2% on the H100
     captures, nearest-shape ones 11-18% (a batch's size changes its copies and
     launches, but not in one proportion); the longer the run, the more shapes have been
-    seen whole."""
+    seen whole.
+
+    References are kept twice: by the shape every copy probe saw, and by the shape
+    without the copies sampled with the launches (``SAMPLED_COPY_KINDS``), for when
+    they are. Each step counted whole is first estimated as if they had been sampled,
+    so that ``copies_tell_steps_apart`` can say whether sampling them would cost the
+    estimates."""
 
     def __init__(self) -> None:
-        # thread -> shape -> copy sizes -> reference; shapes and sizes most recent last
-        self.refs: dict[tuple[int, int],
-                        dict[tuple[int, ...], dict[tuple[int, ...], StepReference]]] = {}
+        # copies sampled? -> thread -> shape -> copy sizes -> reference; shapes and
+        # sizes most recent last
+        self.refs: dict[bool, dict[ThreadKey, Shapes]] = {False: {}, True: {}}
+        # thread -> [steps, |launches estimated without the sampled copies - counted|,
+        # launches counted], over the steps counted whole
+        self.blind: dict[ThreadKey, list[int]] = {}
 
     def learn(self, step: Step, prev_end: int | None) -> None:
         """``step`` was counted whole: it is its shape's (and size's) reference."""
@@ -201,36 +264,61 @@ class StepEstimates:
         ref = StepReference(launches=step.launches,
                             graph_launches=int(step.work.get("graph_launches", 0)),
                             kernels=step.kernels, gap_ns=max(0, step.first_ts - prev_end),
-                            first_burst_ns=max(0, step.first_end_ts - step.first_ts))
-        shapes = self.refs.setdefault((step.pid, step.tid), {})
-        shape, size = step.shape(), _copy_sizes(step)
-        sizes = shapes.pop(shape, {})
-        shapes[shape] = sizes
-        sizes.pop(size, None)
-        sizes[size] = ref
-        if len(sizes) > MAX_SIZES:
-            del sizes[next(iter(sizes))]
-        if len(shapes) > MAX_SHAPES:
-            del shapes[next(iter(shapes))]
+                            first_burst_ns=max(0, step.first_end_ts - step.first_ts),
+                            copies=step.sampled_copies())
+        key = (step.pid, step.tid)
+        blind = self.refs[True].get(key)
+        if blind:
+            guess = _reference(blind, step.shape(True), _copy_sizes(step, True))
+            err = self.blind.setdefault(key, [0, 0, 0])
+            err[0] += 1
+            err[1] += abs(guess.launches - step.launches)
+            err[2] += step.launches
+        for copies_sampled, refs in self.refs.items():
+            shapes = refs.setdefault(key, {})
+            shape, size = step.shape(copies_sampled), _copy_sizes(step, copies_sampled)
+            sizes = shapes.pop(shape, {})
+            shapes[shape] = sizes
+            sizes.pop(size, None)
+            sizes[size] = ref
+            if len(sizes) > MAX_SIZES:
+                del sizes[next(iter(sizes))]
+            if len(shapes) > MAX_SHAPES:
+                del shapes[next(iter(shapes))]
 
     def knows(self, pid: int, tid: int) -> bool:
         """Whether a step of this thread has been seen whole (estimates can be made)."""
-        return bool(self.refs.get((pid, tid)))
+        return bool(self.refs[False].get((pid, tid)))
 
-    def fill(self, step: Step, prev_end: int | None) -> bool:
-        """Give ``step`` (not counted whole) its reference's launches and kernels and
-        an estimated start; False (left as seen) when its thread has no reference."""
-        shapes = self.refs.get((step.pid, step.tid))
+    def copies_tell_steps_apart(self, pid: int, tid: int) -> bool | None:
+        """Whether this thread's steps need the copies sampled with the launches to be
+        told apart (None: too few steps counted whole to say)."""
+        err = self.blind.get((pid, tid))
+        if err is None or err[0] < BLIND_MIN_STEPS:
+            return None
+        return err[1] > BLIND_ERROR * max(1, err[2])
+
+    def blind_error(self, pid: int, tid: int) -> float | None:
+        """The share by which launches estimated without the sampled copies were off."""
+        err = self.blind.get((pid, tid))
+        return err[1] / err[2] if err and err[2] else None
+
+    def fill(self, step: Step, prev_end: int | None, copies_sampled: bool = False) -> bool:
+        """Give ``step`` (not counted whole) its reference's launches and kernels (and,
+        where ``copies_sampled``, its device-to-device copies) and an estimated start;
+        False (left as seen) when its thread has no reference."""
+        shapes = self.refs[copies_sampled].get((step.pid, step.tid))
         if not shapes:
             return False
-        shape = step.shape()
-        sizes = shapes.get(shape) or shapes[_nearest(shapes, shape)]
-        ref = sizes[_nearest(sizes, _copy_sizes(step))]
+        ref = _reference(shapes, step.shape(copies_sampled), _copy_sizes(step, copies_sampled))
         step.estimated = True
         step.kernels = Counter(ref.kernels)
         step._mix = None
         step.work["kernel_launches"] = ref.launches
         step.work["graph_launches"] = ref.graph_launches
+        if copies_sampled:
+            step.set_sampled_copies(ref.copies)
+            step.copies_estimated = True
         if (ref.launches or ref.graph_launches) and prev_end is not None:
             start = max(prev_end + ref.gap_ns,
                         step.first_end_ts - FIRST_BURST_SLACK * ref.first_burst_ns)
@@ -239,9 +327,17 @@ class StepEstimates:
         return True
 
 
-def _copy_sizes(step: Step) -> tuple[int, ...]:
-    """The bytes ``step``'s copies moved, by kind."""
-    return tuple(int(step.work.get(f"memcpy_bytes.{k}", 0)) for k in COPY_KINDS)
+def _reference(shapes: Shapes, shape: tuple[int, ...], size: tuple[int, ...]) -> StepReference:
+    """Of ``shape`` (else the nearest shape), the reference nearest in copy sizes."""
+    sizes = shapes.get(shape) or shapes[_nearest(shapes, shape)]
+    return sizes[_nearest(sizes, size)]
+
+
+def _copy_sizes(step: Step, copies_sampled: bool) -> tuple[int, ...]:
+    """The bytes ``step``'s copies moved, by kind (those probed all the time where
+    ``copies_sampled``)."""
+    kinds = SHAPE_COPY_KINDS if copies_sampled else COPY_KINDS
+    return tuple(int(step.work.get(f"memcpy_bytes.{k}", 0)) for k in kinds)
 
 
 def _nearest(keys: dict[tuple[int, ...], object], want: tuple[int, ...]) -> tuple[int, ...]:

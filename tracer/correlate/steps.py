@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from tracer.correlate.work import KERNEL_QUANTITIES, Work
-from tracer.events.gpu import COPY_KINDS, KernelBurst, NcclEvent
+from tracer.events.gpu import (COPY_KINDS, SAMPLED_COPY_KINDS, SHAPE_COPY_KINDS, KernelBurst,
+                               NcclEvent)
 
 MAX_STEPS = 200_000  # per thread: older steps are dropped first
 OPEN_STEP_MAX_NS = 1_000_000_000  # a step with no result copy for this long is closed anyway
@@ -36,6 +37,9 @@ OPEN_STEP_MAX_NS = 1_000_000_000  # a step with no result copy for this long is 
 # makes the next equal mix a new object
 MIXES: dict[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]] = {}
 MAX_MIXES = 4096
+# where each copy kind sits in Step.copy_calls
+SHAPE_COPY_INDEX = tuple(COPY_KINDS.index(k) for k in SHAPE_COPY_KINDS)
+SAMPLED_COPY_INDEX = tuple(COPY_KINDS.index(k) for k in SAMPLED_COPY_KINDS)
 
 
 @dataclass
@@ -62,6 +66,7 @@ class Step:
     sync_calls: int = 0
     query_polls: int = 0
     estimated: bool = False
+    copies_estimated: bool = False  # its device-to-device copies too (sampled with them)
     # not counted whole and not estimated yet (its thread had no reference): the
     # previous step's end, to estimate it once one is learnt
     unestimated_after: int | None = None
@@ -123,11 +128,36 @@ class Step:
     def launches(self) -> int:
         return int(self.work.get("kernel_launches", 0))
 
-    def shape(self) -> tuple[int, ...]:
+    def shape(self, copies_sampled: bool = False) -> tuple[int, ...]:
         """What the probes that stay on under ``--gpu-sample`` saw of it: copy calls by
-        kind, memset and sync calls, whether it polled. Steps of one shape launch the
-        same kernels to within 1% on the H100 captures (the whole mix varies 5-120%)."""
-        return (*self.copy_calls, self.memset_calls, self.sync_calls, self.query_polls > 0)
+        kind (without the device-to-device ones where ``copies_sampled``: those are
+        then switched with the launches), memset and sync calls, whether it polled.
+        Steps of one shape launch the same kernels to within 1% on the H100 captures
+        (the whole mix varies 5-120%)."""
+        calls = self.copy_calls
+        if copies_sampled:
+            calls = [calls[i] for i in SHAPE_COPY_INDEX]
+        return (*calls, self.memset_calls, self.sync_calls, self.query_polls > 0)
+
+    def sampled_copies(self) -> tuple[tuple[int, int], ...]:
+        """(calls, bytes) of each of ``SAMPLED_COPY_KINDS``: estimated with the launches
+        where the probes did not see the step whole."""
+        return tuple((self.copy_calls[i], int(self.work.get(f"memcpy_bytes.{k}", 0)))
+                     for i, k in zip(SAMPLED_COPY_INDEX, SAMPLED_COPY_KINDS))
+
+    def set_sampled_copies(self, copies: tuple[tuple[int, int], ...]) -> None:
+        """Its ``SAMPLED_COPY_KINDS`` copies as estimated (``sampled_copies``'s form)."""
+        for i, k, (calls, nbytes) in zip(SAMPLED_COPY_INDEX, SAMPLED_COPY_KINDS, copies):
+            self.copy_calls[i] = calls
+            if nbytes:
+                self.work[f"memcpy_bytes.{k}"] = nbytes
+            else:
+                self.work.pop(f"memcpy_bytes.{k}", None)
+
+    def counts(self) -> "StepCounts":
+        """What ``--gpu-sample`` estimates of it, as it stands now."""
+        return StepCounts(self.launches, int(self.work.get("graph_launches", 0)),
+                          self.kernels, self.sampled_copies())
 
     def add(self, b: KernelBurst) -> None:
         if not self.bursts:
@@ -151,34 +181,55 @@ class Step:
         self.stack_samples.update(samples)
 
 
+@dataclass(frozen=True, slots=True)
+class StepCounts:
+    """What ``--gpu-sample`` estimates of a step (``Step.counts``)."""
+
+    launches: int
+    graph_launches: int
+    kernels: Counter[int]
+    sampled_copies: tuple[tuple[int, int], ...]  # (calls, bytes) per SAMPLED_COPY_KINDS
+
+
 @dataclass
 class StepTotals:
-    """What one thread's steps launched, summed as they were booked (estimates
-    included, under ``--gpu-sample``): the launch counts the GPU summary reports for an
-    engine thread whose launches were sampled."""
+    """What one thread's steps launched and copied device to device, summed as they
+    were booked (estimates included, under ``--gpu-sample``): the counts the GPU
+    summary reports for an engine thread whose launches were sampled."""
 
     steps: int = 0
     estimated: int = 0  # steps whose launches are estimates
     launches: int = 0
     graph_launches: int = 0
     kernels: Counter[int] = field(default_factory=Counter)
+    # SAMPLED_COPY_KINDS: kind -> calls, kind -> bytes
+    copy_calls: Counter[str] = field(default_factory=Counter)
+    copy_bytes: Counter[str] = field(default_factory=Counter)
 
     def book(self, step: Step) -> None:
-        """A step closed: its launches and kernels as they stand."""
+        """A step closed: its launches, kernels and sampled copies as they stand."""
         self.steps += 1
         self.estimated += step.estimated
         self.launches += step.launches
         self.graph_launches += int(step.work.get("graph_launches", 0))
         self.kernels.update(step.kernels)
+        self._copies(step.sampled_copies(), 1)
 
-    def revise(self, step: Step, launches: int, graph_launches: int,
-               kernels: Counter[int]) -> None:
-        """``step``, booked with these counts, has been estimated since."""
+    def revise(self, step: Step, seen: StepCounts) -> None:
+        """``step``, booked as ``seen``, has been estimated since."""
         self.estimated += 1
-        self.launches += step.launches - launches
-        self.graph_launches += int(step.work.get("graph_launches", 0)) - graph_launches
-        self.kernels.subtract(kernels)
+        self.launches += step.launches - seen.launches
+        self.graph_launches += int(step.work.get("graph_launches", 0)) - seen.graph_launches
+        self.kernels.subtract(seen.kernels)
         self.kernels.update(step.kernels)
+        self._copies(seen.sampled_copies, -1)
+        self._copies(step.sampled_copies(), 1)
+
+    def _copies(self, copies: tuple[tuple[int, int], ...], sign: int) -> None:
+        for k, (calls, nbytes) in zip(SAMPLED_COPY_KINDS, copies):
+            if calls or nbytes:
+                self.copy_calls[k] += sign * calls
+                self.copy_bytes[k] += sign * nbytes
 
 
 class StepLog:

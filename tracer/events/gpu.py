@@ -17,6 +17,14 @@ from tracer.events import wire
 
 C = wire.CONSTANTS
 COPY_KINDS = ("h2d", "d2h", "d2d", "other")
+# Copies whose probes --gpu-sample can switch on and off with the launch probes: HF
+# serve's engine makes ~38 device-to-device copies a step, 45% of the GPU probes' traps
+# left once launches are sampled (an H200 census: 3,323 a second of ~7,300). Where they
+# are switched (``GpuSampling.copies``), a step the probes did not see whole takes them
+# from its reference as it takes its launches (tracer/correlate/sampling.py), and the
+# other kinds tell its shape.
+SAMPLED_COPY_KINDS = ("d2d",)
+SHAPE_COPY_KINDS = tuple(k for k in COPY_KINDS if k not in SAMPLED_COPY_KINDS)
 BURST_REASONS = {C["BURST_SYNC"]: "sync", C["BURST_QUERY"]: "query",
                  C["BURST_INTERVAL"]: "interval", C["BURST_SLOTS"]: "slots",
                  C["BURST_EXIT"]: "exit", C["BURST_DRAIN"]: "drain"}
@@ -220,7 +228,8 @@ class GpuSampling:
     ``attach_s`` is how long this switch's attach took, ``detach_s`` how long the
     previous detach took (both 0 where unknown, as in older captures). ``reason``: why
     sampling began or ended where the agent chose it (``--gpu-sample auto``), else
-    empty."""
+    empty. ``copies``: the device-to-device copies' probes are switched with the launch
+    probes (their counts are estimates too); False in older captures."""
 
     ts: int
     enabled: bool
@@ -228,6 +237,7 @@ class GpuSampling:
     attach_s: float = 0.0
     detach_s: float = 0.0
     reason: str = ""
+    copies: bool = False
 
 
 VERBS_OPS = {C["VERBS_SEND"]: "send", C["VERBS_RECV"]: "recv",

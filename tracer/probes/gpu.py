@@ -94,6 +94,10 @@ NCCL_PROBES: list[Probe] = [
 # The launch handlers: the probes --gpu-sample switches on and off (their uprobe trap is
 # what an eager launch-bound loop pays per launch).
 LAUNCH_HANDLERS = frozenset({"tt_launch_arg1", "tt_launch_arg2", "tt_graph_launch"})
+# The device-to-device copies' handlers (SAMPLED_COPY_KINDS in tracer/events/gpu.py):
+# switched with the launch probes where their steps are told apart without them
+# (``copies_switched``), else attached all the time.
+COPY_HANDLERS = frozenset({"tt_copy_d2d_arg3", "tt_copy_d2d_arg5"})
 
 # libcudart: only device-wide synchronisation, which does not pass through an exported
 # libcuda function on CUDA 13 (seen on an H200, driver 580). Launches are never counted
@@ -175,8 +179,11 @@ class GpuProbes:
         # later (windows, --gpu-sample) go through a live one
         self._mappers: dict[tuple[int, int], dict[int, str]] = {}  # (dev, ino) -> pid -> path
         self.launch_sites: list[Site] = []  # every library's launch probes
+        self.copy_sites: list[Site] = []  # and its device-to-device copies' probes
         self._launch_attached: list[Attached] = []  # those attached now
+        self._copy_attached: list[Attached] = []  # those attached now
         self.launches_on = True
+        self.copies_switched = False  # the copies' probes go on and off with the launches
         self.last_detach_s = 0.0  # how long the last detach of the launch probes took
         self._detacher: threading.Thread | None = None
         self._kcounts = CounterDeltas(bpf, b"kernel_counts", lambda v: (v.value,))
@@ -227,6 +234,8 @@ class GpuProbes:
         self.stubs.window.move_file(old, path)
         self.launch_sites = [dataclasses.replace(s, path=path) if s.path == old else s
                              for s in self.launch_sites]
+        self.copy_sites = [dataclasses.replace(s, path=path) if s.path == old else s
+                           for s in self.copy_sites]
 
     def _attach_file(self, kind: str, path: str, probes: list[Probe],
                      pid: int = 0) -> AttachedLibrary | None:
@@ -254,6 +263,7 @@ class GpuProbes:
         lib = AttachedLibrary(kind, path, 0, [], [])
         sites: list[Site] = []
         launch: list[Site] = []
+        copies: list[Site] = []
         lookups: list[Site] = []  # attached by their window (tracer/probes/lookups.py)
         for p in probes:
             addr = addresses.get(p.symbol)
@@ -268,23 +278,31 @@ class GpuProbes:
             # by address: BCC's lookup by name may pick a non-default version
             looked_up = p.entry in LOOKUP_HANDLERS  # entry and return go in the window
             if p.entry:
-                (launch if p.entry in LAUNCH_HANDLERS else lookups if looked_up
+                (launch if p.entry in LAUNCH_HANDLERS else copies if p.entry in COPY_HANDLERS
+                 else lookups if looked_up
                  else sites).append(Site(path, addr, p.entry, False, p.symbol))
             if p.ret:
                 (lookups if looked_up else sites).append(
                     Site(path, addr, p.ret, True, p.symbol))
         self.launch_sites.extend(launch)
+        self.copy_sites.extend(copies)
         attached = list(self.uprobes.attach(sites, self.errors).sites)
         if self.launches_on:  # else attached when sampling turns them on
             on = self.uprobes.attach(launch, self.errors)
             self._launch_attached.append(on)
+            attached += on.sites
+        copies_on = self.launches_on or not self.copies_switched
+        if copies and copies_on:  # else with the launches'
+            on = self.uprobes.attach(copies, self.errors)
+            self._copy_attached.append(on)
             attached += on.sites
         if lookups:
             self.lookups.add_sites(lookups)
             now = self.lookups.window.attached
             attached += [s for s in lookups if (s.path, s.vaddr, s.ret) in now]
         lib.probes = len(attached)
-        wanted = sites + lookups + (launch if self.launches_on else [])
+        wanted = (sites + lookups + (launch if self.launches_on else [])
+                  + (copies if copies_on else []))
         failed = {s.name for s in set(wanted) - set(attached)}
         lib.symbols = [name for name in done.values() if name not in failed]
         if kind == "cudart":
@@ -309,26 +327,41 @@ class GpuProbes:
         return self._detacher is not None and self._detacher.is_alive()
 
     def attach_launch_probes(self) -> float:
-        """--gpu-sample: attach the launch probes of every library (a few ms); the
-        seconds it took. Call only once a detach has finished (``detaching``)."""
+        """--gpu-sample: attach the launch probes (with the device-to-device copies'
+        where ``copies_switched``) of every library (a few ms); the seconds it took.
+        Call only once a detach has finished (``detaching``)."""
         if self.launches_on:
             return 0.0
         if self.detaching:
             raise RuntimeError("the launch probes are still being detached")
         t0 = time.perf_counter()
         self._launch_attached = [self.uprobes.attach(self.launch_sites, self.errors)]
+        if self.copies_switched:
+            self._copy_attached = [self.uprobes.attach(self.copy_sites, self.errors)]
         self.launches_on = True
         return time.perf_counter() - t0
 
+    def switch_copies(self, on: bool) -> None:
+        """Whether the device-to-device copies' probes go on and off with the launch
+        probes from the next switch on (``on``), or stay attached (attached now if
+        they were off with the launches; wait for a detach under way first)."""
+        if not on and self.copies_switched and not self.launches_on:
+            self.join_detach()  # never two links on one site: each would count
+            self._copy_attached = [self.uprobes.attach(self.copy_sites, self.errors)]
+        self.copies_switched = on
+
     def detach_launch_probes(self) -> None:
-        """--gpu-sample: detach the launch probes, so that a launch costs no uprobe
-        trap at all. On a thread of its own: through perf events each probe's detach
+        """--gpu-sample: detach the launch probes (with the device-to-device copies'
+        where ``copies_switched``), so that a launch costs no uprobe trap at all. On a
+        thread of its own: through perf events each probe's detach
         blocks ~0.1 s in the kernel (tracer/probes/uprobes.py), and the agent keeps
         draining the ring buffer meanwhile."""
         if not self.launches_on:
             return
         self.launches_on = False
         groups, self._launch_attached = self._launch_attached, []
+        if self.copies_switched:
+            groups, self._copy_attached = groups + self._copy_attached, []
         self._detacher = self.uprobes.detach_in_background(
             groups, self.errors, "off", done=lambda s: setattr(self, "last_detach_s", s))
 

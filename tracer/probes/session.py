@@ -254,29 +254,39 @@ class CaptureSession:
         switch an event stamped at that instant. An "on" switch waits for the previous
         detach to finish (the off span is then longer; the estimate does not mind)."""
         assert self.gpu is not None
-        gate = self.bpf[b"config"]
-        idx = ctypes.c_int(C["CFG_LAUNCH_GATE_CLOSED"])
-        fraction = self.config.gpu_sample
+        fraction, copies = self.config.gpu_sample, self.gpu.copies_switched
         if self.gpu.launches_on:
-            gate[idx] = ctypes.c_uint64(1)
-            self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=False, fraction=fraction))
+            self._gates(closed=True)
+            self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=False, fraction=fraction,
+                                  copies=copies))
             self.gpu.detach_launch_probes()
             share = 1.0 - fraction
         else:
             if self.gpu.detaching:
                 return  # polled again in POLL_MS
             attach_s = self.gpu.attach_launch_probes()
-            gate[idx] = ctypes.c_uint64(0)
+            self._gates(closed=False)
             self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=True, fraction=fraction,
-                                  attach_s=attach_s, detach_s=self.gpu.last_detach_s))
+                                  attach_s=attach_s, detach_s=self.gpu.last_detach_s,
+                                  copies=copies))
             share = fraction
         self._next_sample_toggle = time.monotonic() + self.sample_period_s() * share
 
+    def _gates(self, closed: bool) -> None:
+        """The kernel's gates of what --gpu-sample switches: the launches', and the
+        device-to-device copies' where they are switched with them (else open)."""
+        assert self.gpu is not None
+        gate = self.bpf[b"config"]
+        gate[ctypes.c_int(C["CFG_LAUNCH_GATE_CLOSED"])] = ctypes.c_uint64(closed)
+        gate[ctypes.c_int(C["CFG_COPY_GATE_CLOSED"])] = ctypes.c_uint64(
+            closed and self.gpu.copies_switched)
+
     def _begin_sampled_period(self, reason: str = "") -> None:
         """--gpu-sample: a period starts with the launch probes on, said by a switch."""
+        assert self.gpu is not None
         fraction = self.config.gpu_sample
         self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=True, fraction=fraction,
-                              reason=reason))
+                              reason=reason, copies=self.gpu.copies_switched))
         self._next_sample_toggle = (time.monotonic()
                                     + self.sample_period_s() * fraction)
 
@@ -287,12 +297,14 @@ class CaptureSession:
             return self.config.gpu_sample_period_s
         return 1.0 if self.gpu is not None and self.gpu.uprobes.multi else 5.0
 
-    def set_gpu_sample(self, fraction: float, reason: str = "") -> float:
+    def set_gpu_sample(self, fraction: float, reason: str = "", copies: bool = False) -> float:
         """Change ``--gpu-sample`` while running (``--control gpu-sample F``, or
         ``--gpu-sample auto`` with its ``reason``). From counting every launch,
         sampling starts with the probes on for ``F`` of a period; back at 1 they are
-        attached (once a detach under way ends) and the gate opened. Every change is a
-        ``GpuSampling`` switch, so the estimate of launch counts
+        attached (once a detach under way ends) and the gate opened. ``copies``: the
+        device-to-device copies' probes are switched with the launch probes (from
+        sampling's start; a fraction already in force keeps its choice). Every change
+        is a ``GpuSampling`` switch, so the estimate of launch counts
         (tracer/correlate/sampling.py) sees which spans were counted."""
         if not 0.0 < fraction <= 1.0:
             raise ValueError(f"gpu-sample must be in (0, 1], not {fraction:g}")
@@ -305,11 +317,14 @@ class CaptureSession:
             return fraction
         if fraction < 1.0:
             if self.gpu.launches_on:  # the first sampled period begins "on", as at start
+                if old == 1.0:
+                    self.gpu.switch_copies(copies)
                 self._begin_sampled_period(reason)
             return fraction  # off: the next toggle turns them on at the new share
         self.gpu.join_detach()
         attach_s = self.gpu.attach_launch_probes()
-        self.bpf[b"config"][ctypes.c_int(C["CFG_LAUNCH_GATE_CLOSED"])] = ctypes.c_uint64(0)
+        self.gpu.switch_copies(False)
+        self._gates(closed=False)
         self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=True, fraction=fraction,
                               attach_s=attach_s, detach_s=self.gpu.last_detach_s,
                               reason=reason))
@@ -335,9 +350,10 @@ class CaptureSession:
                 self.sink(name)
         if self.gpu is not None and self.config.gpu_sample < 1.0:
             # the end of the sampled span: no launch after this is counted
-            self.bpf[b"config"][ctypes.c_int(C["CFG_LAUNCH_GATE_CLOSED"])] = ctypes.c_uint64(1)
+            self._gates(closed=True)
             self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=False,
-                                  fraction=self.config.gpu_sample))
+                                  fraction=self.config.gpu_sample,
+                                  copies=self.gpu.copies_switched))
         if self.tls is not None:
             self.tls.close()
         if self.gpu is not None:
@@ -471,14 +487,20 @@ class CaptureSession:
                     return "error: probe-stats is off (probe-stats on)"
                 return ("ok probe-stats " + (args[0] if args else
                         format_costs(self.program_stats.read(self.bpf.funcs)))).rstrip()
+            copies = bool(args) and args[-1] == "copies"
+            if copies:
+                args = args[:-1]
             if cmd == "gpu-sample" and len(args) in (1, 2):
                 if len(args) == 2:  # and the duty cycle's period, from the next switch
                     period = float(args[1])
                     if not period >= 0.01:
                         raise ValueError(f"gpu-sample period must be >= 0.01 s, not {args[1]}")
                     self.config.gpu_sample_period_s = period
-                return (f"ok gpu-sample {self.set_gpu_sample(float(args[0])):g}"
-                        + (f" {self.sample_period_s():g}" if len(args) == 2 else ""))
+                fraction = self.set_gpu_sample(float(args[0]), copies=copies)
+                return (f"ok gpu-sample {fraction:g}"
+                        + (f" {self.sample_period_s():g}" if len(args) == 2 else "")
+                        + (" copies" if self.gpu is not None and self.gpu.copies_switched
+                           else ""))
             if (cmd in ("gpu-launch", "stub-naming", "alias-lookups", "analysis")
                     and args in (["on"], ["off"])):
                 on = args[0] == "on"
