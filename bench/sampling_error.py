@@ -183,6 +183,9 @@ def measure(path: Path, fraction: float, period_s: float, phases: int,
             # per step thread, over the truth's steps (what --gpu-sample auto decides by)
             "copies_blind_error": {f"{pid}/{tid}": round(e, 4) for (pid, tid) in est.blind
                                    if (e := est.blind_error(pid, tid)) is not None},
+            # and how far the copies' own bytes so estimated were
+            "copies_blind_bytes_error": {f"{pid}/{tid}": round(e, 4) for (pid, tid) in est.blind
+                                         if (e := est.blind_copy_error(pid, tid)) is not None},
             "runs": runs}
 
 

@@ -297,6 +297,23 @@ def test_device_to_device_copies_are_sampled_only_where_they_do_not_tell_steps_a
         assert est.copies_tell_steps_apart(*engine) is needed, name
 
 
+def test_copies_made_in_a_few_steps_stay_probed_even_where_launches_are_told_apart():
+    """Every step launches alike, but one in ten also makes a device-to-device copy:
+    estimated from their shapes, the launches are exact and the copies' bytes are not
+    (each step takes the latest step's), so the copies are not sampled; copies in
+    every step are."""
+    from tracer.correlate.sampling import BLIND_MIN_STEPS, StepEstimates
+
+    for every, needed in ((10, True), (1, False)):
+        est = StepEstimates()
+        for i in range(BLIND_MIN_STEPS + 2):
+            t = 10_000 * (i + 1)
+            est.learn(step_of(t, t + 5_000, 40, 2, {7: 40}, d2d=int(i % every == 0)),
+                      prev_end=t - 1_000)
+        assert est.blind_error(PID, TID) == 0.0
+        assert est.copies_tell_steps_apart(PID, TID) is needed, every
+
+
 def test_sampled_replay_with_the_copies_switched_estimates_them_and_balances():
     """The H100 HF serve CB capture with the launch and device-to-device copy probes on
     10% of each second after 5 s of exact counting (as --gpu-sample auto runs it there):

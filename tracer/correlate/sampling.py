@@ -226,11 +226,14 @@ Shapes = dict[tuple[int, ...], dict[tuple[int, ...], StepReference]]
 # Device-to-device copies are sampled with the launches only where the other probes
 # tell a thread's steps apart as well without them: where launches estimated without
 # them (over the steps counted whole) were off by more than this share of the launches,
-# they stay probed. HF serve --continuous-batching (H100 captures): 0.5-1.3%, its
-# batch size shows in its input copies' bytes as well; HF generate (plain serve): 53%,
+# they stay probed. HF serve --continuous-batching (H100 captures): 0.95-1.2%, its
+# batch size shows in its input copies' bytes as well; HF generate (plain serve): 29%,
 # three kinds of step with one shape but for these copies (143, 5 and 2 launches).
 BLIND_ERROR = 0.03
-BLIND_MIN_STEPS = 50  # steps counted whole and compared before the share decides
+# ... and where their own bytes, estimated so, were off by more than this share: a
+# copy made in a few steps only is not told by its steps' shapes (HF serve CB: 1.1-1.5%)
+BLIND_COPY_ERROR = 0.1
+BLIND_MIN_STEPS = 50  # steps counted whole and compared before the shares decide
 
 
 class StepEstimates:
@@ -254,7 +257,8 @@ class StepEstimates:
         # sizes most recent last
         self.refs: dict[bool, dict[ThreadKey, Shapes]] = {False: {}, True: {}}
         # thread -> [steps, |launches estimated without the sampled copies - counted|,
-        # launches counted], over the steps counted whole
+        # launches counted, |their bytes so estimated - counted|, their bytes counted],
+        # over the steps counted whole
         self.blind: dict[ThreadKey, list[int]] = {}
 
     def learn(self, step: Step, prev_end: int | None) -> None:
@@ -270,10 +274,13 @@ class StepEstimates:
         blind = self.refs[True].get(key)
         if blind:
             guess = _reference(blind, step.shape(True), _copy_sizes(step, True))
-            err = self.blind.setdefault(key, [0, 0, 0])
+            err = self.blind.setdefault(key, [0, 0, 0, 0, 0])
             err[0] += 1
             err[1] += abs(guess.launches - step.launches)
             err[2] += step.launches
+            for (_, want), (_, got) in zip(guess.copies, ref.copies):
+                err[3] += abs(want - got)
+                err[4] += got
         for copies_sampled, refs in self.refs.items():
             shapes = refs.setdefault(key, {})
             shape, size = step.shape(copies_sampled), _copy_sizes(step, copies_sampled)
@@ -296,12 +303,17 @@ class StepEstimates:
         err = self.blind.get((pid, tid))
         if err is None or err[0] < BLIND_MIN_STEPS:
             return None
-        return err[1] > BLIND_ERROR * max(1, err[2])
+        return err[1] > BLIND_ERROR * max(1, err[2]) or err[3] > BLIND_COPY_ERROR * max(1, err[4])
 
     def blind_error(self, pid: int, tid: int) -> float | None:
         """The share by which launches estimated without the sampled copies were off."""
         err = self.blind.get((pid, tid))
         return err[1] / err[2] if err and err[2] else None
+
+    def blind_copy_error(self, pid: int, tid: int) -> float | None:
+        """The share by which the sampled copies' bytes estimated so were off."""
+        err = self.blind.get((pid, tid))
+        return err[3] / err[4] if err and err[4] else None
 
     def fill(self, step: Step, prev_end: int | None, copies_sampled: bool = False) -> bool:
         """Give ``step`` (not counted whole) its reference's launches and kernels (and,
