@@ -14,7 +14,11 @@ in rotating order, between: untraced (paused), traced with a record per write
 (``one-record``: the connection not armed), traced with runs (``runs``: armed with the
 chunks' template, as the agent arms a response it has read). Per mode: CPU per write
 (and its read), the difference from untraced with a 95% interval over the rounds,
-and what the kernel sent.
+and what the kernel sent. ``--stats``: the kernel's run counts and run time per BPF
+program on (``tokentrace ctl SOCK probe-stats on``: two clock reads more a run), and
+per mode the BPF time of the write's exit (``sys_exit_write`` and the ``run_exit`` it
+tail-calls) per write: the probes' own time, without the noise of the window's wall
+clock.
 """
 
 from __future__ import annotations
@@ -46,10 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=20000, help="writes per window")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--cpu", type=int, default=1, help="the CPU the writer runs on")
+    ap.add_argument("--stats", action="store_true",
+                    help="per mode, the write exit's BPF run time per write (probe-stats)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/run_cost.json"))
     args = ap.parse_args(argv)
     from bench.probe_costs import Blaster
     from bench.real_server import t975
+    from tracer.probes.bpfstats import ProgramCost, parse_costs
     from tracer.probes.session import CaptureConfig, CaptureSession
 
     sent: dict[int, int] = {}
@@ -67,8 +74,19 @@ def main(argv: list[str] | None = None) -> int:
                                                net_timing="syscall"), sink)
         session.start()
         key = proc.pid << 32 | fd
+        if args.stats:
+            session.control("probe-stats on")
+        exit_ns: dict[str, list[float]] = {}
+
+        def exit_cost() -> int:
+            """The write exit's BPF nanoseconds so far (both programs)."""
+            costs = parse_costs(session.control("probe-stats"))
+            none = ProgramCost(0, 0)
+            return sum(costs.get(n, none).run_ns for n in
+                       ("tracepoint__syscalls__sys_exit_write", "run_exit"))
 
         def window(mode: str) -> float:
+            ns0 = exit_cost() if args.stats else 0
             if mode == "untraced":
                 session.pause()
             elif mode == "runs":  # the socket's conn_id is new after each resume
@@ -76,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
                                if k.value == key)
                 session.arm_runs([((proc.pid, fd, conn_id), HEAD, TAIL)])
             took = blaster.run(args.calls, len(data))
+            if args.stats:
+                exit_ns.setdefault(mode, []).append((exit_cost() - ns0) / args.calls)
             session.poll(0)
             if mode == "untraced":
                 session.resume()
@@ -106,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                            "over_untraced_us": round(statistics.mean(diffs), 3),
                            "ci95_half_us": round(half, 3) if half is not None else None,
                            "windows": [round(x, 3) for x in per[m]]}
+        if exit_ns.get(m):
+            out["modes"][m]["exit_bpf_ns_per_write"] = round(statistics.median(exit_ns[m]), 1)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out, indent=1))
