@@ -254,6 +254,12 @@ int tt_graph_launch(struct pt_regs *ctx) { return on_launch(ctx, PT_REGS_PARM1(c
 
 static __always_inline int on_copy(struct pt_regs *ctx, u32 kind, u64 bytes)
 {
+    /* Device-to-device copies can be sampled with the launches (--gpu-sample, where
+     * the other probes tell a thread's steps apart without them: SAMPLED_COPY_KINDS in
+     * tracer/events/gpu.py); then a gate of their own stops their count before the
+     * detach, as the launches' does. */
+    if (kind == TT_COPY_D2D && config_get(TT_CFG_COPY_GATE_CLOSED, 0))
+        return 0;
     u64 id = bpf_get_current_pid_tgid();
     u64 now = bpf_ktime_get_ns();
     struct tt_kburst *b = begin_call(id, now);
@@ -273,24 +279,10 @@ static __always_inline int on_copy(struct pt_regs *ctx, u32 kind, u64 bytes)
 /* cuMemcpy{HtoD,DtoH,DtoD}[Async]_v2(dst, src, bytes[, stream]), cuMemcpy[Async] */
 int tt_copy_h2d_arg3(struct pt_regs *ctx) { return on_copy(ctx, TT_COPY_H2D, PT_REGS_PARM3(ctx)); }
 int tt_copy_d2h_arg3(struct pt_regs *ctx) { return on_copy(ctx, TT_COPY_D2H, PT_REGS_PARM3(ctx)); }
+int tt_copy_d2d_arg3(struct pt_regs *ctx) { return on_copy(ctx, TT_COPY_D2D, PT_REGS_PARM3(ctx)); }
 int tt_copy_other_arg3(struct pt_regs *ctx) { return on_copy(ctx, TT_COPY_OTHER, PT_REGS_PARM3(ctx)); }
-/* Device-to-device copies can be sampled with the launches (--gpu-sample, where the
- * other probes tell a thread's steps apart without them: SAMPLED_COPY_KINDS in
- * tracer/events/gpu.py); then a gate of their own stops their count before the detach,
- * as the launches' does. */
-int tt_copy_d2d_arg3(struct pt_regs *ctx)
-{
-    if (config_get(TT_CFG_COPY_GATE_CLOSED, 0))
-        return 0;
-    return on_copy(ctx, TT_COPY_D2D, PT_REGS_PARM3(ctx));
-}
 /* cuMemcpyPeer[Async](dst, dstCtx, src, srcCtx, bytes[, stream]) */
-int tt_copy_d2d_arg5(struct pt_regs *ctx)
-{
-    if (config_get(TT_CFG_COPY_GATE_CLOSED, 0))
-        return 0;
-    return on_copy(ctx, TT_COPY_D2D, PT_REGS_PARM5(ctx));
-}
+int tt_copy_d2d_arg5(struct pt_regs *ctx) { return on_copy(ctx, TT_COPY_D2D, PT_REGS_PARM5(ctx)); }
 
 static __always_inline int on_memset(u64 elems, u64 elem_size)
 {

@@ -345,3 +345,6 @@ def test_sampled_replay_with_the_copies_switched_estimates_them_and_balances():
     assert errors(truth, sampled, "gpu.memcpy_bytes.d2d")["total_ratio"] == 1.0
     (rows,) = p.attribution.reconciliation()["processes"].values()
     assert rows["memcpy_bytes.d2d"].get("estimated") is None
+    (proc,) = p.gpu.summary()["processes"]  # the summary reports them as counted too
+    assert proc["memcpy_bytes"]["d2d"] == proc["memcpy_bytes_seen"]["d2d"] > 0
+    assert proc["memcpy_calls"]["d2d"] == proc["memcpy_calls_seen"]["d2d"] > 0

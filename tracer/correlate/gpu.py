@@ -402,8 +402,10 @@ class GpuLedger:
             return (ThreadTotals(kernel_launches=steps.launches,
                                  graph_launches=steps.graph_launches,
                                  kernels=+steps.kernels,
-                                 memcpy_calls=_sampled_kinds(t.memcpy_calls, steps.copy_calls),
-                                 memcpy_bytes=_sampled_kinds(t.memcpy_bytes, steps.copy_bytes)),
+                                 memcpy_calls=_sampled_kinds(t.memcpy_calls, steps.copy_calls,
+                                                             sampling),
+                                 memcpy_bytes=_sampled_kinds(t.memcpy_bytes, steps.copy_bytes,
+                                                             sampling)),
                     {"method": "step_shapes", "steps": steps.steps,
                      "estimated_steps": steps.estimated})
         est, method = _scaled(t, sampling)
@@ -435,14 +437,9 @@ def _scaled(t: ThreadTotals, sampling: LaunchSampling) -> tuple[ThreadTotals, st
                          s.exact_graph_launches if s else 0)
     # per kernel: the thread's seen mix, scaled to the estimated total
     f = launches / t.kernel_launches if t.kernel_launches else 0.0
-    if not sampling.copies_ever:  # every copy counted
-        return ThreadTotals(kernel_launches=launches,  # type: ignore[arg-type]
-                            graph_launches=graphs,  # type: ignore[arg-type]
-                            kernels=Counter({h: n * f for h, n in t.kernels.items()}),
-                            memcpy_calls=t.memcpy_calls, memcpy_bytes=t.memcpy_bytes), method
     copies: dict[str, Counter[str]] = {"calls": Counter(), "bytes": Counter()}
     for what, seen in (("calls", t.memcpy_calls), ("bytes", t.memcpy_bytes)):
-        for k in SAMPLED_COPY_KINDS:
+        for k in SAMPLED_COPY_KINDS if sampling.copies_ever else ():
             key = f"{what}.{k}"
             copies[what][k], _ = estimate(seen.get(k, 0), s.sampled_copies[key] if s else 0,
                                           s, sampling, t.first_ts, t.last_ts,
@@ -450,12 +447,17 @@ def _scaled(t: ThreadTotals, sampling: LaunchSampling) -> tuple[ThreadTotals, st
     return ThreadTotals(kernel_launches=launches,  # type: ignore[arg-type]
                         graph_launches=graphs,  # type: ignore[arg-type]
                         kernels=Counter({h: n * f for h, n in t.kernels.items()}),
-                        memcpy_calls=_sampled_kinds(t.memcpy_calls, copies["calls"]),
-                        memcpy_bytes=_sampled_kinds(t.memcpy_bytes, copies["bytes"])), method
+                        memcpy_calls=_sampled_kinds(t.memcpy_calls, copies["calls"], sampling),
+                        memcpy_bytes=_sampled_kinds(t.memcpy_bytes, copies["bytes"], sampling)
+                        ), method
 
 
-def _sampled_kinds(seen: Counter[str], estimated: Counter[str]) -> Counter[str]:
-    """Copies by kind: those of ``SAMPLED_COPY_KINDS`` as estimated, the rest as seen."""
+def _sampled_kinds(seen: Counter[str], estimated: Counter[str],
+                   sampling: LaunchSampling) -> Counter[str]:
+    """Copies by kind: those of ``SAMPLED_COPY_KINDS`` as estimated where they were
+    switched with the launches, the rest (and all, where none was) as seen."""
+    if not sampling.copies_ever:
+        return seen
     out = Counter({k: n for k, n in seen.items() if k not in SAMPLED_COPY_KINDS})
     out.update({k: estimated.get(k, 0) for k in SAMPLED_COPY_KINDS})
     return out

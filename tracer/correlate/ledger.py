@@ -26,13 +26,13 @@ EVICTED = "evicted"  # dropped unsettled to bound memory
 # launches and span, and the device-to-device copies where those were sampled too
 ESTIMATED = ("kernel_launches", "graph_launches", "gpu_time_ns")
 ESTIMATED_COPIES = tuple(f"memcpy_bytes.{k}" for k in SAMPLED_COPY_KINDS)
+TOLERANCE = 1e-6  # relative: float rounding of many fractional shares
 
 
 def estimated_quantities(copies: bool) -> tuple[str, ...]:
     """What is estimated of a step the probes did not see whole (``copies``: with the
     device-to-device copies)."""
     return ESTIMATED + ESTIMATED_COPIES if copies else ESTIMATED
-TOLERANCE = 1e-6  # relative: float rounding of many fractional shares
 
 
 class Ledger:
