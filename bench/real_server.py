@@ -102,7 +102,7 @@ dropped; on GPU servers the kernel-launch uprobes, the stub-naming window, the
 cuKernelGetFunction look-up window held open, and ``--burst-min-us 1000``), or one mode
 more (``census``: full tracing with the kernel's
 per-program statistics on; ``sampled``: ``--gpu-sample --sample-fraction`` switched on
-while running; ``sampled-copies``: the same with the device-to-device copies' probes
+while running; ``sampled-copies``: the same with the sampled copies' probes
 switched with the launch probes), and reports each part's share of the server's added CPU;
 ``--breakdown-modes`` picks some. Every slice also records the server's system CPU,
 where the probes' own cost is paid (uprobe traps, tracepoint programs): ``server_sys``
@@ -860,7 +860,7 @@ MODES = {  # name -> control commands that set it up from "full" (the default tr
     # the same with the launch probes on 0.5 s of every 5 s (--gpu-sample auto's period
     # where --gpu-sample-period is left at its default)
     "sampled-p5": ["gpu-sample 0.1 5"],
-    # "sampled" with the device-to-device copies' probes switched with the launch probes
+    # "sampled" with the sampled copies' probes switched with the launch probes
     # (as --gpu-sample auto does where a thread's steps are told apart without them)
     "sampled-copies": ["gpu-sample 0.1 copies"],
     # no probe of ours, only a do-nothing syscall tracepoint held by the bench: what the

@@ -20,7 +20,7 @@ flatter the result.
                                     [--out bench/results/sampling_error.json]
 
 ``--exact-s S``: every launch counted for the first S seconds, sampling after, as
-``--gpu-sample auto`` switches. ``--copies``: the device-to-device copies are switched
+``--gpu-sample auto`` switches. ``--copies``: the host-to-device and device-to-device copies are switched
 with the launch probes, as ``--gpu-sample auto`` does where the other probes tell a
 thread's steps apart without them (``copies_blind_error`` in the output: how far off
 launches estimated without them were, per step thread, on the truth's steps).
@@ -69,7 +69,7 @@ def impose(items: list[Any], fraction: float, period_ns: int, phase_ns: int,
     ``phase_ns`` before the first burst, or ``exact_ns`` after it: every launch counted
     until then, as ``--gpu-sample auto`` does), switches sent before the first burst
     after them, bursts not wholly inside an "on" window without launches (and, with
-    ``copies``, without device-to-device copies: switched with the launches)."""
+    ``copies``, without the SAMPLED_COPY_KINDS copies: switched with the launches)."""
     bursts = [i for i in items if isinstance(i, KernelBurst)]
     if not bursts:
         return list(items)
@@ -179,11 +179,11 @@ def measure(path: Path, fraction: float, period_s: float, phases: int,
     est = tp.attribution.estimates
     return {"capture": path.name, "requests": len(truth.gpu), "fraction": fraction,
             "period_s": period_s, "exact_s": exact_s, "copies": copies,
-            # how far launches estimated without the device-to-device copies were off,
+            # how far launches estimated without the sampled copies were off,
             # per step thread, over the truth's steps (what --gpu-sample auto decides by)
             "copies_blind_error": {f"{pid}/{tid}": round(e, 4) for (pid, tid) in est.blind
                                    if (e := est.blind_error(pid, tid)) is not None},
-            # and how far the copies' own bytes so estimated were
+            # and how far the copies' own bytes so estimated were (the worst kind)
             "copies_blind_bytes_error": {f"{pid}/{tid}": round(e, 4) for (pid, tid) in est.blind
                                          if (e := est.blind_copy_error(pid, tid)) is not None},
             "runs": runs}
@@ -198,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--exact-s", type=float, default=0.0, metavar="S",
                     help="every launch counted for the first S seconds (--gpu-sample auto)")
     ap.add_argument("--copies", action="store_true",
-                    help="the device-to-device copies switched with the launch probes")
+                    help="the host-to-device and device-to-device copies switched with "
+                         "the launch probes")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     doc = {"bench": "sampling_error", "results": [

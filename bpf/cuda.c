@@ -254,11 +254,11 @@ int tt_graph_launch(struct pt_regs *ctx) { return on_launch(ctx, PT_REGS_PARM1(c
 
 static __always_inline int on_copy(struct pt_regs *ctx, u32 kind, u64 bytes)
 {
-    /* Device-to-device copies can be sampled with the launches (--gpu-sample, where
-     * the other probes tell a thread's steps apart without them: SAMPLED_COPY_KINDS in
-     * tracer/events/gpu.py); then a gate of their own stops their count before the
-     * detach, as the launches' does. */
-    if (kind == TT_COPY_D2D && config_get(TT_CFG_COPY_GATE_CLOSED, 0))
+    /* Host-to-device and device-to-device copies can be sampled with the launches
+     * (--gpu-sample, where the other probes tell a thread's steps apart without them:
+     * SAMPLED_COPY_KINDS in tracer/events/gpu.py); then a gate of their own, a bit per
+     * kind, stops their count before the detach, as the launches' does. */
+    if ((config_get(TT_CFG_COPY_GATE_CLOSED, 0) >> (kind & 63)) & 1)
         return 0;
     u64 id = bpf_get_current_pid_tgid();
     u64 now = bpf_ktime_get_ns();

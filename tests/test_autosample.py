@@ -112,9 +112,9 @@ def decide_over(path: Path, auto: AutoSample) -> tuple[list[tuple[float, float]]
 def test_hf_serve_on_an_h100_is_sampled_once_its_engine_is_busy(name, copies):
     # both launch from threads that never move a request's bytes and close a step per
     # sync: continuous batching's generation thread, plain serve's generate() thread.
-    # Continuous batching's steps are told apart without their device-to-device copies
-    # (those are sampled too); generate()'s are not (three kinds of step, one shape
-    # without them: they stay probed)
+    # Continuous batching's steps are told apart without their host-to-device and
+    # device-to-device copies (those are sampled too); generate()'s are not (three kinds
+    # of step, one shape without them: they stay probed)
     auto = AutoSample()
     switches, p = decide_over(CAPTURES / name, auto)
     assert [f for _, f in switches] == [auto.fraction], (switches, auto.reason)

@@ -146,6 +146,18 @@ def test_switch_costs_are_summarised():
     assert s["detach_ms"] == {"mean": 800.0, "max": 800.0}
 
 
+def test_a_capture_that_switched_other_copies_says_so():
+    """A replayed capture whose switches name copy kinds other than the ones this
+    version estimates is still replayed, and the summary says why to distrust it."""
+    ledger = GpuLedger()
+    ledger.handle(GpuSampling(ts=0, enabled=True, fraction=0.1, copies=True))
+    assert "problem" not in ledger.summary()["launch_sampling"]
+    ledger.handle(GpuSampling(ts=MS, enabled=False, fraction=0.1, copies=True,
+                              copy_kinds="d2d"))
+    problem = ledger.summary()["launch_sampling"]["problem"]
+    assert "d2d copies" in problem and "replay it with the version" in problem
+
+
 def test_counted_spans_start_before_the_first_switch_and_end_at_an_off():
     """Before the first switch every launch was counted (sampling starts from exact
     counting); an "on" switch inside a counted span does not uncount it."""
@@ -158,18 +170,19 @@ def test_counted_spans_start_before_the_first_switch_and_end_at_an_off():
     assert s.counted(31, 10**9)
 
 
-def step_of(first: int, end: int, launches: int, h2d: int, kernels: dict[int, int],
-            h2d_bytes: int = 64, d2d: int = 0):
-    """One step of one burst: ``h2d`` host-to-device copies of ``h2d_bytes`` in all (its
-    shape), ``d2d`` device-to-device copies of 100 bytes each (sampled with the
-    launches: 0 where the probes were off)."""
+def step_of(first: int, end: int, launches: int, syncs: int, kernels: dict[int, int],
+            h2d_bytes: int = 64, d2d: int = 0, h2d: int = 1):
+    """One step of one burst: ``syncs`` synchronisations (its shape, probed all the
+    time), ``h2d`` host-to-device copies of ``h2d_bytes`` in all and ``d2d``
+    device-to-device copies of 100 bytes each (both sampled with the launches where
+    copies are: fewer where the probes were off)."""
     from tracer.correlate.steps import Step
     st = Step(PID, TID)
     st.add(KernelBurst(pid=PID, tid=TID, reason="sync", sync_api=0, first_ts=first,
                        last_ts=end, launches=launches, graph_launches=0,
-                       copy_bytes={"d2d": 100 * d2d, "h2d": h2d_bytes},
+                       copy_bytes={"d2d": 100 * d2d, "h2d": h2d_bytes, "d2h": 4},
                        copy_calls={"d2d": d2d, "d2h": 1, "h2d": h2d},
-                       memset_bytes=0, memset_calls=0, sync_calls=1, sync_wait_ns=0,
+                       memset_bytes=0, memset_calls=0, sync_calls=syncs, sync_wait_ns=0,
                        query_polls=0, handle_counts=kernels))
     st.work["gpu_time_ns"] = st.span_ns
     return st
@@ -185,15 +198,15 @@ def test_a_step_not_seen_whole_takes_its_shapes_launches_and_an_estimated_start(
     assert est.fill(st, prev_end=39_000)
     assert st.estimated and st.launches == 50 and st.kernels == {7: 40, 8: 10}
     assert st.first_ts == 40_000 and st.work["gpu_time_ns"] == 8_000  # prev end + gap
-    assert st.sampled_copies() == ((7, 700),) and not st.copies_estimated  # as seen
-    # device-to-device copies switched with the launch probes: not part of the shape,
-    # and the step takes its reference's (a step that saw some, probes on for part of
-    # it, is still of the first shape)
+    assert st.sampled_copies() == ((1, 64), (7, 700)) and not st.copies_estimated  # as seen
+    # host-to-device and device-to-device copies switched with the launch probes: not
+    # part of the shape, and the step takes its reference's (a step that saw some,
+    # probes on for part of it, is still of the first shape)
     for seen in (0, 1):
-        st = step_of(40_500, 48_000, 0, 3, {}, d2d=seen)
+        st = step_of(40_500, 48_000, 0, 3, {}, h2d_bytes=8 * seen, d2d=seen, h2d=seen)
         assert est.fill(st, prev_end=39_000, copies_sampled=True) and st.launches == 50
-        assert st.sampled_copies() == ((7, 700),) and st.copies_estimated
-        assert st.work["memcpy_bytes.h2d"] == 64
+        assert st.sampled_copies() == ((1, 64), (7, 700)) and st.copies_estimated
+        assert st.work["memcpy_bytes.d2h"] == 4  # probed all the time: as seen
     # after an idle spell the start is not put back to the previous step's end
     st = step_of(90_000, 99_000, 0, 5, {})
     assert est.fill(st, prev_end=50_000)
@@ -279,11 +292,11 @@ def test_sampling_switched_on_later_estimates_from_the_steps_counted_before():
     assert launches["p90_error"] < 0.08, launches
 
 
-def test_device_to_device_copies_are_sampled_only_where_they_do_not_tell_steps_apart():
-    """Each step counted whole is first estimated as if those copies had been switched
-    with the launch probes: HF serve --continuous-batching's batch size shows in its
-    input copies too (~1% off without them), HF generate's three kinds of step differ
-    only in them (29% off)."""
+def test_copies_are_sampled_only_where_they_do_not_tell_steps_apart():
+    """Each step counted whole is first estimated as if the host-to-device and
+    device-to-device copies had been switched with the launch probes: HF serve
+    --continuous-batching's batch size shows in its tokens' copy back too (~1% off
+    without them), HF generate's three kinds of step differ only in them (29% off)."""
     from bench.sampling_error import load, replay
     from tests.conftest import CAPTURES
 
@@ -315,10 +328,11 @@ def test_copies_made_in_a_few_steps_stay_probed_even_where_launches_are_told_apa
 
 
 def test_sampled_replay_with_the_copies_switched_estimates_them_and_balances():
-    """The H100 HF serve CB capture with the launch and device-to-device copy probes on
-    10% of each second after 5 s of exact counting (as --gpu-sample auto runs it there):
-    each request's launches and device copies stay close to the truth, those copies are
-    part of what is estimated, and the GPU summary books the same estimates."""
+    """The H100 HF serve CB capture with the launch probes and the host-to-device and
+    device-to-device copies' on 10% of each second after 5 s of exact counting (as
+    --gpu-sample auto runs it there): each request's launches and those copies stay
+    close to the truth, the copies are part of what is estimated, and the GPU summary
+    books the same estimates."""
     from bench.sampling_error import errors, impose, load, replay
     from tests.conftest import CAPTURES
 
@@ -327,13 +341,14 @@ def test_sampled_replay_with_the_copies_switched_estimates_them_and_balances():
     sampled, p = replay(impose(items, 0.1, 10**9, 0, exact_ns=5 * 10**9, copies=True), header)
     assert p.attribution.ledger.balanced()
     launches = errors(truth, sampled, "gpu.kernel_launches")
-    d2d = errors(truth, sampled, "gpu.memcpy_bytes.d2d")
     assert abs(launches["total_ratio"] - 1) < 0.02 and launches["median_error"] < 0.01
-    assert abs(d2d["total_ratio"] - 1) < 0.05 and d2d["median_error"] < 0.02, d2d
     (rows,) = p.attribution.reconciliation()["processes"].values()
+    for kind in ("h2d", "d2d"):
+        copied = errors(truth, sampled, f"gpu.memcpy_bytes.{kind}")
+        assert abs(copied["total_ratio"] - 1) < 0.05 and copied["median_error"] < 0.03, copied
+        assert 0 < rows[f"memcpy_bytes.{kind}"]["estimated"] < rows[f"memcpy_bytes.{kind}"]["observed"]
     copies = rows["memcpy_bytes.d2d"]
-    assert 0 < copies["estimated"] < copies["observed"]
-    assert rows["memcpy_bytes.h2d"].get("estimated") is None  # probed all the time
+    assert rows["memcpy_bytes.d2h"].get("estimated") is None  # probed all the time
     (proc,) = p.gpu.summary()["processes"]
     assert p.gpu.summary()["launch_sampling"]["copies_sampled"] is True
     assert proc["memcpy_bytes"]["d2d"] == round(copies["observed"])

@@ -18,12 +18,13 @@ Why these numbers (docs/overhead.md, "the default"):
   (``bench/sampling_error.py``); live under this policy, 1,152 requests at
   concurrency 32 scored against the profiler: kernel-share error 1.1% (0.9% with every
   launch counted), GPU-time share 3.6% (1.6%) (``bench/accuracy.py --gpu-sample auto``).
-- The device-to-device copies (HF serve CB: ~38 a step, 45% of the traps left once
-  launches are sampled) are switched with the launch probes too where the other probes
-  tell the deciding threads' steps apart as well without them: launches estimated
-  without them over the steps counted so far were off by 3% or less
-  (``StepEstimates.copies_tell_steps_apart``; HF serve CB ~1%, HF generate 29%: its
-  steps of 143, 5 and 2 launches differ only in these copies). Else they stay probed.
+- The host-to-device and device-to-device copies (HF serve CB: ~7 and ~38 a step, over
+  half of the traps left once launches are sampled) are switched with the launch probes
+  too where the other probes tell the deciding threads' steps apart as well without
+  them: launches estimated without them over the steps counted so far were off by 3% or
+  less, and each kind's bytes by 10% or less (``StepEstimates.copies_tell_steps_apart``;
+  HF serve CB ~1% and 2-3%, HF generate 29%: its steps of 143, 5 and 2 launches differ
+  only in these copies). Else they stay probed.
 - A thread that serves its one request itself (a burst charged whole to it,
   "same-thread") has no steps: sampled, its launches would only be scaled by the share
   of time the probes were on, once 90% low on a real GPU. So sampling is chosen only
@@ -36,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import AbstractSet, Mapping
 
+COPIES = "host-to-device and device-to-device copies"  # SAMPLED_COPY_KINDS, in words
 FRACTION = 0.1  # the share of each --gpu-sample-period the launch probes are on
 MIN_RATE = 5000.0  # launches per second, over one check, before sampling pays
 CHECK_S = 5.0  # how often the launch rate and the launching threads are looked at
@@ -51,7 +53,7 @@ class AutoSample:
 
     ``check`` gets, per launching thread, its launches seen and steps closed so far
     (cumulative), the threads whose bursts were charged whole to one request, and per
-    thread whether its steps need the device-to-device copies to be told apart (None:
+    thread whether its steps need the sampled copies (SAMPLED_COPY_KINDS) to be told apart (None:
     not known yet); it returns the ``--gpu-sample`` fraction to switch to, or None, and
     leaves in ``copies`` whether those copies are to be switched with the launches."""
 
@@ -61,7 +63,7 @@ class AutoSample:
     check_s: float = CHECK_S  # the caller checks this often
     state: str = "exact"  # "exact", "sampling", or "off" (held exact for good)
     reason: str = "launches counted until they are frequent on step engines"
-    copies: bool = False  # the device-to-device copies switched with the launches
+    copies: bool = False  # the sampled copies switched with the launches
     _last: dict[ThreadKey, tuple[int, int]] = field(default_factory=dict)
     _last_ts: float | None = None
 
@@ -109,9 +111,9 @@ class AutoSample:
         self.copies = bool(needed) and all(n is False for n in needed)
         self.reason = (f"{rate:,.0f} launches/s in one process, on {len(deciding)} engine "
                        f"step thread(s) in all: launch probes on {self.fraction:g} of each "
-                       "period" + (", with the device-to-device copies" if self.copies else
-                                   "; device-to-device copies all counted (they tell "
-                                   "steps apart)" if any(needed) else
-                                   "; device-to-device copies all counted (too few steps "
-                                   "to tell whether they are needed)"))
+                       "period" + (f", with the {COPIES}" if self.copies else
+                                   f"; {COPIES} all counted (they tell steps "
+                                   "apart)" if any(needed) else
+                                   f"; {COPIES} all counted (too few steps to "
+                                   "tell whether they are needed)"))
         return self.fraction

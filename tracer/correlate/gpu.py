@@ -15,8 +15,8 @@ from tracer.correlate.sampling import (LaunchSampling, StepSample, estimate,
                                       sampled_copy_counts)
 from tracer.correlate.steps import StepTotals
 from tracer.events import wire
-from tracer.events.gpu import (COPY_KINDS, LIVE_NAME_SOURCES, NAME_SOURCES, SAMPLED_COPY_KINDS,
-                               GpuSampling, KernelBurst, KernelCounts, KernelName, KernelStub,
+from tracer.events.gpu import (COPY_KINDS, LIVE_NAME_SOURCES, NAME_SOURCES, SAMPLED_COPIES,
+                               SAMPLED_COPY_KINDS, GpuSampling, KernelBurst, KernelCounts, KernelName, KernelStub,
                                MemEvent, NcclEvent, VerbsContext, VerbsCounts, VerbsMr, VerbsQp)
 
 HOST_STUB = wire.CONSTANTS["NAME_HOST_STUB"]
@@ -277,6 +277,7 @@ class GpuLedger:
         self.step_totals: Mapping[tuple[int, int], StepTotals] = {}
         self.same_thread: AbstractSet[tuple[int, int]] = set()
         self.sampling_reason = ""  # why --gpu-sample auto last switched, if it did
+        self.sampling_problem = ""  # a replayed capture that switched other copies
 
     def proc(self, pid: int) -> ProcessGpu:
         p = self.processes.get(pid)
@@ -328,6 +329,11 @@ class GpuLedger:
             if self.sampling is None:
                 self.sampling = LaunchSampling(ev.fraction)
             self.sampling.switch(ev.ts, ev.enabled, ev.attach_s, ev.detach_s, ev.copies)
+            if ev.copies and ev.copy_kinds != SAMPLED_COPIES:
+                self.sampling_problem = (
+                    f"recorded with the {ev.copy_kinds} copies switched with the launch "
+                    f"probes; this version estimates {SAMPLED_COPIES}: replay it with the "
+                    "version that recorded it")
             if ev.reason:
                 self.sampling_reason = ev.reason
         elif isinstance(ev, KernelCounts):
@@ -391,6 +397,8 @@ class GpuLedger:
                         "('time_share'); *_seen are the counts the probes saw"}
             if self.sampling_reason:
                 doc["launch_sampling"]["chosen_by"] = self.sampling_reason
+            if self.sampling_problem:
+                doc["launch_sampling"]["problem"] = self.sampling_problem
         return doc
 
     def _estimated(self, pid: int, tid: int, t: ThreadTotals, sampling: LaunchSampling

@@ -23,7 +23,7 @@ NO_REQUEST = "no_request"  # a step no traced request was in (warm-up, idle, unt
 UNJOINED_RANK = "unjoined_rank"  # a tensor-parallel rank's step not matched to rank 0's
 EVICTED = "evicted"  # dropped unsettled to bound memory
 # what --gpu-sample estimates for a step the launch probes did not see whole: its
-# launches and span, and the device-to-device copies where those were sampled too
+# launches and span, and the SAMPLED_COPY_KINDS copies where those were sampled too
 ESTIMATED = ("kernel_launches", "graph_launches", "gpu_time_ns")
 ESTIMATED_COPIES = tuple(f"memcpy_bytes.{k}" for k in SAMPLED_COPY_KINDS)
 TOLERANCE = 1e-6  # relative: float rounding of many fractional shares
@@ -31,7 +31,7 @@ TOLERANCE = 1e-6  # relative: float rounding of many fractional shares
 
 def estimated_quantities(copies: bool) -> tuple[str, ...]:
     """What is estimated of a step the probes did not see whole (``copies``: with the
-    device-to-device copies)."""
+    sampled copies)."""
     return ESTIMATED + ESTIMATED_COPIES if copies else ESTIMATED
 
 

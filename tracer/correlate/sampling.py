@@ -1,7 +1,8 @@
 """Launch-count estimates under ``--gpu-sample``: the launch probes are attached for a
-share of each period, the copy, memset and sync probes all the time (but the
-device-to-device copies', switched with the launch probes where a thread's steps are
-told apart without them: ``GpuSampling.copies``, ``StepEstimates.copies_tell_steps_apart``).
+share of each period, the copy, memset and sync probes all the time (but those of the
+host-to-device and device-to-device copies, switched with the launch probes where a
+thread's steps are told apart without them: ``GpuSampling.copies``,
+``StepEstimates.copies_tell_steps_apart``).
 
 The estimate is a ratio over steps. A thread's step ends where its work is known to be
 done (a burst flushed by a synchronisation or a query that found the work finished);
@@ -49,7 +50,7 @@ class LaunchSampling:
     switches: list[tuple[int, bool]] = field(default_factory=list)  # (ts, on)
     attach_s: list[float] = field(default_factory=list)
     detach_s: list[float] = field(default_factory=list)
-    # whether the device-to-device copies were switched with the launches, per switch
+    # whether the SAMPLED_COPY_KINDS copies were switched with the launches, per switch
     copies: list[bool] = field(default_factory=list)
 
     _ts: list[int] = field(default_factory=list)  # the switches' times, for bisect
@@ -65,14 +66,14 @@ class LaunchSampling:
             self.detach_s.append(detach_s)
 
     def copies_at(self, ts: int) -> bool:
-        """Whether the device-to-device copies went on and off with the launch probes
+        """Whether the sampled copies went on and off with the launch probes
         at ``ts`` (as the last switch at or before it said)."""
         i = bisect_right(self._ts, ts)
         return self.copies[i - 1] if i else False
 
     @property
     def copies_ever(self) -> bool:
-        """Whether any switch had the device-to-device copies switched too."""
+        """Whether any switch had the sampled copies switched too."""
         return any(self.copies)
 
     def on_share(self, a: int, b: int) -> float:
@@ -223,15 +224,16 @@ class StepReference:
 
 ThreadKey = tuple[int, int]  # (pid, tid)
 Shapes = dict[tuple[int, ...], dict[tuple[int, ...], StepReference]]
-# Device-to-device copies are sampled with the launches only where the other probes
+# Copies (SAMPLED_COPY_KINDS) are sampled with the launches only where the other probes
 # tell a thread's steps apart as well without them: where launches estimated without
 # them (over the steps counted whole) were off by more than this share of the launches,
-# they stay probed. HF serve --continuous-batching (H100 captures): 0.95-1.2%, its
-# batch size shows in its input copies' bytes as well; HF generate (plain serve): 29%,
+# they stay probed. HF serve --continuous-batching (H100 captures): 0.8-1.4%, its
+# batch size shows in its tokens' copy back as well; HF generate (plain serve): 29%,
 # three kinds of step with one shape but for these copies (143, 5 and 2 launches).
 BLIND_ERROR = 0.03
-# ... and where their own bytes, estimated so, were off by more than this share: a
-# copy made in a few steps only is not told by its steps' shapes (HF serve CB: 1.1-1.5%)
+# ... and where the bytes of any one kind, estimated so, were off by more than this
+# share: a copy made in a few steps only is not told by its steps' shapes (HF serve CB:
+# 2-3%)
 BLIND_COPY_ERROR = 0.1
 BLIND_MIN_STEPS = 50  # steps counted whole and compared before the shares decide
 
@@ -257,8 +259,8 @@ class StepEstimates:
         # sizes most recent last
         self.refs: dict[bool, dict[ThreadKey, Shapes]] = {False: {}, True: {}}
         # thread -> [steps, |launches estimated without the sampled copies - counted|,
-        # launches counted, |their bytes so estimated - counted|, their bytes counted],
-        # over the steps counted whole
+        # launches counted, then per SAMPLED_COPY_KINDS |its bytes so estimated -
+        # counted|, its bytes counted], over the steps counted whole
         self.blind: dict[ThreadKey, list[int]] = {}
 
     def learn(self, step: Step, prev_end: int | None) -> None:
@@ -274,13 +276,13 @@ class StepEstimates:
         blind = self.refs[True].get(key)
         if blind:
             guess = _reference(blind, step.shape(True), _copy_sizes(step, True))
-            err = self.blind.setdefault(key, [0, 0, 0, 0, 0])
+            err = self.blind.setdefault(key, [0] * (3 + 2 * len(SAMPLED_COPY_KINDS)))
             err[0] += 1
             err[1] += abs(guess.launches - step.launches)
             err[2] += step.launches
-            for (_, want), (_, got) in zip(guess.copies, ref.copies):
-                err[3] += abs(want - got)
-                err[4] += got
+            for i, ((_, want), (_, got)) in enumerate(zip(guess.copies, ref.copies)):
+                err[3 + 2 * i] += abs(want - got)
+                err[4 + 2 * i] += got
         for copies_sampled, refs in self.refs.items():
             shapes = refs.setdefault(key, {})
             shape, size = step.shape(copies_sampled), _copy_sizes(step, copies_sampled)
@@ -303,7 +305,8 @@ class StepEstimates:
         err = self.blind.get((pid, tid))
         if err is None or err[0] < BLIND_MIN_STEPS:
             return None
-        return err[1] > BLIND_ERROR * max(1, err[2]) or err[3] > BLIND_COPY_ERROR * max(1, err[4])
+        return (err[1] > BLIND_ERROR * max(1, err[2])
+                or any(e > BLIND_COPY_ERROR * max(1, b) for e, b in _kind_errors(err)))
 
     def blind_error(self, pid: int, tid: int) -> float | None:
         """The share by which launches estimated without the sampled copies were off."""
@@ -311,13 +314,15 @@ class StepEstimates:
         return err[1] / err[2] if err and err[2] else None
 
     def blind_copy_error(self, pid: int, tid: int) -> float | None:
-        """The share by which the sampled copies' bytes estimated so were off."""
+        """The share by which the sampled copies' bytes estimated so were off (the
+        worst kind's)."""
         err = self.blind.get((pid, tid))
-        return err[3] / err[4] if err and err[4] else None
+        shares = [e / b for e, b in _kind_errors(err) if b] if err else []
+        return max(shares) if shares else None
 
     def fill(self, step: Step, prev_end: int | None, copies_sampled: bool = False) -> bool:
         """Give ``step`` (not counted whole) its reference's launches and kernels (and,
-        where ``copies_sampled``, its device-to-device copies) and an estimated start;
+        where ``copies_sampled``, its SAMPLED_COPY_KINDS copies) and an estimated start;
         False (left as seen) when its thread has no reference."""
         shapes = self.refs[copies_sampled].get((step.pid, step.tid))
         if not shapes:
@@ -337,6 +342,11 @@ class StepEstimates:
             step.first_ts = min(start, step.first_end_ts)
         step.work["gpu_time_ns"] = step.span_ns  # bursts' spans for a step that launched none
         return True
+
+
+def _kind_errors(err: list[int]) -> list[tuple[int, int]]:
+    """A ``StepEstimates.blind`` row's (bytes error, bytes counted) per sampled kind."""
+    return [(err[i], err[i + 1]) for i in range(3, len(err), 2)]
 
 
 def _reference(shapes: Shapes, shape: tuple[int, ...], size: tuple[int, ...]) -> StepReference:

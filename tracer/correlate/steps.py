@@ -66,7 +66,7 @@ class Step:
     sync_calls: int = 0
     query_polls: int = 0
     estimated: bool = False
-    copies_estimated: bool = False  # its device-to-device copies too (sampled with them)
+    copies_estimated: bool = False  # its SAMPLED_COPY_KINDS copies too (sampled with them)
     # not counted whole and not estimated yet (its thread had no reference): the
     # previous step's end, to estimate it once one is learnt
     unestimated_after: int | None = None
@@ -130,7 +130,7 @@ class Step:
 
     def shape(self, copies_sampled: bool = False) -> tuple[int, ...]:
         """What the probes that stay on under ``--gpu-sample`` saw of it: copy calls by
-        kind (without the device-to-device ones where ``copies_sampled``: those are
+        kind (without SAMPLED_COPY_KINDS where ``copies_sampled``: those are
         then switched with the launches), memset and sync calls, whether it polled.
         Steps of one shape launch the same kernels to within 1% on the H100 captures
         (the whole mix varies 5-120%)."""

@@ -17,13 +17,19 @@ from tracer.events import wire
 
 C = wire.CONSTANTS
 COPY_KINDS = ("h2d", "d2h", "d2d", "other")
-# Copies whose probes --gpu-sample can switch on and off with the launch probes: HF
-# serve's engine makes ~38 device-to-device copies a step, 45% of the GPU probes' traps
-# left once launches are sampled (an H200 census: 3,323 a second of ~7,300). Where they
-# are switched (``GpuSampling.copies``), a step the probes did not see whole takes them
-# from its reference as it takes its launches (tracer/correlate/sampling.py), and the
-# other kinds tell its shape.
-SAMPLED_COPY_KINDS = ("d2d",)
+# Copies whose probes --gpu-sample can switch on and off with the launch probes. HF
+# serve's engine makes ~38 device-to-device copies a step (45% of the GPU probes' traps
+# left once launches are sampled, an H200 census: 3,323 a second of ~7,300) and ~7
+# host-to-device ones (its inputs, each followed by a sync: ~1,000 a second a server on
+# 4 H200s). Where they are switched (``GpuSampling.copies``), a step the probes did not
+# see whole takes them from its reference as it takes its launches
+# (tracer/correlate/sampling.py), and the other probes tell its shape: its syncs, memsets
+# and the device-to-host copy that brings its tokens back (whose bytes grow with the
+# batch, as the input copies' do).
+SAMPLED_COPY_KINDS = ("h2d", "d2d")
+# the kernel's gate of those copies (CFG_COPY_GATE_CLOSED): a bit per TT_COPY_* kind
+SAMPLED_COPIES = ",".join(SAMPLED_COPY_KINDS)  # GpuSampling.copy_kinds
+SAMPLED_COPY_MASK = sum(1 << C[f"COPY_{k.upper()}"] for k in SAMPLED_COPY_KINDS)
 SHAPE_COPY_KINDS = tuple(k for k in COPY_KINDS if k not in SAMPLED_COPY_KINDS)
 BURST_REASONS = {C["BURST_SYNC"]: "sync", C["BURST_QUERY"]: "query",
                  C["BURST_INTERVAL"]: "interval", C["BURST_SLOTS"]: "slots",
@@ -228,8 +234,11 @@ class GpuSampling:
     ``attach_s`` is how long this switch's attach took, ``detach_s`` how long the
     previous detach took (both 0 where unknown, as in older captures). ``reason``: why
     sampling began or ended where the agent chose it (``--gpu-sample auto``), else
-    empty. ``copies``: the device-to-device copies' probes are switched with the launch
-    probes (their counts are estimates too); False in older captures."""
+    empty. ``copies``: the probes of the copies ``copy_kinds`` names (comma-separated:
+    ``SAMPLED_COPY_KINDS``) are switched with the launch probes (their counts are
+    estimates too); False in older captures. A capture whose kinds differ from this
+    version's is replayed as if these were switched, and says so
+    (``launch_sampling.problem`` in the GPU summary)."""
 
     ts: int
     enabled: bool
@@ -238,6 +247,7 @@ class GpuSampling:
     detach_s: float = 0.0
     reason: str = ""
     copies: bool = False
+    copy_kinds: str = SAMPLED_COPIES
 
 
 VERBS_OPS = {C["VERBS_SEND"]: "send", C["VERBS_RECV"]: "recv",

@@ -94,10 +94,11 @@ NCCL_PROBES: list[Probe] = [
 # The launch handlers: the probes --gpu-sample switches on and off (their uprobe trap is
 # what an eager launch-bound loop pays per launch).
 LAUNCH_HANDLERS = frozenset({"tt_launch_arg1", "tt_launch_arg2", "tt_graph_launch"})
-# The device-to-device copies' handlers (SAMPLED_COPY_KINDS in tracer/events/gpu.py):
-# switched with the launch probes where their steps are told apart without them
-# (``copies_switched``), else attached all the time.
-COPY_HANDLERS = frozenset({"tt_copy_d2d_arg3", "tt_copy_d2d_arg5"})
+# The handlers of the copies SAMPLED_COPY_KINDS names (tracer/events/gpu.py): switched
+# with the launch probes where their steps are told apart without them
+# (``copies_switched``), else attached all the time. cuMemcpy[Async] (direction known
+# only from the pointers) stays probed.
+COPY_HANDLERS = frozenset({"tt_copy_h2d_arg3", "tt_copy_d2d_arg3", "tt_copy_d2d_arg5"})
 
 # libcudart: only device-wide synchronisation, which does not pass through an exported
 # libcuda function on CUDA 13 (seen on an H200, driver 580). Launches are never counted
@@ -179,7 +180,7 @@ class GpuProbes:
         # later (windows, --gpu-sample) go through a live one
         self._mappers: dict[tuple[int, int], dict[int, str]] = {}  # (dev, ino) -> pid -> path
         self.launch_sites: list[Site] = []  # every library's launch probes
-        self.copy_sites: list[Site] = []  # and its device-to-device copies' probes
+        self.copy_sites: list[Site] = []  # and its sampled copies' probes
         self._launch_attached: list[Attached] = []  # those attached now
         self._copy_attached: list[Attached] = []  # those attached now
         self.launches_on = True
@@ -327,7 +328,7 @@ class GpuProbes:
         return self._detacher is not None and self._detacher.is_alive()
 
     def attach_launch_probes(self) -> float:
-        """--gpu-sample: attach the launch probes (with the device-to-device copies'
+        """--gpu-sample: attach the launch probes (with the sampled copies'
         where ``copies_switched``) of every library (a few ms); the seconds it took.
         Call only once a detach has finished (``detaching``)."""
         if self.launches_on:
@@ -342,7 +343,7 @@ class GpuProbes:
         return time.perf_counter() - t0
 
     def switch_copies(self, on: bool) -> None:
-        """Whether the device-to-device copies' probes go on and off with the launch
+        """Whether the sampled copies' probes go on and off with the launch
         probes from the next switch on (``on``), or stay attached (attached now if
         they were off with the launches; wait for a detach under way first)."""
         if not on and self.copies_switched and not self.launches_on:
@@ -351,7 +352,7 @@ class GpuProbes:
         self.copies_switched = on
 
     def detach_launch_probes(self) -> None:
-        """--gpu-sample: detach the launch probes (with the device-to-device copies'
+        """--gpu-sample: detach the launch probes (with the sampled copies'
         where ``copies_switched``), so that a launch costs no uprobe trap at all. On a
         thread of its own: through perf events each probe's detach
         blocks ~0.1 s in the kernel (tracer/probes/uprobes.py), and the agent keeps

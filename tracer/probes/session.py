@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tracer.events import schema, wire
-from tracer.events.gpu import GpuSampling
+from tracer.events.gpu import SAMPLED_COPY_MASK, GpuSampling
 from tracer.events.netwait import NetTimingMode
 from tracer.events.runs import RunArmed
 from tracer.probes import loader, procfs, ringbuf, sockdiag
@@ -274,12 +274,12 @@ class CaptureSession:
 
     def _gates(self, closed: bool) -> None:
         """The kernel's gates of what --gpu-sample switches: the launches', and the
-        device-to-device copies' where they are switched with them (else open)."""
+        copies (SAMPLED_COPY_KINDS)' where they are switched with them (else open)."""
         assert self.gpu is not None
         gate = self.bpf[b"config"]
         gate[ctypes.c_int(C["CFG_LAUNCH_GATE_CLOSED"])] = ctypes.c_uint64(closed)
         gate[ctypes.c_int(C["CFG_COPY_GATE_CLOSED"])] = ctypes.c_uint64(
-            closed and self.gpu.copies_switched)
+            SAMPLED_COPY_MASK if closed and self.gpu.copies_switched else 0)
 
     def _begin_sampled_period(self, reason: str = "") -> None:
         """--gpu-sample: a period starts with the launch probes on, said by a switch."""
@@ -302,7 +302,7 @@ class CaptureSession:
         ``--gpu-sample auto`` with its ``reason``). From counting every launch,
         sampling starts with the probes on for ``F`` of a period; back at 1 they are
         attached (once a detach under way ends) and the gate opened. ``copies``: the
-        device-to-device copies' probes are switched with the launch probes (from
+        sampled copies' probes (SAMPLED_COPY_KINDS) are switched with the launch probes (from
         sampling's start; a fraction already in force keeps its choice). Every change
         is a ``GpuSampling`` switch, so the estimate of launch counts
         (tracer/correlate/sampling.py) sees which spans were counted."""
