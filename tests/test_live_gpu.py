@@ -100,6 +100,47 @@ def test_counts_bytes_names_and_waits_match_the_libraries_exactly(gpu_build, tmp
     assert "no events lost" in run.stderr
 
 
+@pytest.mark.parametrize("links", ["sessions", "multi"])
+def test_syncs_inside_a_step_are_counted_and_only_results_syncs_timed(gpu_build, tmp_path,
+                                                                      links):
+    """Each step syncs after its input copy (as PyTorch does after a pageable copy) and
+    again on its results. Through uprobe sessions (Linux 6.13+) the input sync's return
+    is not probed once the thread has synced on a device-to-host copy: it is counted at
+    its entry in the burst that goes on, so a step is one burst. Through plain links
+    every sync ends a burst of its own. Either way every call is counted exactly, and
+    the step rule finds the same steps. The wait times: each results sync waits for
+    the kernels queued before it, the input sync (nothing queued) for none."""
+    from tracer.probes.uprobes import uprobe_multi_support
+
+    if links == "sessions" and not uprobe_multi_support(session=True)[0]:
+        with pytest.raises(AssertionError, match="no uprobe sessions"):
+            run_workload(gpu_build, tmp_path, ["--steps", "10"], ["--uprobe-links", links])
+        return
+    steps = 400
+    proc, truth, _, doc, run = run_workload(
+        gpu_build, tmp_path, ["--steps", str(steps), "--kernels", str(KERNELS),
+                              "--input-sync"], ["--uprobe-links", links])
+    kind = "uprobe_multi links" + (", with sessions" if links == "sessions" else "")
+    assert f"GPU probes attached as {kind}" in run.stderr
+    assert truth["sync_calls"] == steps + steps - steps // 4  # every 4th step polls
+    assert proc["sync_calls"] == truth["sync_calls"]
+    assert proc["kernel_launches"] == truth["launches"] == steps * KERNELS
+    assert proc["memcpy_calls"]["h2d"] == truth["h2d_calls"]
+    assert proc["memcpy_bytes"]["d2h"] == truth["d2h_bytes"]
+    assert proc["query_polls"] == truth["query_not_ready"]
+    # a step ends at a results sync (a polled step runs on into the next one), but for
+    # the first input sync (no results synced before it) and the last, polled, step
+    # (closed at the thread's exit)
+    assert doc["report"]["gpu_steps"] == steps - steps // 4 + 2
+    # the results syncs waited ~2 us per launch queued before them (the stand-in's
+    # kernel time); in "multi" the input syncs are timed too, and waited ~0
+    assert proc["sync_wait_ms"] > (steps - steps // 4) * KERNELS * 0.002 * 0.9
+    if links == "sessions":
+        assert proc["bursts"] <= steps + 2  # the first step's input sync ends one too
+    else:
+        assert proc["bursts"] >= 2 * steps
+
+
 def test_replay_of_the_capture_gives_the_same_summary(gpu_build, tmp_path):
     proc, truth, _, doc, _ = run_workload(gpu_build, tmp_path,
                                           ["--steps", "50", "--kernels", "20"])

@@ -94,8 +94,81 @@ def hits(bpf) -> list[int]:
 
 
 def test_this_kernel_has_uprobe_multi_links():
-    """The dev and CI VMs run Linux 6.18; links need 6.6."""
+    """The dev and CI VMs run Linux 6.18; links need 6.6, their sessions 6.13."""
     assert up.uprobe_multi_support() == (True, "")
+    assert up.uprobe_multi_support(session=True) == (True, "")
+
+
+SESSION_BPF = """
+#include <uapi/linux/ptrace.h>
+BPF_ARRAY(hits, u64, 2);     /* [0]: entries, [1]: returns */
+BPF_HASH(pending, u32, u8);  /* threads inside a call whose return was asked for */
+static void bump(int i) {
+    u64 *v = hits.lookup(&i);
+    if (v) __sync_fetch_and_add(v, 1);
+}
+int on_call(struct pt_regs *ctx) {
+    u64 id = bpf_get_current_pid_tgid();
+    if (id >> 32 != TARGET) return 1;
+    u32 tid = id;
+    if (pending.lookup(&tid)) {  /* the return of a call whose entry returned 0 */
+        pending.delete(&tid);
+        bump(1);
+        return 0;
+    }
+    bump(0);
+    if (PT_REGS_PARM1(ctx) != 2) return 1;  /* tt_b(1): no return wanted */
+    u8 one = 1;
+    pending.update(&tid, &one);
+    return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("mode", ["sessions", "auto"])
+def test_a_session_runs_at_the_return_only_where_its_entry_asked(built, mode):
+    """One program at entry and return (an uprobe session link): tt_a's entries ask
+    for the return (return 0), tt_b's do not (return 1), and the kernel runs the
+    program at exactly the returns asked for."""
+    from bcc import BPF
+
+    caller = Caller(built)
+    bpf = BPF(text=SESSION_BPF.replace("TARGET", str(caller.p.pid)).encode())
+    lib = str(built / "libttup.so")
+    at = exported_functions(lib, probe_sites=True)
+    probes = up.Uprobes(bpf, threading.Lock(), mode)
+    try:
+        assert probes.sessions and probes.kind == "uprobe_multi links, with sessions"
+        errors: dict[str, str] = {}
+        got = probes.attach([up.Site(lib, at[f], "on_call", name=f, session=True)
+                             for f in ("tt_a", "tt_b")], errors)
+        assert not errors and len(got) == 2 and len(got.links) == 1
+        caller.call("a", 300)
+        caller.call("b", 200)
+        assert hits(bpf) == [500, 300]
+        probes.close(errors)
+        caller.call("a", 10)
+        assert hits(bpf) == [500, 300] and not errors
+    finally:
+        caller.close()
+        bpf.cleanup()
+
+
+def test_without_sessions_a_session_site_is_refused_by_name(built):
+    """Through plain links (or perf events) a session site is an error of its own,
+    and the other sites still attach."""
+    caller, bpf, probes, sites = _setup(built, "multi")
+    try:
+        assert not probes.sessions and probes.kind == "uprobe_multi links"
+        errors: dict[str, str] = {}
+        odd = up.Site(sites[2].path, sites[2].vaddr, "on_b", name="tt_b", session=True)
+        got = probes.attach([sites[0], odd], errors)
+        assert list(errors) == [odd.describe()] and "no uprobe sessions" in errors[odd.describe()]
+        assert len(got) == 1
+    finally:
+        probes.close({})
+        caller.close()
+        bpf.cleanup()
 
 
 @pytest.mark.parametrize("mode", ["multi", "perf"])
@@ -135,11 +208,11 @@ def test_a_site_the_kernel_refuses_is_named_and_the_rest_still_attach(built, mon
     real = up._create_link
     refused = sites[0]
 
-    def create(prog_fd, path, offsets, ret, pid=0):
+    def create(prog_fd, path, offsets, ret, pid=0, session=False):
         bad = up._file_offsets([refused], {})[0][1]
         if bad in offsets and not ret:
             raise OSError(22, "Invalid argument")
-        return real(prog_fd, path, offsets, ret, pid)
+        return real(prog_fd, path, offsets, ret, pid, session)
 
     monkeypatch.setattr(up, "_create_link", create)
     # on_a and on_b share no link: put both entry sites under one handler

@@ -116,11 +116,14 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                          "so a loop syncing thousands of times a second costs the agent "
                          "fewer records; totals stay exact, GPU time attribution gets "
                          "this coarse (default: 0, every sync)")
-    g2.add_argument("--uprobe-links", choices=("auto", "multi", "perf"), default="auto",
+    g2.add_argument("--uprobe-links", choices=("auto", "sessions", "multi", "perf"),
+                    default="auto",
                     help="attach the GPU uprobes through uprobe_multi links (Linux 6.6+: "
-                         "detaching them all takes well under a second) or as one perf "
-                         "event each (~0.1 s apiece to detach); auto picks links where the "
-                         "kernel has them (default: auto)")
+                         "detaching them all takes well under a second), those with "
+                         "uprobe sessions (6.13+: the syncs inside an engine's step cost "
+                         "no return probe), or as one perf event each (~0.1 s apiece to "
+                         "detach); auto picks the first of sessions, multi, perf the "
+                         "kernel has (default: auto)")
     g2.add_argument("--stacks", action="store_true",
                     help="sample the code paths that launch GPU work: at the kernel-launch, "
                          "graph-launch, memcpy and NCCL probes, a thread's Python frames "

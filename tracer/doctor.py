@@ -71,13 +71,21 @@ def check_bpf_syscall() -> Check:
 
 def check_uprobe_multi() -> Check:
     """uprobe_multi links (Linux 6.6+): without them GPU probes still work, as one perf
-    event each, but stopping takes ~0.1 s per probe (tracer/probes/uprobes.py)."""
+    event each, but stopping takes ~0.1 s per probe (tracer/probes/uprobes.py); and
+    their sessions (6.13+), which spare the syncs inside an engine's step a return probe
+    (bpf/cuda.c)."""
     from tracer.probes.uprobes import uprobe_multi_support
 
     ok, why = uprobe_multi_support()
     if ok:
-        return Check("uprobe links", True, "uprobe_multi: GPU probes attach as links",
-                     required=False)
+        sessions, why_not = uprobe_multi_support(session=True)
+        if sessions:
+            return Check("uprobe links", True, "uprobe_multi with sessions: GPU probes "
+                         "attach as links, and syncs inside an engine's step cost no "
+                         "return probe", required=False)
+        return Check("uprobe links", True, f"uprobe_multi: GPU probes attach as links; no "
+                     f"uprobe sessions ({why_not}): every sync's return is probed",
+                     "Linux 6.13 or later has sessions", required=False)
     return Check("uprobe links", False, f"no uprobe_multi ({why}): GPU probes attach as "
                  "perf events; stopping and --gpu-sample switches take ~0.1 s per probe",
                  "Linux 6.6 or later has them", required=False)

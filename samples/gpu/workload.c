@@ -4,15 +4,17 @@
  * target (it passes no valid modules); PyTorch workloads cover that.
  *
  *   workload [--steps N] [--kernels K] [--threads T] [--graph-every G] [--nccl]
- *            [--wait]
+ *            [--d2d N] [--input-sync] [--wait]
  *
  * Each thread resolves K kernels (even ones with cuLibraryGetKernel, odd ones with
- * cuModuleGetFunction, kernel 1 also through cuKernelGetFunction), then per step:
- * an H2D copy, K launches (kernel 1's asked for through cuKernelGetFunction again
- * before each, as cuBLASLt does) (every 4th with cuLaunchKernelEx), a graph launch every G
- * steps, a memset, an NCCL all-reduce in a group when --nccl, a D2H copy, and a
- * stream sync (every 4th step polls cuStreamQuery instead). --wait prints "ready" and
- * waits for a line on stdin before resolving anything, so a tracer can attach first.
+ * cuModuleGetFunction, kernel 1 also through cuKernelGetFunction), then per step: an
+ * H2D copy (with --input-sync a stream sync after it, as PyTorch makes after a copy
+ * from pageable memory), K launches (kernel 1's asked for through cuKernelGetFunction
+ * again before each, as cuBLASLt does; every 4th with cuLaunchKernelEx), a graph launch
+ * every G steps, N device-to-device copies (--d2d), a memset, an NCCL all-reduce in a
+ * group when --nccl, a D2H copy, and a stream sync (every 4th step polls cuStreamQuery
+ * instead). --wait prints "ready" and waits for a line on stdin before resolving
+ * anything, so a tracer can attach first.
  */
 #include <pthread.h>
 #include <stdio.h>
@@ -49,6 +51,7 @@ int ncclGroupStart(void);
 int ncclGroupEnd(void);
 
 static int steps = 100, kernels = 8, threads = 1, graph_every = 0, use_nccl = 0, d2d = 0;
+static int input_sync = 0;
 static ncclComm_t comm;
 
 static void *run(void *arg)
@@ -76,6 +79,8 @@ static void *run(void *arg)
     CUlaunchConfig cfg = {1, 1, 1, 128, 1, 1, 0, s, NULL, 0};
     for (int step = 0; step < steps; step++) {
         cuMemcpyHtoDAsync_v2(buf, host, 1000 + step, s);
+        if (input_sync)
+            cuStreamSynchronize(s);
         for (int k = 0; k < kernels; k++) {
             if (k == 1)
                 cuKernelGetFunction(&f[k], (CUkernel)kern1);
@@ -122,6 +127,7 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--graph-every") && i + 1 < argc) graph_every = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--d2d") && i + 1 < argc) d2d = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--nccl")) use_nccl = 1;
+        else if (!strcmp(argv[i], "--input-sync")) input_sync = 1;
         else if (!strcmp(argv[i], "--wait")) wait = 1;
         else if (!strcmp(argv[i], "--linger")) linger = 1; /* exit at the next line */
         else { fprintf(stderr, "workload: unknown argument %s\n", argv[i]); return 2; }

@@ -267,7 +267,10 @@ class StepLog:
         self.open.add(b)
         if stacks:
             self.open.add_stacks(stacks)
-        synced = b.sync_calls > 0 or b.reason == "sync"
+        # a sync timed to its return sets sync_api; one only counted at its entry (an
+        # uprobe session skips the returns of syncs inside a step: bpf/cuda.c) ends
+        # nothing
+        synced = b.sync_api != 0 or b.reason == "sync"
         results = synced and b.copy_calls.get("d2h", 0) > 0
         self.result_copies = self.result_copies or results
         ends_step = (results or (synced and not self.result_copies)

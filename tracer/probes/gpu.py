@@ -36,10 +36,14 @@ class Probe:
     entry: str | None  # BPF function at entry
     ret: str | None = None  # BPF function at return
     unless: str | None = None  # skip it where the library exports this symbol
+    # BPF function at entry and return in one uprobe session, used instead of the two
+    # where the kernel has sessions (tracer/probes/uprobes.py)
+    session: str | None = None
 
 
-def _each(symbols: str, entry: str | None, ret: str | None = None) -> list[Probe]:
-    return [Probe(s, entry, ret) for s in symbols.split()]
+def _each(symbols: str, entry: str | None, ret: str | None = None,
+          session: str | None = None) -> list[Probe]:
+    return [Probe(s, entry, ret, session=session) for s in symbols.split()]
 
 
 # libcuda.so.1: the driver API. Variants that do not exist in a given driver are skipped.
@@ -63,11 +67,13 @@ CUDA_PROBES: list[Probe] = [
            "tt_memset16_arg3"),
     *_each("cuMemsetD32_v2 cuMemsetD32_v2_ptds cuMemsetD32Async cuMemsetD32Async_ptsz",
            "tt_memset32_arg3"),
-    *_each("cuStreamSynchronize cuStreamSynchronize_ptsz", "tt_sync_stream", "tt_sync_return"),
-    *_each("cuEventSynchronize", "tt_sync_event", "tt_sync_return"),
+    *_each("cuStreamSynchronize cuStreamSynchronize_ptsz", "tt_sync_stream", "tt_sync_return",
+           "tt_sync_stream_session"),
+    *_each("cuEventSynchronize", "tt_sync_event", "tt_sync_return", "tt_sync_event_session"),
     # cudaDeviceSynchronize goes through cuCtxSynchronize_v2 on CUDA 13 (seen on an H200,
     # driver 580): without it, a device-wide sync would not end the thread's burst
-    *_each("cuCtxSynchronize cuCtxSynchronize_v2", "tt_sync_ctx", "tt_sync_return"),
+    *_each("cuCtxSynchronize cuCtxSynchronize_v2", "tt_sync_ctx", "tt_sync_return",
+           "tt_sync_ctx_session"),
     *_each("cuStreamQuery cuStreamQuery_ptsz cuEventQuery", None, "tt_query_return"),
     *_each("cuModuleGetFunction", "tt_module_get_function", "tt_name_return"),
     *_each("cuLibraryGetKernel", "tt_library_get_kernel", "tt_name_return"),
@@ -104,7 +110,7 @@ COPY_HANDLERS = frozenset({"tt_copy_h2d_arg3", "tt_copy_d2d_arg3", "tt_copy_d2d_
 # libcuda function on CUDA 13 (seen on an H200, driver 580). Launches are never counted
 # here: they all reach cuLaunchKernel*, and counting both would count them twice.
 CUDART_PROBES: list[Probe] = [
-    Probe("cudaDeviceSynchronize", "tt_sync_ctx", "tt_sync_return"),
+    Probe("cudaDeviceSynchronize", "tt_sync_ctx", "tt_sync_return", session="tt_sync_ctx_session"),
 ]
 
 # libcudart's launch calls, whose func argument is the kernel's host stub: probed only
@@ -278,6 +284,9 @@ class GpuProbes:
             done[addr] = p.symbol
             # by address: BCC's lookup by name may pick a non-default version
             looked_up = p.entry in LOOKUP_HANDLERS  # entry and return go in the window
+            if p.session and self.uprobes.sessions:
+                sites.append(Site(path, addr, p.session, name=p.symbol, session=True))
+                continue
             if p.entry:
                 (launch if p.entry in LAUNCH_HANDLERS else copies if p.entry in COPY_HANDLERS
                  else lookups if looked_up
