@@ -382,7 +382,8 @@ int tt_sync_return(struct pt_regs *ctx)
 /*
  * One program for a sync's entry and its return (an uprobe session link): returning 1
  * at the entry leaves the return unprobed. The return is told from the entry by the
- * stack pointer: the entry's, plus the return address the `ret` popped.
+ * stack pointer: the entry's, plus the return address the `ret` popped (x86-64 only:
+ * elsewhere tracer/probes/uprobes.py attaches an entry and a return probe instead).
  */
 static __always_inline int sync_session(struct pt_regs *ctx, u32 api)
 {
@@ -399,7 +400,8 @@ static __always_inline int sync_session(struct pt_regs *ctx, u32 api)
         return sync_begin(id, api, sp); /* it may end a step: timed at its return */
     /* inside a step: counted in the burst that goes on */
     u64 now = bpf_ktime_get_ns();
-    b = burst_of(id, now);
+    if (!b)
+        b = burst_of(id, now);
     if (b) {
         b->sync_calls++;
         b->last_ts = now;

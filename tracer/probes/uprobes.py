@@ -188,6 +188,11 @@ class Uprobes:
         self.sessions, self.sessions_why_not = False, f"--uprobe-links {mode}"
         if self.multi and mode in ("auto", "sessions"):
             self.sessions, self.sessions_why_not = uprobe_multi_support(session=True)
+            if platform.machine() != "x86_64":
+                # bpf/cuda.c tells a sync's return from its entry by the stack pointer,
+                # which only x86-64's `ret` moves
+                self.sessions, self.sessions_why_not = False, \
+                    f"the sync probes' sessions need x86-64, not {platform.machine()}"
             if mode == "sessions" and not self.sessions:
                 raise ProbeSetupError(f"--uprobe-links sessions: this kernel has no uprobe "
                                       f"sessions ({self.sessions_why_not}); use auto or multi")
