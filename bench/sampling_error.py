@@ -16,14 +16,16 @@ step's start does not use it (``tracer/correlate/sampling.py``), so this does no
 flatter the result.
 
     python3 bench/sampling_error.py [CAPTURE ...] [--fraction 0.1] [--period-s 1]
-                                    [--phases 4] [--exact-s S] [--copies]
+                                    [--phases 4] [--exact-s S] [--copies] [--memsets]
                                     [--out bench/results/sampling_error.json]
 
 ``--exact-s S``: every launch counted for the first S seconds, sampling after, as
-``--gpu-sample auto`` switches. ``--copies``: the host-to-device and device-to-device copies are switched
-with the launch probes, as ``--gpu-sample auto`` does where the other probes tell a
-thread's steps apart without them (``copies_blind_error`` in the output: how far off
-launches estimated without them were, per step thread, on the truth's steps).
+``--gpu-sample auto`` switches. ``--copies``: the host-to-device and device-to-device
+copies are switched with the launch probes, as ``--gpu-sample auto`` does where the
+other probes tell a thread's steps apart without them (``copies_blind_error`` in the
+output: how far off launches estimated without them were, per step thread, on the
+truth's steps). ``--memsets``: the memsets too, as auto does where their bytes so
+estimated were within 10% (``memsets_blind_bytes_error``).
 """
 
 from __future__ import annotations
@@ -63,13 +65,14 @@ def load(path: Path) -> tuple[list[Any], dict[str, Any]]:
 
 
 def impose(items: list[Any], fraction: float, period_ns: int, phase_ns: int,
-           exact_ns: int = 0, copies: bool = False) -> list[Any]:
+           exact_ns: int = 0, copies: bool = False, memsets: bool = False) -> list[Any]:
     """``items`` as ``--gpu-sample fraction`` with this period would have recorded them:
     launch probes on for the first ``fraction`` of each period (periods start
     ``phase_ns`` before the first burst, or ``exact_ns`` after it: every launch counted
     until then, as ``--gpu-sample auto`` does), switches sent before the first burst
     after them, bursts not wholly inside an "on" window without launches (and, with
-    ``copies``, without the SAMPLED_COPY_KINDS copies: switched with the launches)."""
+    ``copies``, without the SAMPLED_COPY_KINDS copies, with ``memsets`` without their
+    memsets: switched with the launches)."""
     bursts = [i for i in items if isinstance(i, KernelBurst)]
     if not bursts:
         return list(items)
@@ -94,7 +97,7 @@ def impose(items: list[Any], fraction: float, period_ns: int, phase_ns: int,
             while k < len(switches) and switches[k][0] <= item.last_ts:
                 ts, enabled = switches[k]
                 out.append(GpuSampling(ts=ts, enabled=enabled, fraction=fraction,
-                                       copies=copies))
+                                       copies=copies, memsets=memsets))
                 k += 1
             whole = item.last_ts < start or (window(item.first_ts) == window(item.last_ts)
                                              and on(item.first_ts) and on(item.last_ts))
@@ -105,6 +108,8 @@ def impose(items: list[Any], fraction: float, period_ns: int, phase_ns: int,
                                                  for k, n in item.copy_bytes.items()},
                                copy_calls={k: 0 if k in SAMPLED_COPY_KINDS else n
                                            for k, n in item.copy_calls.items()})
+            if not whole and memsets:
+                item = replace(item, memset_calls=0, memset_bytes=0)
         out.append(item)
     return out
 
@@ -153,7 +158,8 @@ def errors(truth: Collect, sampled: Collect, key: str, scale: float = 1.0) -> di
 
 
 def measure(path: Path, fraction: float, period_s: float, phases: int,
-            exact_s: float = 0.0, copies: bool = False) -> dict[str, Any]:
+            exact_s: float = 0.0, copies: bool = False, memsets: bool = False
+            ) -> dict[str, Any]:
     items, header = load(path)
     truth, tp = replay(items, header)
     assert tp.attribution.ledger.balanced()
@@ -162,7 +168,7 @@ def measure(path: Path, fraction: float, period_s: float, phases: int,
     for i in range(phases):
         phase = period_ns * i // phases
         sampled, sp = replay(impose(items, fraction, period_ns, phase, int(exact_s * 1e9),
-                                    copies), header)
+                                    copies, memsets), header)
         stats = sp.stats
         recon = sp.attribution.ledger
         runs.append({
@@ -175,10 +181,11 @@ def measure(path: Path, fraction: float, period_s: float, phases: int,
             "gpu_time": errors(truth, sampled, "gpu.time_ms"),
             **{f"memcpy_bytes_{k}": errors(truth, sampled, f"gpu.memcpy_bytes.{k}")
                for k in SAMPLED_COPY_KINDS},
+            "memset_bytes": errors(truth, sampled, "gpu.memset_bytes"),
         })
     est = tp.attribution.estimates
     return {"capture": path.name, "requests": len(truth.gpu), "fraction": fraction,
-            "period_s": period_s, "exact_s": exact_s, "copies": copies,
+            "period_s": period_s, "exact_s": exact_s, "copies": copies, "memsets": memsets,
             # how far launches estimated without the sampled copies were off,
             # per step thread, over the truth's steps (what --gpu-sample auto decides by)
             "copies_blind_error": {f"{pid}/{tid}": round(e, 4) for (pid, tid) in est.blind
@@ -186,6 +193,10 @@ def measure(path: Path, fraction: float, period_s: float, phases: int,
             # and how far the copies' own bytes so estimated were (the worst kind)
             "copies_blind_bytes_error": {f"{pid}/{tid}": round(e, 4) for (pid, tid) in est.blind
                                          if (e := est.blind_copy_error(pid, tid)) is not None},
+            # and the memsets' bytes (what decides whether auto switches them)
+            "memsets_blind_bytes_error": {
+                f"{pid}/{tid}": round(e, 4) for (pid, tid) in est.blind
+                if (e := est.blind_memset_error(pid, tid)) is not None},
             "runs": runs}
 
 
@@ -200,10 +211,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--copies", action="store_true",
                     help="the host-to-device and device-to-device copies switched with "
                          "the launch probes")
+    ap.add_argument("--memsets", action="store_true",
+                    help="the memsets switched with the launch probes")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     doc = {"bench": "sampling_error", "results": [
-        measure(p, args.fraction, args.period_s, args.phases, args.exact_s, args.copies)
+        measure(p, args.fraction, args.period_s, args.phases, args.exact_s, args.copies,
+                args.memsets)
         for p in args.captures]}
     text = json.dumps(doc, indent=1)
     if args.out:

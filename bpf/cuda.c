@@ -286,6 +286,10 @@ int tt_copy_d2d_arg5(struct pt_regs *ctx) { return on_copy(ctx, TT_COPY_D2D, PT_
 
 static __always_inline int on_memset(u64 elems, u64 elem_size)
 {
+    /* memsets can be sampled with the launches too, on their own (MEMSET_GATE in
+     * tracer/events/gpu.py): the gate's bit after the copy kinds' */
+    if ((config_get(TT_CFG_COPY_GATE_CLOSED, 0) >> TT_COPY_KINDS) & 1)
+        return 0;
     u64 id = bpf_get_current_pid_tgid();
     u64 now = bpf_ktime_get_ns();
     struct tt_kburst *b = begin_call(id, now);

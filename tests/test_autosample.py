@@ -138,6 +138,19 @@ def test_the_copies_go_with_the_launches_only_where_every_deciding_thread_allows
         assert auto.copies is copies, (needed, auto.reason)
 
 
+def test_the_memsets_go_with_the_launches_only_where_every_deciding_thread_allows():
+    """Decided on their own: a thread whose copies tell its steps apart may still let
+    its memsets go (they are in no step's shape)."""
+    for needed, memsets in (({ENGINE: False}, True), ({ENGINE: True}, False),
+                            ({ENGINE: None}, False), ({}, False)):
+        auto = AutoSample()
+        auto.check(0.0, {}, set())
+        assert auto.check(5.0, {ENGINE: (40000, 1000)}, set(), {ENGINE: True},
+                          needed) == auto.fraction
+        assert auto.memsets is memsets and not auto.copies, (needed, auto.reason)
+        assert ("and the memsets" in auto.reason) is memsets, auto.reason
+
+
 def test_the_sampling_period_follows_how_fast_the_launch_probes_detach():
     from types import SimpleNamespace
 

@@ -210,21 +210,21 @@ def test_sampled_launch_probes_give_marked_estimates_close_to_the_truth(gpu_buil
     assert proc["sync_calls"] == truth["sync_calls"]
 
 
-@pytest.mark.parametrize("copies", [False, True])
-def test_sampling_switched_on_and_off_while_running(gpu_build, tmp_path, copies):
-    """`--control gpu-sample F PERIOD [copies]` while the workload launches: full
+@pytest.mark.parametrize("copies,memsets", [(False, False), (True, False), (True, True)])
+def test_sampling_switched_on_and_off_while_running(gpu_build, tmp_path, copies, memsets):
+    """`--control gpu-sample F PERIOD [copies] [memsets]` while the workload launches: full
     counting, then half of each 0.6 s period (the agent started with 5 s periods), then
     full again. The launch probes really went off (fewer seen than launched), the
     estimate from the steps counted whole stays within 5 %, what is not sampled stays
     exact, and a fraction out of (0, 1] or a period under 10 ms is refused. With
     ``copies`` the host-to-device and device-to-device copies' probes go off with the
     launch probes (fewer seen) and are estimated with them; without, they are all
-    counted."""
+    counted; the same for the memsets (one a step) with ``memsets``."""
     from tracer.control import send
 
     sock = str(tmp_path / "ctl.sock")
     replies = []
-    on = "gpu-sample 0.5 0.6" + (" copies" if copies else "")
+    on = "gpu-sample 0.5 0.6" + (" copies" if copies else "") + (" memsets" if memsets else "")
 
     def switch() -> None:
         time.sleep(0.8)
@@ -241,7 +241,7 @@ def test_sampling_switched_on_and_off_while_running(gpu_build, tmp_path, copies)
     assert replies[3:] == ["ok " + on, "ok gpu-sample 1"]
     s = doc["gpu"]["launch_sampling"]
     assert s["estimated"] and s["switches"] >= 8, s  # 0.6 s periods, not 5 s
-    assert s["copies_sampled"] is copies
+    assert s["copies_sampled"] is copies and s["memsets_sampled"] is memsets
     assert proc["kernel_launches_seen"] < 0.95 * truth["launches"]
     assert abs(proc["kernel_launches"] - truth["launches"]) < 0.05 * truth["launches"]
     assert proc["sync_calls"] == truth["sync_calls"]
@@ -255,3 +255,11 @@ def test_sampling_switched_on_and_off_while_running(gpu_build, tmp_path, copies)
         else:
             assert seen == calls == want, kind
             assert proc["memcpy_bytes"][kind] == nbytes, kind
+    want, nbytes = truth["memset_calls"], truth["memset_bytes"]
+    if memsets:
+        assert proc["memset_calls_seen"] < 0.95 * want
+        assert abs(proc["memset_calls"] - want) < 0.05 * want
+        assert abs(proc["memset_bytes"] - nbytes) < 0.05 * nbytes
+    else:
+        assert proc["memset_calls_seen"] == proc["memset_calls"] == want
+        assert proc["memset_bytes"] == nbytes

@@ -171,18 +171,19 @@ def test_counted_spans_start_before_the_first_switch_and_end_at_an_off():
 
 
 def step_of(first: int, end: int, launches: int, syncs: int, kernels: dict[int, int],
-            h2d_bytes: int = 64, d2d: int = 0, h2d: int = 1):
+            h2d_bytes: int = 64, d2d: int = 0, h2d: int = 1, memsets: int = 0):
     """One step of one burst: ``syncs`` synchronisations (its shape, probed all the
     time), ``h2d`` host-to-device copies of ``h2d_bytes`` in all and ``d2d``
     device-to-device copies of 100 bytes each (both sampled with the launches where
-    copies are: fewer where the probes were off)."""
+    copies are: fewer where the probes were off), ``memsets`` memsets of 32 bytes each."""
     from tracer.correlate.steps import Step
     st = Step(PID, TID)
     st.add(KernelBurst(pid=PID, tid=TID, reason="sync", sync_api=0, first_ts=first,
                        last_ts=end, launches=launches, graph_launches=0,
                        copy_bytes={"d2d": 100 * d2d, "h2d": h2d_bytes, "d2h": 4},
                        copy_calls={"d2d": d2d, "d2h": 1, "h2d": h2d},
-                       memset_bytes=0, memset_calls=0, sync_calls=syncs, sync_wait_ns=0,
+                       memset_bytes=32 * memsets, memset_calls=memsets, sync_calls=syncs,
+                       sync_wait_ns=0,
                        query_polls=0, handle_counts=kernels))
     st.work["gpu_time_ns"] = st.span_ns
     return st
@@ -300,14 +301,17 @@ def test_copies_are_sampled_only_where_they_do_not_tell_steps_apart():
     from bench.sampling_error import load, replay
     from tests.conftest import CAPTURES
 
-    for name, lo, hi, needed in (("hf-cb-c32-h100.ttcap", 0.0, 0.02, False),
-                                 ("hf-plain-c4-h100.ttcap", 0.2, 0.4, True)):
+    # memsets: the CB capture makes one in a few steps (they stay probed), HF generate
+    # none (nothing to lose)
+    for name, lo, hi, needed, memsets in (("hf-cb-c32-h100.ttcap", 0.0, 0.02, False, True),
+                                          ("hf-plain-c4-h100.ttcap", 0.2, 0.4, True, False)):
         items, header = load(CAPTURES / name)
         _, p = replay(items, header)
         est = p.attribution.estimates
         engine = max(est.blind, key=lambda k: est.blind[k][0])  # the most steps
         assert lo <= est.blind_error(*engine) <= hi, name
         assert est.copies_tell_steps_apart(*engine) is needed, name
+        assert est.memsets_tell_steps_apart(*engine) is memsets, name
 
 
 def test_copies_made_in_a_few_steps_stay_probed_even_where_launches_are_told_apart():
@@ -325,6 +329,39 @@ def test_copies_made_in_a_few_steps_stay_probed_even_where_launches_are_told_apa
                       prev_end=t - 1_000)
         assert est.blind_error(PID, TID) == 0.0
         assert est.copies_tell_steps_apart(PID, TID) is needed, every
+
+
+def test_memsets_are_sampled_only_where_each_step_makes_what_its_shape_does():
+    """Memsets are in no step's shape. They can go with the launch probes where every
+    step counted whole made the memset bytes its shape makes on average (within 10%):
+    nine a step, yes; one in ten steps, or a run of steps with them and a run without
+    (which the step before predicts, but a reference a period old does not), no. A step
+    not seen whole then takes its shape's mean, and the ledger counts it as estimated."""
+    from tracer.correlate.ledger import Ledger
+    from tracer.correlate.sampling import BLIND_MIN_STEPS, StepEstimates
+
+    n = BLIND_MIN_STEPS + 2
+    for name, pattern, needed in (("every step", lambda i: 9, False),
+                                  ("one in ten", lambda i: 9 * (i % 10 == 0), True),
+                                  ("in runs", lambda i: 9 * (i < n // 2), True)):
+        est = StepEstimates()
+        for i in range(n):
+            t = 10_000 * (i + 1)
+            est.learn(step_of(t, t + 5_000, 40, 2, {7: 40}, memsets=pattern(i)),
+                      prev_end=t - 1_000)
+        assert est.memsets_tell_steps_apart(PID, TID) is needed, name
+    st = step_of(900_000, 905_000, 0, 2, {}, memsets=0)  # none seen: probes were off
+    assert est.fill(st, prev_end=899_000, copies_sampled=True, memsets_sampled=True)
+    # the shape's mean: half the steps made 9 (of 32 bytes each)
+    assert st.memsets_estimated and st.memsets() == (round(9 / 2), 9 * 32 // 2)
+    ledger = Ledger()
+    ledger.observe(PID, st.work, estimated=True, copies_estimated=True,
+                   memsets_estimated=True)
+    assert ledger.estimated[PID]["memset_bytes"] == 9 * 32 // 2
+    # too few steps counted whole: not known
+    est = StepEstimates()
+    est.learn(step_of(1_000, 2_000, 40, 2, {7: 40}, memsets=9), prev_end=0)
+    assert est.memsets_tell_steps_apart(PID, TID) is None
 
 
 def test_sampled_replay_with_the_copies_switched_estimates_them_and_balances():

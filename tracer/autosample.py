@@ -25,6 +25,11 @@ Why these numbers (docs/overhead.md, "the default"):
   less, and each kind's bytes by 10% or less (``StepEstimates.copies_tell_steps_apart``;
   HF serve CB ~1% and 2-3%, HF generate 29%: its steps of 143, 5 and 2 launches differ
   only in these copies). Else they stay probed.
+- The memsets are switched on their own, where every deciding thread's steps counted
+  so far made the memset bytes their shape makes on average, to within 10% in all
+  (``StepEstimates.memsets_tell_steps_apart``): HF serve CB on the lent hosts makes ~9
+  a step (one a sync), its H100 captures one in a few steps (~100% off: they stay
+  probed there).
 - A thread that serves its one request itself (a burst charged whole to it,
   "same-thread") has no steps: sampled, its launches would only be scaled by the share
   of time the probes were on, once 90% low on a real GPU. So sampling is chosen only
@@ -58,8 +63,9 @@ class AutoSample:
     ``check`` gets, per launching thread, its launches seen and steps closed so far
     (cumulative), the threads whose bursts were charged whole to one request, and per
     thread whether its steps need the sampled copies (SAMPLED_COPY_KINDS) to be told apart (None:
-    not known yet); it returns the ``--gpu-sample`` fraction to switch to, or None, and
-    leaves in ``copies`` whether those copies are to be switched with the launches."""
+    not known yet) and whether its memsets must stay probed; it returns the
+    ``--gpu-sample`` fraction to switch to, or None, and leaves in ``copies`` and
+    ``memsets`` whether those are to be switched with the launches."""
 
     fraction: float = FRACTION
     min_rate: float = MIN_RATE
@@ -68,6 +74,7 @@ class AutoSample:
     state: str = "exact"  # "exact", "sampling", or "off" (held exact for good)
     reason: str = "launches counted until they are frequent on step engines"
     copies: bool = False  # the sampled copies switched with the launches
+    memsets: bool = False  # and the memsets
     _last: dict[ThreadKey, tuple[int, int]] = field(default_factory=dict)
     _last_ts: float | None = None
 
@@ -81,7 +88,9 @@ class AutoSample:
 
     def check(self, now: float, threads: Mapping[ThreadKey, tuple[int, int]],
               same_thread: AbstractSet[ThreadKey],
-              copies_needed: Mapping[ThreadKey, bool | None] | None = None) -> float | None:
+              copies_needed: Mapping[ThreadKey, bool | None] | None = None,
+              memsets_needed: Mapping[ThreadKey, bool | None] | None = None
+              ) -> float | None:
         """The fraction to switch to now, or None to stay as it is."""
         last, last_ts = self._last, self._last_ts
         self._last, self._last_ts = dict(threads), now
@@ -113,11 +122,15 @@ class AutoSample:
         self.state = "sampling"
         needed = [(copies_needed or {}).get(k) for k in deciding]
         self.copies = bool(needed) and all(n is False for n in needed)
+        memsets = [(memsets_needed or {}).get(k) for k in deciding]
+        self.memsets = bool(memsets) and all(n is False for n in memsets)
         self.reason = (f"{rate:,.0f} launches/s in one process, on {len(deciding)} engine "
                        f"step thread(s) in all: launch probes on {self.fraction:g} of each "
                        "period" + (f", with the {COPIES}" if self.copies else
                                    f"; {COPIES} all counted (they tell steps "
                                    "apart)" if any(needed) else
                                    f"; {COPIES} all counted (too few steps to "
-                                   "tell whether they are needed)"))
+                                   "tell whether they are needed)")
+                       + (", and the memsets" if self.memsets else
+                          "; memsets all counted"))
         return self.fraction

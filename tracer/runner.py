@@ -108,9 +108,11 @@ class TraceRun:
         threads = self.pipeline.gpu_threads()
         estimates = self.pipeline.attribution.estimates
         fraction = auto.check(now, threads, self.pipeline.attribution.same_thread,
-                              {k: estimates.copies_tell_steps_apart(*k) for k in threads})
+                              {k: estimates.copies_tell_steps_apart(*k) for k in threads},
+                              {k: estimates.memsets_tell_steps_apart(*k) for k in threads})
         if fraction is not None:
-            session.set_gpu_sample(fraction, auto.reason, copies=auto.copies)
+            session.set_gpu_sample(fraction, auto.reason, copies=auto.copies,
+                                   memsets=auto.memsets)
             self.pipeline.stats["gpu_sample_auto_switches"] += 1
 
     def ask_unnamed(self) -> None:

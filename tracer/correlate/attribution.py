@@ -483,7 +483,8 @@ class GpuAttribution:
         self.step_totals[log.key].book(step)
         self.stats["gpu_step_launches"] += step.launches
         self.ledger.observe(step.pid, step.work, estimated=step.estimated,
-                            copies_estimated=step.copies_estimated)
+                            copies_estimated=step.copies_estimated,
+                            memsets_estimated=step.memsets_estimated)
         if len(log.steps) > MAX_STEPS:
             self._retire(log, log.prune(log.steps[-MAX_STEPS].end_ts))
 
@@ -494,7 +495,8 @@ class GpuAttribution:
         if sampling.counted(start, step.end_ts):
             self.estimates.learn(step, prev_end)
             self.stats["gpu_steps_counted"] += 1
-        elif self.estimates.fill(step, prev_end, sampling.copies_at(step.end_ts)):
+        elif self.estimates.fill(step, prev_end, sampling.copies_at(step.end_ts),
+                                 sampling.memsets_at(step.end_ts)):
             self.stats["gpu_steps_estimated"] += 1
         else:  # no reference yet: tried again when its members are decided
             step.unestimated_after = start
@@ -504,10 +506,11 @@ class GpuAttribution:
         """A step closed before its thread had a step counted whole: estimated now if
         one has been since, the difference booked as observed."""
         copies = self.sampling is not None and self.sampling.copies_at(step.end_ts)
-        quantities = estimated_quantities(copies)
+        memsets = self.sampling is not None and self.sampling.memsets_at(step.end_ts)
+        quantities = estimated_quantities(copies, memsets)
         seen = Work({q: step.work.get(q, 0.0) for q in quantities})
         seen_counts = step.counts()  # fill() gives the step a new Counter of kernels
-        if not self.estimates.fill(step, step.unestimated_after, copies):
+        if not self.estimates.fill(step, step.unestimated_after, copies, memsets):
             return
         self.step_totals[(step.pid, step.tid)].revise(step, seen_counts)
         step.unestimated_after = None

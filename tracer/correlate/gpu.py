@@ -292,13 +292,14 @@ class GpuLedger:
             t = self.proc(ev.pid).thread(ev.tid)
             t.add_burst(ev)
             if self.sampling is not None:
-                copies = sampled_copy_counts(ev.copy_calls, ev.copy_bytes)
+                copies = sampled_copy_counts(ev.copy_calls, ev.copy_bytes, ev.memset_calls,
+                                             ev.memset_bytes)
                 if t.sample is None:  # what came before sampling began was all counted
                     t.sample = StepSample(
                         exact_launches=t.kernel_launches - ev.launches,
                         exact_graph_launches=t.graph_launches - ev.graph_launches,
-                        exact_copies=Counter(sampled_copy_counts(t.memcpy_calls,
-                                                                 t.memcpy_bytes)))
+                        exact_copies=Counter(sampled_copy_counts(
+                            t.memcpy_calls, t.memcpy_bytes, t.memset_calls, t.memset_bytes)))
                     t.sample.exact_copies.subtract(copies)
                 t.sample.add(ev.reason, ev.first_ts, ev.last_ts, ev.launches,
                              ev.graph_launches, self.sampling, copies)
@@ -328,7 +329,8 @@ class GpuLedger:
         elif isinstance(ev, GpuSampling):
             if self.sampling is None:
                 self.sampling = LaunchSampling(ev.fraction)
-            self.sampling.switch(ev.ts, ev.enabled, ev.attach_s, ev.detach_s, ev.copies)
+            self.sampling.switch(ev.ts, ev.enabled, ev.attach_s, ev.detach_s, ev.copies,
+                                 ev.memsets)
             if ev.copies and ev.copy_kinds != SAMPLED_COPIES:
                 self.sampling_problem = (
                     f"recorded with the {ev.copy_kinds} copies switched with the launch "
@@ -407,13 +409,16 @@ class GpuLedger:
         from its steps as booked when all its bursts were steps, else scaled."""
         steps = self.step_totals.get((pid, tid))
         if steps is not None and steps.steps and (pid, tid) not in self.same_thread:
+            memsets = sampling.memsets_ever
             return (ThreadTotals(kernel_launches=steps.launches,
                                  graph_launches=steps.graph_launches,
                                  kernels=+steps.kernels,
                                  memcpy_calls=_sampled_kinds(t.memcpy_calls, steps.copy_calls,
                                                              sampling),
                                  memcpy_bytes=_sampled_kinds(t.memcpy_bytes, steps.copy_bytes,
-                                                             sampling)),
+                                                             sampling),
+                                 memset_calls=steps.memset_calls if memsets else t.memset_calls,
+                                 memset_bytes=steps.memset_bytes if memsets else t.memset_bytes),
                     {"method": "step_shapes", "steps": steps.steps,
                      "estimated_steps": steps.estimated})
         est, method = _scaled(t, sampling)
@@ -452,8 +457,17 @@ def _scaled(t: ThreadTotals, sampling: LaunchSampling) -> tuple[ThreadTotals, st
             copies[what][k], _ = estimate(seen.get(k, 0), s.sampled_copies[key] if s else 0,
                                           s, sampling, t.first_ts, t.last_ts,
                                           s.exact_copies[key] if s else 0)
+    memsets = {"calls": float(t.memset_calls), "bytes": float(t.memset_bytes)}
+    if sampling.memsets_ever:
+        for what in memsets:
+            key = f"{what}.memset"
+            memsets[what], _ = estimate(memsets[what], s.sampled_copies[key] if s else 0, s,
+                                        sampling, t.first_ts, t.last_ts,
+                                        s.exact_copies[key] if s else 0)
     return ThreadTotals(kernel_launches=launches,  # type: ignore[arg-type]
                         graph_launches=graphs,  # type: ignore[arg-type]
+                        memset_calls=memsets["calls"],  # type: ignore[arg-type]
+                        memset_bytes=memsets["bytes"],  # type: ignore[arg-type]
                         kernels=Counter({h: n * f for h, n in t.kernels.items()}),
                         memcpy_calls=_sampled_kinds(t.memcpy_calls, copies["calls"], sampling),
                         memcpy_bytes=_sampled_kinds(t.memcpy_bytes, copies["bytes"], sampling)
@@ -480,7 +494,8 @@ def _totals(t: ThreadTotals, p: ProcessGpu, top: int,
         named[p.name_of(h)] += n
     seen = ({"kernel_launches_seen": t.kernel_launches, "graph_launches_seen": t.graph_launches,
              "memcpy_bytes_seen": {k: t.memcpy_bytes.get(k, 0) for k in SAMPLED_COPY_KINDS},
-             "memcpy_calls_seen": {k: t.memcpy_calls.get(k, 0) for k in SAMPLED_COPY_KINDS}}
+             "memcpy_calls_seen": {k: t.memcpy_calls.get(k, 0) for k in SAMPLED_COPY_KINDS},
+             "memset_bytes_seen": t.memset_bytes, "memset_calls_seen": t.memset_calls}
             if est is not None else {})
     return {
         "kernel_launches": round(src.kernel_launches),
@@ -488,8 +503,8 @@ def _totals(t: ThreadTotals, p: ProcessGpu, top: int,
         **seen,
         "memcpy_bytes": {k: round(src.memcpy_bytes.get(k, 0)) for k in COPY_KINDS},
         "memcpy_calls": {k: round(src.memcpy_calls.get(k, 0)) for k in COPY_KINDS},
-        "memset_bytes": t.memset_bytes,
-        "memset_calls": t.memset_calls,
+        "memset_bytes": round(src.memset_bytes),
+        "memset_calls": round(src.memset_calls),
         "sync_calls": t.sync_calls,
         "sync_wait_ms": round(t.sync_wait_ns / 1e6, 3),
         "query_polls": t.query_polls,

@@ -29,10 +29,14 @@ ESTIMATED_COPIES = tuple(f"memcpy_bytes.{k}" for k in SAMPLED_COPY_KINDS)
 TOLERANCE = 1e-6  # relative: float rounding of many fractional shares
 
 
-def estimated_quantities(copies: bool) -> tuple[str, ...]:
+ESTIMATED_MEMSETS = ("memset_bytes",)
+
+
+def estimated_quantities(copies: bool, memsets: bool = False) -> tuple[str, ...]:
     """What is estimated of a step the probes did not see whole (``copies``: with the
-    sampled copies)."""
-    return ESTIMATED + ESTIMATED_COPIES if copies else ESTIMATED
+    sampled copies; ``memsets``: with its memsets)."""
+    return (ESTIMATED + (ESTIMATED_COPIES if copies else ())
+            + (ESTIMATED_MEMSETS if memsets else ()))
 
 
 class Ledger:
@@ -47,11 +51,11 @@ class Ledger:
         self.unattributed: dict[int, dict[str, Work]] = defaultdict(lambda: defaultdict(Work))
 
     def observe(self, pid: int, work: Mapping[str, float], estimated: bool = False,
-                copies_estimated: bool = False) -> None:
+                copies_estimated: bool = False, memsets_estimated: bool = False) -> None:
         self.observed[pid].add(work)
         if estimated:
-            self.estimated[pid].add({q: work.get(q, 0.0)
-                                     for q in estimated_quantities(copies_estimated)})
+            self.estimated[pid].add({q: work.get(q, 0.0) for q in
+                                     estimated_quantities(copies_estimated, memsets_estimated)})
 
     def revise(self, pid: int, seen: Mapping[str, float], estimate: Mapping[str, float]
                ) -> None:

@@ -29,6 +29,12 @@ COPY_KINDS = ("h2d", "d2h", "d2d", "other")
 SAMPLED_COPY_KINDS = ("h2d", "d2d")
 # the kernel's gate of those copies (CFG_COPY_GATE_CLOSED): a bit per TT_COPY_* kind
 SAMPLED_COPIES = ",".join(SAMPLED_COPY_KINDS)  # GpuSampling.copy_kinds
+# Memsets can be switched with the launch probes too, on their own (GpuSampling.memsets):
+# HF serve CB on the lent hosts makes ~9 a step, one a sync, while its H100 captures
+# make one in a few steps only. They are in no step's shape, so a step the probes did
+# not see whole takes its reference's where they were switched; their bit in the
+# kernel's copy gate (CFG_COPY_GATE_CLOSED) is the one after the copy kinds'.
+MEMSET_GATE = 1 << C["COPY_KINDS"]
 SAMPLED_COPY_MASK = sum(1 << C[f"COPY_{k.upper()}"] for k in SAMPLED_COPY_KINDS)
 SHAPE_COPY_KINDS = tuple(k for k in COPY_KINDS if k not in SAMPLED_COPY_KINDS)
 BURST_REASONS = {C["BURST_SYNC"]: "sync", C["BURST_QUERY"]: "query",
@@ -236,7 +242,8 @@ class GpuSampling:
     sampling began or ended where the agent chose it (``--gpu-sample auto``), else
     empty. ``copies``: the probes of the copies ``copy_kinds`` names (comma-separated:
     ``SAMPLED_COPY_KINDS``) are switched with the launch probes (their counts are
-    estimates too); False in older captures. A capture whose kinds differ from this
+    estimates too); False in older captures. ``memsets``: the same for the memset
+    probes (``MEMSET_GATE``). A capture whose kinds differ from this
     version's is replayed as if these were switched, and says so
     (``launch_sampling.problem`` in the GPU summary)."""
 
@@ -248,6 +255,7 @@ class GpuSampling:
     reason: str = ""
     copies: bool = False
     copy_kinds: str = SAMPLED_COPIES
+    memsets: bool = False  # the memset probes switched with the launch probes too
 
 
 VERBS_OPS = {C["VERBS_SEND"]: "send", C["VERBS_RECV"]: "recv",

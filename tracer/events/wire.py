@@ -236,8 +236,9 @@ CONSTANTS: dict[str, int] = {
     "CFG_BURST_MIN_NS": 2,  # a sync flushes its thread's burst only if it is this old
     "CFG_LAUNCH_GATE_CLOSED": 3,  # --gpu-sample: 1 while launches are not counted
     "CFG_STUB_NAMING": 4,  # 1 while the runtime's launch probes are attached (KSTUB)
-    # --gpu-sample with copies switched with the launch probes: while they are not
-    # counted, a bit per TT_COPY_* kind stopped (SAMPLED_COPY_MASK); 0: all counted
+    # --gpu-sample with copies (and memsets) switched with the launch probes: while
+    # they are not counted, a bit per TT_COPY_* kind stopped (SAMPLED_COPY_MASK), and
+    # bit TT_COPY_KINDS for the memsets (MEMSET_GATE); 0: all counted
     "CFG_COPY_GATE_CLOSED": 5,
     "N_CONFIG": 8,
     # drop/loss counters (index into the per-CPU `counters` array)

@@ -105,6 +105,10 @@ LAUNCH_HANDLERS = frozenset({"tt_launch_arg1", "tt_launch_arg2", "tt_graph_launc
 # (``copies_switched``), else attached all the time. cuMemcpy[Async] (direction known
 # only from the pointers) stays probed.
 COPY_HANDLERS = frozenset({"tt_copy_h2d_arg3", "tt_copy_d2d_arg3", "tt_copy_d2d_arg5"})
+# The memsets' handlers: switched with the launch probes on their own (``memsets_switched``)
+MEMSET_HANDLERS = frozenset({"tt_memset8_arg3", "tt_memset16_arg3", "tt_memset32_arg3"})
+# the groups that can go on and off with the launch probes, by their handlers
+SWITCHED_GROUPS = {"copies": COPY_HANDLERS, "memsets": MEMSET_HANDLERS}
 
 # libcudart: only device-wide synchronisation, which does not pass through an exported
 # libcuda function on CUDA 13 (seen on an H200, driver 580). Launches are never counted
@@ -186,11 +190,13 @@ class GpuProbes:
         # later (windows, --gpu-sample) go through a live one
         self._mappers: dict[tuple[int, int], dict[int, str]] = {}  # (dev, ino) -> pid -> path
         self.launch_sites: list[Site] = []  # every library's launch probes
-        self.copy_sites: list[Site] = []  # and its sampled copies' probes
         self._launch_attached: list[Attached] = []  # those attached now
-        self._copy_attached: list[Attached] = []  # those attached now
+        # SWITCHED_GROUPS: each group's sites, those attached now, and whether they go
+        # on and off with the launch probes (else attached all the time)
+        self.group_sites: dict[str, list[Site]] = {g: [] for g in SWITCHED_GROUPS}
+        self._group_attached: dict[str, list[Attached]] = {g: [] for g in SWITCHED_GROUPS}
+        self.switched: dict[str, bool] = {g: False for g in SWITCHED_GROUPS}
         self.launches_on = True
-        self.copies_switched = False  # the copies' probes go on and off with the launches
         self.last_detach_s = 0.0  # how long the last detach of the launch probes took
         self._detacher: threading.Thread | None = None
         self._kcounts = CounterDeltas(bpf, b"kernel_counts", lambda v: (v.value,))
@@ -241,8 +247,9 @@ class GpuProbes:
         self.stubs.window.move_file(old, path)
         self.launch_sites = [dataclasses.replace(s, path=path) if s.path == old else s
                              for s in self.launch_sites]
-        self.copy_sites = [dataclasses.replace(s, path=path) if s.path == old else s
-                           for s in self.copy_sites]
+        for g, sites in self.group_sites.items():
+            self.group_sites[g] = [dataclasses.replace(s, path=path) if s.path == old else s
+                                   for s in sites]
 
     def _attach_file(self, kind: str, path: str, probes: list[Probe],
                      pid: int = 0) -> AttachedLibrary | None:
@@ -270,7 +277,7 @@ class GpuProbes:
         lib = AttachedLibrary(kind, path, 0, [], [])
         sites: list[Site] = []
         launch: list[Site] = []
-        copies: list[Site] = []
+        grouped: dict[str, list[Site]] = {g: [] for g in SWITCHED_GROUPS}
         lookups: list[Site] = []  # attached by their window (tracer/probes/lookups.py)
         for p in probes:
             addr = addresses.get(p.symbol)
@@ -287,32 +294,34 @@ class GpuProbes:
             if p.session and self.uprobes.sessions:
                 sites.append(Site(path, addr, p.session, name=p.symbol, session=True))
                 continue
+            group = next((g for g, h in SWITCHED_GROUPS.items() if p.entry in h), None)
             if p.entry:
-                (launch if p.entry in LAUNCH_HANDLERS else copies if p.entry in COPY_HANDLERS
+                (launch if p.entry in LAUNCH_HANDLERS else grouped[group] if group
                  else lookups if looked_up
                  else sites).append(Site(path, addr, p.entry, False, p.symbol))
             if p.ret:
                 (lookups if looked_up else sites).append(
                     Site(path, addr, p.ret, True, p.symbol))
         self.launch_sites.extend(launch)
-        self.copy_sites.extend(copies)
         attached = list(self.uprobes.attach(sites, self.errors).sites)
         if self.launches_on:  # else attached when sampling turns them on
             on = self.uprobes.attach(launch, self.errors)
             self._launch_attached.append(on)
             attached += on.sites
-        copies_on = self.launches_on or not self.copies_switched
-        if copies and copies_on:  # else with the launches'
-            on = self.uprobes.attach(copies, self.errors)
-            self._copy_attached.append(on)
-            attached += on.sites
+        wanted_grouped: list[Site] = []
+        for g, members in grouped.items():
+            self.group_sites[g].extend(members)
+            if members and (self.launches_on or not self.switched[g]):  # else with the
+                on = self.uprobes.attach(members, self.errors)  # launches'
+                self._group_attached[g].append(on)
+                attached += on.sites
+                wanted_grouped += members
         if lookups:
             self.lookups.add_sites(lookups)
             now = self.lookups.window.attached
             attached += [s for s in lookups if (s.path, s.vaddr, s.ret) in now]
         lib.probes = len(attached)
-        wanted = (sites + lookups + (launch if self.launches_on else [])
-                  + (copies if copies_on else []))
+        wanted = sites + lookups + (launch if self.launches_on else []) + wanted_grouped
         failed = {s.name for s in set(wanted) - set(attached)}
         lib.symbols = [name for name in done.values() if name not in failed]
         if kind == "cudart":
@@ -337,8 +346,8 @@ class GpuProbes:
         return self._detacher is not None and self._detacher.is_alive()
 
     def attach_launch_probes(self) -> float:
-        """--gpu-sample: attach the launch probes (with the sampled copies'
-        where ``copies_switched``) of every library (a few ms); the seconds it took.
+        """--gpu-sample: attach the launch probes (with the sampled copies' and the
+        memsets' where ``switched``) of every library (a few ms); the seconds it took.
         Call only once a detach has finished (``detaching``)."""
         if self.launches_on:
             return 0.0
@@ -346,23 +355,37 @@ class GpuProbes:
             raise RuntimeError("the launch probes are still being detached")
         t0 = time.perf_counter()
         self._launch_attached = [self.uprobes.attach(self.launch_sites, self.errors)]
-        if self.copies_switched:
-            self._copy_attached = [self.uprobes.attach(self.copy_sites, self.errors)]
+        for g, on in self.switched.items():
+            if on:
+                self._group_attached[g] = [self.uprobes.attach(self.group_sites[g],
+                                                               self.errors)]
         self.launches_on = True
         return time.perf_counter() - t0
 
-    def switch_copies(self, on: bool) -> None:
-        """Whether the sampled copies' probes go on and off with the launch
-        probes from the next switch on (``on``), or stay attached (attached now if
-        they were off with the launches; wait for a detach under way first)."""
-        if not on and self.copies_switched and not self.launches_on:
-            self.join_detach()  # never two links on one site: each would count
-            self._copy_attached = [self.uprobes.attach(self.copy_sites, self.errors)]
-        self.copies_switched = on
+    @property
+    def copies_switched(self) -> bool:
+        """Whether the sampled copies' probes go on and off with the launch probes."""
+        return self.switched["copies"]
+
+    @property
+    def memsets_switched(self) -> bool:
+        """Whether the memsets' probes go on and off with the launch probes."""
+        return self.switched["memsets"]
+
+    def switch_groups(self, copies: bool, memsets: bool = False) -> None:
+        """Whether the sampled copies' and the memsets' probes go on and off with the
+        launch probes from the next switch on, or stay attached (attached now if they
+        were off with the launches; wait for a detach under way first)."""
+        for g, on in (("copies", copies), ("memsets", memsets)):
+            if not on and self.switched[g] and not self.launches_on:
+                self.join_detach()  # never two links on one site: each would count
+                self._group_attached[g] = [self.uprobes.attach(self.group_sites[g],
+                                                               self.errors)]
+            self.switched[g] = on
 
     def detach_launch_probes(self) -> None:
-        """--gpu-sample: detach the launch probes (with the sampled copies'
-        where ``copies_switched``), so that a launch costs no uprobe trap at all. On a
+        """--gpu-sample: detach the launch probes (with the sampled copies' and the
+        memsets' where ``switched``), so that a launch costs no uprobe trap at all. On a
         thread of its own: through perf events each probe's detach
         blocks ~0.1 s in the kernel (tracer/probes/uprobes.py), and the agent keeps
         draining the ring buffer meanwhile."""
@@ -370,8 +393,9 @@ class GpuProbes:
             return
         self.launches_on = False
         groups, self._launch_attached = self._launch_attached, []
-        if self.copies_switched:
-            groups, self._copy_attached = groups + self._copy_attached, []
+        for g, on in self.switched.items():
+            if on:
+                groups, self._group_attached[g] = groups + self._group_attached[g], []
         self._detacher = self.uprobes.detach_in_background(
             groups, self.errors, "off", done=lambda s: setattr(self, "last_detach_s", s))
 

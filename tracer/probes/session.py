@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tracer.events import schema, wire
-from tracer.events.gpu import SAMPLED_COPY_MASK, GpuSampling
+from tracer.events.gpu import MEMSET_GATE, SAMPLED_COPY_MASK, GpuSampling
 from tracer.events.netwait import NetTimingMode
 from tracer.events.runs import RunArmed
 from tracer.probes import loader, procfs, ringbuf, sockdiag
@@ -254,11 +254,11 @@ class CaptureSession:
         switch an event stamped at that instant. An "on" switch waits for the previous
         detach to finish (the off span is then longer; the estimate does not mind)."""
         assert self.gpu is not None
-        fraction, copies = self.config.gpu_sample, self.gpu.copies_switched
+        fraction = self.config.gpu_sample
         if self.gpu.launches_on:
             self._gates(closed=True)
             self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=False, fraction=fraction,
-                                  copies=copies))
+                                  **self._switched()))
             self.gpu.detach_launch_probes()
             share = 1.0 - fraction
         else:
@@ -268,25 +268,32 @@ class CaptureSession:
             self._gates(closed=False)
             self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=True, fraction=fraction,
                                   attach_s=attach_s, detach_s=self.gpu.last_detach_s,
-                                  copies=copies))
+                                  **self._switched()))
             share = fraction
         self._next_sample_toggle = time.monotonic() + self.sample_period_s() * share
 
+    def _switched(self) -> dict[str, bool]:
+        """What goes on and off with the launch probes, as a switch event says it."""
+        assert self.gpu is not None
+        return {"copies": self.gpu.copies_switched, "memsets": self.gpu.memsets_switched}
+
     def _gates(self, closed: bool) -> None:
         """The kernel's gates of what --gpu-sample switches: the launches', and the
-        copies (SAMPLED_COPY_KINDS)' where they are switched with them (else open)."""
+        copies (SAMPLED_COPY_KINDS)' and memsets' where they are switched with them
+        (else open)."""
         assert self.gpu is not None
         gate = self.bpf[b"config"]
         gate[ctypes.c_int(C["CFG_LAUNCH_GATE_CLOSED"])] = ctypes.c_uint64(closed)
-        gate[ctypes.c_int(C["CFG_COPY_GATE_CLOSED"])] = ctypes.c_uint64(
-            SAMPLED_COPY_MASK if closed and self.gpu.copies_switched else 0)
+        mask = ((SAMPLED_COPY_MASK if self.gpu.copies_switched else 0)
+                | (MEMSET_GATE if self.gpu.memsets_switched else 0))
+        gate[ctypes.c_int(C["CFG_COPY_GATE_CLOSED"])] = ctypes.c_uint64(mask if closed else 0)
 
     def _begin_sampled_period(self, reason: str = "") -> None:
         """--gpu-sample: a period starts with the launch probes on, said by a switch."""
         assert self.gpu is not None
         fraction = self.config.gpu_sample
         self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=True, fraction=fraction,
-                              reason=reason, copies=self.gpu.copies_switched))
+                              reason=reason, **self._switched()))
         self._next_sample_toggle = (time.monotonic()
                                     + self.sample_period_s() * fraction)
 
@@ -297,12 +304,14 @@ class CaptureSession:
             return self.config.gpu_sample_period_s
         return 1.0 if self.gpu is not None and self.gpu.uprobes.multi else 5.0
 
-    def set_gpu_sample(self, fraction: float, reason: str = "", copies: bool = False) -> float:
+    def set_gpu_sample(self, fraction: float, reason: str = "", copies: bool = False,
+                       memsets: bool = False) -> float:
         """Change ``--gpu-sample`` while running (``--control gpu-sample F``, or
         ``--gpu-sample auto`` with its ``reason``). From counting every launch,
         sampling starts with the probes on for ``F`` of a period; back at 1 they are
         attached (once a detach under way ends) and the gate opened. ``copies``: the
-        sampled copies' probes (SAMPLED_COPY_KINDS) are switched with the launch probes (from
+        sampled copies' probes (SAMPLED_COPY_KINDS) are switched with the launch probes
+        (``memsets``: the memsets' probes; from
         sampling's start; a fraction already in force keeps its choice). Every change
         is a ``GpuSampling`` switch, so the estimate of launch counts
         (tracer/correlate/sampling.py) sees which spans were counted."""
@@ -318,12 +327,12 @@ class CaptureSession:
         if fraction < 1.0:
             if self.gpu.launches_on:  # the first sampled period begins "on", as at start
                 if old == 1.0:
-                    self.gpu.switch_copies(copies)
+                    self.gpu.switch_groups(copies, memsets)
                 self._begin_sampled_period(reason)
             return fraction  # off: the next toggle turns them on at the new share
         self.gpu.join_detach()
         attach_s = self.gpu.attach_launch_probes()
-        self.gpu.switch_copies(False)
+        self.gpu.switch_groups(False)
         self._gates(closed=False)
         self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=True, fraction=fraction,
                               attach_s=attach_s, detach_s=self.gpu.last_detach_s,
@@ -352,8 +361,7 @@ class CaptureSession:
             # the end of the sampled span: no launch after this is counted
             self._gates(closed=True)
             self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=False,
-                                  fraction=self.config.gpu_sample,
-                                  copies=self.gpu.copies_switched))
+                                  fraction=self.config.gpu_sample, **self._switched()))
         if self.tls is not None:
             self.tls.close()
         if self.gpu is not None:
@@ -487,19 +495,22 @@ class CaptureSession:
                     return "error: probe-stats is off (probe-stats on)"
                 return ("ok probe-stats " + (args[0] if args else
                         format_costs(self.program_stats.read(self.bpf.funcs)))).rstrip()
-            copies = bool(args) and args[-1] == "copies"
-            if copies:
-                args = args[:-1]
+            switched = set()
+            while cmd == "gpu-sample" and args and args[-1] in ("copies", "memsets"):
+                switched.add(args.pop())
             if cmd == "gpu-sample" and len(args) in (1, 2):
                 if len(args) == 2:  # and the duty cycle's period, from the next switch
                     period = float(args[1])
                     if not period >= 0.01:
                         raise ValueError(f"gpu-sample period must be >= 0.01 s, not {args[1]}")
                     self.config.gpu_sample_period_s = period
-                fraction = self.set_gpu_sample(float(args[0]), copies=copies)
+                fraction = self.set_gpu_sample(float(args[0]), copies="copies" in switched,
+                                               memsets="memsets" in switched)
                 return (f"ok gpu-sample {fraction:g}"
                         + (f" {self.sample_period_s():g}" if len(args) == 2 else "")
                         + (" copies" if self.gpu is not None and self.gpu.copies_switched
+                           else "")
+                        + (" memsets" if self.gpu is not None and self.gpu.memsets_switched
                            else ""))
             if (cmd in ("gpu-launch", "stub-naming", "alias-lookups", "analysis")
                     and args in (["on"], ["off"])):
