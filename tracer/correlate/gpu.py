@@ -16,7 +16,8 @@ from tracer.correlate.sampling import (LaunchSampling, StepSample, estimate,
 from tracer.correlate.steps import StepTotals
 from tracer.events import wire
 from tracer.events.gpu import (COPY_KINDS, LIVE_NAME_SOURCES, NAME_SOURCES, SAMPLED_COPIES,
-                               SAMPLED_COPY_KINDS, GpuSampling, KernelBurst, KernelCounts, KernelName, KernelStub,
+                               SAMPLED_COPY_KINDS, GpuSampling, KernelBurst, KernelCounts,
+                               KernelName, KernelStub,
                                MemEvent, NcclEvent, VerbsContext, VerbsCounts, VerbsMr, VerbsQp)
 
 HOST_STUB = wire.CONSTANTS["NAME_HOST_STUB"]

@@ -67,11 +67,15 @@ class LaunchSampling:
         if detach_s:
             self.detach_s.append(detach_s)
 
+    def _at(self, flags: list[bool], ts: int) -> bool:
+        """``flags`` (one per switch) as the last switch at or before ``ts`` said."""
+        i = bisect_right(self._ts, ts)
+        return flags[i - 1] if i else False
+
     def copies_at(self, ts: int) -> bool:
         """Whether the sampled copies went on and off with the launch probes
         at ``ts`` (as the last switch at or before it said)."""
-        i = bisect_right(self._ts, ts)
-        return self.copies[i - 1] if i else False
+        return self._at(self.copies, ts)
 
     @property
     def copies_ever(self) -> bool:
@@ -80,8 +84,7 @@ class LaunchSampling:
 
     def memsets_at(self, ts: int) -> bool:
         """Whether the memsets went on and off with the launch probes at ``ts``."""
-        i = bisect_right(self._ts, ts)
-        return self.memsets[i - 1] if i else False
+        return self._at(self.memsets, ts)
 
     @property
     def memsets_ever(self) -> bool:
@@ -257,7 +260,7 @@ BLIND_MIN_STEPS = 50  # steps counted whole and compared before the shares decid
 # Memsets are sampled with the launches (on their own) only where each step counted
 # whole made the memset bytes its shape makes on average, to within this share in all:
 # HF serve CB makes ~9 a step on the lent hosts, one in a few steps on the H100 captures
-# (14-46% off there, so they stay probed). Against the shape's mean, not the latest step
+# (~100% off there, so they stay probed). Against the shape's mean, not the latest step
 # of the shape: memsets that come in runs of steps look predictable from the step
 # before, but not from a reference up to a period old (the fixture: 4.9% off from the
 # step before, totals 21-58% of the truth sampled)
@@ -304,9 +307,10 @@ class StepEstimates:
                             first_burst_ns=max(0, step.first_end_ts - step.first_ts),
                             copies=step.sampled_copies(), memsets=step.memsets())
         key = (step.pid, step.tid)
+        blind_shape = step.shape(True)
         blind = self.refs[True].get(key)
         if blind:
-            guess = _reference(blind, step.shape(True), _copy_sizes(step, True))
+            guess = _reference(blind, blind_shape, _copy_sizes(step, True))
             err = self.blind.setdefault(key, [0] * (3 + 2 * len(SAMPLED_COPY_KINDS)))
             err[0] += 1
             err[1] += abs(guess.launches - step.launches)
@@ -314,7 +318,7 @@ class StepEstimates:
             for i, ((_, want), (_, got)) in enumerate(zip(guess.copies, ref.copies)):
                 err[3 + 2 * i] += abs(want - got)
                 err[4 + 2 * i] += got
-        self._learn_memsets(key, step)
+        self._learn_memsets(key, blind_shape, step)
         for copies_sampled, refs in self.refs.items():
             shapes = refs.setdefault(key, {})
             shape, size = step.shape(copies_sampled), _copy_sizes(step, copies_sampled)
@@ -327,11 +331,12 @@ class StepEstimates:
             if len(shapes) > MAX_SHAPES:
                 del shapes[next(iter(shapes))]
 
-    def _learn_memsets(self, key: ThreadKey, step: Step) -> None:
-        """How far the step's memset bytes are from what its shape made on average."""
+    def _learn_memsets(self, key: ThreadKey, shape: tuple[int, ...], step: Step) -> None:
+        """How far the step's memset bytes are from what its shape (without the sampled
+        copies) made on average."""
         if len(self._memset_means) > MAX_MEMSET_SHAPES:
             self._memset_means.clear()
-        mean = self._memset_means.setdefault((key, step.shape(True)), [0, 0, 0])
+        mean = self._memset_means.setdefault((key, shape), [0, 0, 0])
         calls, nbytes = step.memsets()
         if mean[0]:
             m = self.blind_memsets.setdefault(key, [0.0, 0.0])
