@@ -207,6 +207,32 @@ def thread_cpu(pid: int) -> dict[int, float]:
     return out
 
 
+def sched_stats(pid: int) -> tuple[int, int, int]:
+    """Context switches (voluntary, involuntary) and nanoseconds spent runnable but
+    waiting for a CPU (``schedstat``'s second field), summed over every thread of
+    ``pid`` and its descendants: a traced server that hands its GIL over more often, or
+    waits on a run queue more, shows it here."""
+    vol = invol = delay = 0
+    for p in tree(pid):
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tids:
+            try:
+                status = Path(f"/proc/{p}/task/{t}/status").read_text()
+                sched = Path(f"/proc/{p}/task/{t}/schedstat").read_text().split()
+            except OSError:
+                continue
+            for line in status.splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    vol += int(line.split()[1])
+                elif line.startswith("nonvoluntary_ctxt_switches:"):
+                    invol += int(line.split()[1])
+            delay += int(sched[1]) if len(sched) > 1 else 0
+    return vol, invol, delay
+
+
 class GpuClocks:
     """A GPU's SM clock and utilisation sampled every 0.1 s through NVML (read only),
     to see whether a slice's throughput follows them; absent without pynvml. ``index``:
@@ -261,6 +287,15 @@ class CpuPlan:
     lanes: list[dict[str, set[int]]]  # per replica: "client", "server"
     shared: bool = False  # the host was too small: everything on every CPU
     unused: set[int] = field(default_factory=set)
+
+    def narrow_servers(self, counts: list[int]) -> None:
+        """Replica i's server on the first ``counts[i]`` CPUs of its share only (the last
+        count for the replicas after the list's end; the rest of its share unused):
+        how the server's CPUs shape its noise and its overhead, compared in one run."""
+        for i, lane in enumerate(self.lanes):
+            keep = sorted(lane["server"])[:counts[min(i, len(counts) - 1)]]
+            self.unused |= lane["server"] - set(keep)
+            lane["server"] = set(keep)
 
     def as_json(self) -> dict[str, Any]:
         """``agent`` and per replica ``{client, server}``; with one replica also today's
@@ -1107,10 +1142,12 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
     """One kind of server, ``--replicas`` of it, traced by one agent: the run's result."""
     n = args.replicas
     plan = plan_lanes(n, args.agent_cpus)
+    if args.server_cpus:
+        plan.narrow_servers(args.server_cpus)
     gpus = replica_gpus(n, args.device)
     on_gpus = Counter(g for g in gpus if g is not None)
     lanes: list[Lane] = []
-    agent = watch = None
+    agent = watch = meters = None
     out: dict[str, Any] = {"server": kind, "device": args.device, "mode": args.mode,
                            "replicas": n,
                            "replicas_per_gpu": max(on_gpus.values()) if on_gpus else None,
@@ -1142,6 +1179,8 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
             agent.ctl("stub-naming off")  # is quiet: closed now, "full" is the steady
             # state, and the window's cost a mode of its own
         modes = choose_modes(args, gpu)
+        if args.speed_meter:
+            meters = start_meters(work, plan)
         if "slow-path" in modes or "census" in modes:
             from bench.syscall_watch import SyscallWatch
             watch = SyscallWatch()
@@ -1151,7 +1190,7 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
                                                      lanes[0].server, args, modes, watch)
         else:
             windows, switches, elapsed, mode_s = run_slices(kind, agent, lanes, args, modes,
-                                                            watch)
+                                                            watch, meters)
             stop_loads(lanes, out)
             loaded = False
             mode_s["all"] = time.monotonic() - t_attached
@@ -1174,6 +1213,8 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
                 pass
         if watch is not None:
             watch.close()
+        if meters is not None:
+            meters.close()
         summary = agent.stop() if agent is not None else {}
         for lane in lanes:
             if lane.client is not None:
@@ -1317,8 +1358,8 @@ def gpu_clocks(lanes: list[Lane]) -> dict[int, GpuClocks]:
 
 
 def time_slice(mode: str, order: int, agent: Agent, lanes: list[Lane], slice_s: float,
-               watch: Any = None, clocks: dict[int, GpuClocks] | None = None
-               ) -> list[dict[str, Any]]:
+               watch: Any = None, clocks: dict[int, GpuClocks] | None = None,
+               meters: Any = None) -> list[dict[str, Any]]:
     """One time slice of ``mode``: a record per replica (``replica``) with its server's
     CPU, system CPU and busiest threads, its client's CPU (its tokens and requests are
     asked later, ``run_slices``), its GPU's clocks. The agent serves every replica: its
@@ -1332,11 +1373,15 @@ def time_slice(mode: str, order: int, agent: Agent, lanes: list[Lane], slice_s: 
     if census and watch is not None:  # the servers' syscalls, by name
         watch.count_start({p for lane in lanes for p in tree(lane.server.pid)})
     s0 = [tree_times(lane.server.pid) for lane in lanes]
+    q0 = [sched_stats(lane.server.pid) for lane in lanes]
     a0, c0, r0 = agent.cpu, [lane_cpu(lane) for lane in lanes], agent.records()
+    m0 = meters.read() if meters is not None else {}
     t0 = time.monotonic()
     time.sleep(slice_s)
     t1 = time.monotonic()
+    m1 = meters.read() if meters is not None else {}
     s1 = [tree_times(lane.server.pid) for lane in lanes]
+    q1 = [sched_stats(lane.server.pid) for lane in lanes]
     a1, c1, r1 = agent.cpu, [lane_cpu(lane) for lane in lanes], agent.records()
     p1 = agent.ctl("probe-stats") if census else ""
     calls = watch.count_stop() if census and watch is not None else None
@@ -1352,10 +1397,15 @@ def time_slice(mode: str, order: int, agent: Agent, lanes: list[Lane], slice_s: 
             "agent_records": r1 - r0 if n == 1 else (r1 - r0) / n,
             "server_sys_s": s1[i][1] - s0[i][1],
             # the server's busiest threads (a GIL-bound server: one near 1.0/s)
-            "server_top_threads_cpu_s": [round(b, 2) for b in busy[:3]]}
+            "server_top_threads_cpu_s": [round(b, 2) for b in busy[:3]],
+            "server_voluntary_switches": q1[i][0] - q0[i][0],
+            "server_involuntary_switches": q1[i][1] - q0[i][1],
+            "server_run_delay_s": round((q1[i][2] - q0[i][2]) / 1e9, 4)}
         clock = None if lane.nvml_index is None else (clocks or {}).get(lane.nvml_index)
         if clock is not None:
             w["gpu"] = clock.mean(t0, t1)
+        if m1 and i == 0:  # host-wide: once per time slice
+            w["host_speed"] = {k: round((m1[k] - m0[k]) / (t1 - t0), 2) for k in m1}
         if census and i == 0:
             a, none = parse_costs(p0), ProgramCost(0, 0)
             w["programs"] = {name: [c.runs - a.get(name, none).runs,
@@ -1367,13 +1417,26 @@ def time_slice(mode: str, order: int, agent: Agent, lanes: list[Lane], slice_s: 
     return records
 
 
+def start_meters(work: Path, plan: CpuPlan) -> Any:
+    """bench/host_speed.py's meters on the plan's unused CPUs (the last two), or none
+    (said on stderr) where no CPU is unused."""
+    from bench.host_speed import KINDS, SpeedMeters
+    cpus = sorted(plan.unused)[-len(KINDS):]
+    if not cpus or plan.shared:
+        print("no unused CPU: no host speed meter", file=sys.stderr, flush=True)
+        return None
+    meters = SpeedMeters(work, cpus)
+    meters.wait_started()
+    return meters
+
+
 def lane_cpu(lane: Lane) -> float:
     """A replica's client's CPU seconds."""
     return lane.client.cpu if lane.client is not None else 0.0
 
 
 def run_slices(kind: str, agent: Agent, lanes: list[Lane], args: argparse.Namespace,
-               modes: list[str], watch: Any = None
+               modes: list[str], watch: Any = None, meters: Any = None
                ) -> tuple[list[dict[str, Any]], list[float], float, dict[str, float]]:
     """``--mode slices``: under continuous load, slices of ``--slice-s`` in the order
     U T T U U T ... (a round is one untraced and one traced slice, their order
@@ -1417,7 +1480,8 @@ def run_slices(kind: str, agent: Agent, lanes: list[Lane], args: argparse.Namesp
         done, pending = pending, []
         for mode in rnd:
             go(mode)
-            records = time_slice(mode, order, agent, lanes, args.slice_s, watch, clocks)
+            records = time_slice(mode, order, agent, lanes, args.slice_s, watch, clocks,
+                                 meters)
             slices += records
             pending += records
         fill(done)
@@ -1556,6 +1620,10 @@ def summarise(windows: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]
         out["breakdown"] = parts
     if windows and "server_sys_s" in windows[0]:
         out["server_sys"] = sys_time(windows, rounds)
+    if any("host_speed" in w for w in windows):
+        out["host_speed"] = host_speed(windows, rounds)
+    if windows and "server_voluntary_switches" in windows[0]:
+        out["server_sched"] = sched_time(windows, rounds)
     census = [w for w in windows if w.get("programs")]
     if census:
         # the programs' counts are agent-wide (every replica's server): per token over
@@ -1617,6 +1685,78 @@ def sys_time(windows: list[dict[str, Any]], rounds: LaneRounds) -> dict[str, Any
         est = clustered_mean(added)
         if est is not None:
             out[f"{m}_added_per_s"] = est
+    return out
+
+
+def host_speed(windows: list[dict[str, Any]], rounds: LaneRounds) -> dict[str, Any]:
+    """bench/host_speed.py's meters: chunks per second per mode; per traced mode its
+    ratio to the round's untraced slice (interval over rounds): below 1, the host
+    itself ran slower while traced (the meters' CPUs run nothing of the server's or the
+    agent's); and per mode the correlation over time slices of a meter's log rate with
+    the replicas' mean log tokens/s (near 1: the slices' noise is the host's speed)."""
+    timed = [w for w in windows if "host_speed" in w]
+    kinds = sorted({k for w in timed for k in w["host_speed"]})
+    out: dict[str, Any] = {}
+    tokens: dict[tuple[int, str], list[float]] = {}
+    for w in windows:
+        if w.get("tokens") and w.get("wall_s"):
+            tokens.setdefault((w["round"], w["mode"]), []).append(math.log(tps(w)))
+    for kind in kinds:
+        per_mode: dict[str, list[dict[str, Any]]] = {}
+        for w in timed:
+            if w["host_speed"].get(kind):
+                per_mode.setdefault(w["mode"], []).append(w)
+        row: dict[str, Any] = {m: round(statistics.fmean(w["host_speed"][kind] for w in ws), 1)
+                               for m, ws in per_mode.items()}
+        for m in per_mode:
+            if m == "untraced":
+                continue
+            pairs = [(rnd, 0, r[m]["host_speed"][kind] / r["untraced"]["host_speed"][kind])
+                     for (rnd, rep), r in rounds.items() if m in r and "untraced" in r
+                     and r[m].get("host_speed", {}).get(kind)
+                     and r["untraced"].get("host_speed", {}).get(kind)]
+            if pairs:
+                row[f"{m}_vs_untraced"] = clustered_ci(pairs)
+        for m, ws in per_mode.items():
+            xs = [(math.log(w["host_speed"][kind]), statistics.fmean(tokens[w["round"], m]))
+                  for w in ws if tokens.get((w["round"], m))]
+            if len(xs) > 2 and len({x for x, _ in xs}) > 1 and len({y for _, y in xs}) > 1:
+                row[f"{m}_correlation_with_tokens_per_s"] = round(
+                    statistics.correlation([x for x, _ in xs], [y for _, y in xs]), 3)
+        out[kind] = row
+    return out
+
+
+def sched_time(windows: list[dict[str, Any]], rounds: LaneRounds) -> dict[str, Any]:
+    """The server's scheduling per mode: voluntary and involuntary context switches
+    per output token (a GIL handed over, a futex waited on) and the share of each
+    second its threads spent runnable but off a CPU; per traced mode the ratio of its
+    voluntary switches per token to the round's untraced slice of the same replica
+    (interval over rounds, ``clustered_ci``)."""
+    def per_token(w: dict[str, Any], key: str) -> float:
+        return w[key] / w["tokens"] if w.get("tokens") else 0.0
+
+    out: dict[str, Any] = {}
+    by_mode: dict[str, list[dict[str, Any]]] = {}
+    for w in windows:
+        if w.get("tokens"):
+            by_mode.setdefault(w["mode"], []).append(w)
+    for m, ws in by_mode.items():
+        out[m] = {"voluntary_per_token": round(statistics.fmean(
+                      per_token(w, "server_voluntary_switches") for w in ws), 3),
+                  "involuntary_per_token": round(statistics.fmean(
+                      per_token(w, "server_involuntary_switches") for w in ws), 3),
+                  "run_delay_per_s": round(statistics.fmean(
+                      w["server_run_delay_s"] / w["wall_s"] for w in ws), 4)}
+    for m in by_mode:
+        if m == "untraced":
+            continue
+        rows = [(*key, per_token(r[m], "server_voluntary_switches")
+                 / per_token(r["untraced"], "server_voluntary_switches"))
+                for key, r in rounds.items() if m in r and "untraced" in r
+                and r[m].get("tokens") and per_token(r["untraced"], "server_voluntary_switches")]
+        if rows:
+            out[f"{m}_voluntary_per_token_vs_untraced"] = clustered_ci(rows)
     return out
 
 
@@ -1709,6 +1849,14 @@ def main(argv: list[str] | None = None) -> int:
                          "a round, intervals over rounds")
     ap.add_argument("--agent-cpus", type=int, default=1, metavar="K",
                     help="CPUs for the agent, before the replicas' (default 1)")
+    ap.add_argument("--server-cpus", type=lambda v: [int(x) for x in v.split(",")],
+                    metavar="N[,N...]",
+                    help="replica i's server on only the first N (the i-th of the list; "
+                         "the last for the rest) of its CPUs, to compare CPU plans' noise "
+                         "and overhead in one run (default: all of its share)")
+    ap.add_argument("--speed-meter", action="store_true",
+                    help="slices: bench/host_speed.py's meters on two unused CPUs, to see "
+                         "whether the host runs slower while traced (host_speed)")
     ap.add_argument("--target", type=float, default=0.01,
                     help="stop once the tokens/s ratio's 95%% interval is this narrow either side")
     ap.add_argument("--budget-s", type=float, default=240.0,
@@ -1753,6 +1901,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.pool:
         print(json.dumps(pool(args.pool, args.target), indent=1))
         return 0
+    if args.server_cpus and min(args.server_cpus) < 1:
+        ap.error("--server-cpus counts are at least 1")
     if args.replicas < 1 or args.agent_cpus < 1:
         ap.error("--replicas and --agent-cpus are at least 1")
     if args.replicas > 1 and args.mode != "slices":

@@ -235,3 +235,59 @@ def test_a_small_host_shares_every_cpu(capsys: pytest.CaptureFixture[str]) -> No
     assert all(lane["server"] == lane["client"] == set(range(6)) for lane in plan.lanes)
     assert "too few" in capsys.readouterr().err
     assert plan.as_json()["replicas"][1]["server"] == list(range(6))
+
+
+def test_sched_counts_are_per_token_and_traced_against_untraced() -> None:
+    ws = slices([[0.0, 0.0]] * 4)  # the same tokens traced and untraced
+    for w in ws:
+        traced = w["mode"] == "full"
+        w["server_voluntary_switches"] = 3 * w["tokens"] if traced else 2 * w["tokens"]
+        w["server_involuntary_switches"] = w["tokens"] // 100
+        w["server_run_delay_s"] = 0.02 if traced else 0.01
+    sched = rs.summarise(ws, ["untraced", "full"])["server_sched"]
+    assert sched["untraced"]["voluntary_per_token"] == 2.0
+    assert sched["full"]["voluntary_per_token"] == 3.0
+    assert sched["full"]["involuntary_per_token"] == 0.01
+    assert sched["full"]["run_delay_per_s"] == 0.02
+    assert sched["full_voluntary_per_token_vs_untraced"]["ratio"] == 1.5
+
+
+def test_servers_narrowed_to_their_first_cpus() -> None:
+    plan = rs.plan_lanes(4, 1, 64)
+    before = [sorted(lane["server"]) for lane in plan.lanes]
+    plan.narrow_servers([13, 1, 2])
+    assert [sorted(lane["server"]) for lane in plan.lanes] == [
+        before[0], before[1][:1], before[2][:2], before[3][:2]]
+    assert plan.unused == {61, 62, 63} | set(before[1][1:]) | set(before[2][2:]) \
+        | set(before[3][2:])
+
+
+def test_host_speed_is_per_time_slice_and_traced_against_untraced() -> None:
+    ws = slices([[0.0, 0.0]] * 6)
+    for w in ws:
+        if w["replica"] == 0:  # the bench puts the host's meters on replica 0's record
+            slow = 0.9 if w["mode"] == "full" else 1.0
+            w["host_speed"] = {"cpu": 1000.0 * slow, "cache": 500.0 + w["round"]}
+    speed = rs.summarise(ws, ["untraced", "full"])["host_speed"]
+    assert speed["cpu"]["untraced"] == 1000.0 and speed["cpu"]["full"] == 900.0
+    assert speed["cpu"]["full_vs_untraced"]["ratio"] == 0.9
+    assert speed["cpu"]["full_vs_untraced"]["rounds"] == 6
+    assert speed["cache"]["full_vs_untraced"]["ratio"] == 1.0
+    assert "untraced_correlation_with_tokens_per_s" not in speed["cpu"]  # tokens flat
+
+
+def test_speed_meters_count_on_their_cpus(tmp_path: Path) -> None:
+    import os
+    import time
+    from bench.host_speed import SpeedMeters
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    meters = SpeedMeters(tmp_path, [cpu, cpu])
+    try:
+        meters.wait_started()
+        a = meters.read()
+        time.sleep(0.3)
+        b = meters.read()
+    finally:
+        meters.close()
+    assert set(a) == {"cpu", "cache"}
+    assert all(b[k] > a[k] > 0 for k in a)

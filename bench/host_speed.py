@@ -1,0 +1,105 @@
+"""How fast the host runs code that is neither the server's nor the agent's: a meter for
+bench/real_server.py, to tell whether the host itself slows down while the agent works
+(CPU frequency and power limits, a hypervisor's placement of virtual CPUs, a shared
+last-level cache) and whether slice-to-slice noise in a server's tokens/s is the host's.
+
+Each meter is a Python loop pinned to a CPU nobody else uses, counting finished chunks
+of fixed work into an 8-byte shared file the bench reads at a slice's start and end:
+
+- ``cpu``: small-state interpreter work (a dict and a few integers: L1/L2 resident),
+  which slows with the core's clock and with a sibling hyperthread's load;
+- ``cache``: pseudo-random reads over a 32 MiB array (past any core's L2, inside the
+  shared L3), which slows too when others fill the last-level cache or the memory bus.
+
+    python bench/host_speed.py FILE cpu|cache   (run by SpeedMeters, not by hand)
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import subprocess
+import sys
+import time
+from array import array
+from pathlib import Path
+
+KINDS = ("cpu", "cache")
+CACHE_WORDS = 1 << 22  # 4 Mi 8-byte words: 32 MiB
+
+
+def _cpu_chunk() -> None:
+    d: dict[int, int] = {}
+    for i in range(4000):
+        k = i & 63
+        d[k] = d.get(k, 0) + i
+
+
+def _cache_chunk(a: array, state: list[int]) -> None:
+    x, s, mask = state[0], 0, CACHE_WORDS - 1
+    for _ in range(4000):
+        x = (x * 1103515245 + 12345) & 0x7FFFFFFF
+        s += a[x & mask]
+    state[0] = x
+
+
+def meter(path: str, kind: str) -> None:
+    """Count chunks of ``kind`` work into ``path`` (8 bytes, native order) forever."""
+    with open(path, "r+b") as f:
+        m = mmap.mmap(f.fileno(), 8)
+    count = memoryview(m).cast("Q")
+    if kind == "cpu":
+        work = _cpu_chunk
+    else:
+        a, state = array("q", range(CACHE_WORDS)), [1]
+
+        def work() -> None:
+            _cache_chunk(a, state)
+    n = 0
+    while True:
+        work()
+        n += 1
+        count[0] = n
+
+
+class SpeedMeters:
+    """One meter per kind, each on its own CPU of ``cpus`` (as many kinds as CPUs, in
+    KINDS' order); ``read()`` gives each meter's chunk count now."""
+
+    def __init__(self, work: Path, cpus: list[int]) -> None:
+        self.counts: dict[str, memoryview] = {}
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self._maps: list[mmap.mmap] = []
+        for kind, cpu in zip(KINDS, cpus):
+            path = work / f"speed-{kind}"
+            path.write_bytes(b"\0" * 8)
+            self.procs.append(subprocess.Popen(
+                [sys.executable, __file__, str(path), kind],
+                preexec_fn=lambda c=cpu: os.sched_setaffinity(0, {c})))
+            with open(path, "r+b") as f:
+                m = mmap.mmap(f.fileno(), 8)
+            self._maps.append(m)
+            self.counts[kind] = memoryview(m).cast("Q")
+        self.cpus = dict(zip(KINDS, cpus))
+
+    def read(self) -> dict[str, int]:
+        return {kind: int(c[0]) for kind, c in self.counts.items()}
+
+    def wait_started(self, timeout_s: float = 30.0) -> None:
+        """Until every meter has counted (the cache meter builds its array first)."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end and not all(self.read().values()):
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait()
+        for c in self.counts.values():
+            c.release()
+        for m in self._maps:
+            m.close()
+
+
+if __name__ == "__main__":
+    meter(sys.argv[1], sys.argv[2])
