@@ -18,6 +18,7 @@ from pathlib import Path
 PROC = Path("/proc")
 
 TCP_LISTEN = 0x0A
+_LISTEN_HEX = "%02X" % TCP_LISTEN  # the st column of /proc/net/tcp
 TCP_ESTABLISHED = 0x01
 
 
@@ -161,12 +162,17 @@ def _hex_addr(text: str) -> tuple[str, int]:
     return str(v6.ipv4_mapped or v6), port
 
 
-def inet_sockets(pid: int) -> dict[int, SockEntry]:
-    """inode -> TCP socket entry, from the process's network namespace."""
+def inet_sockets(pid: int, listening: bool = False) -> dict[int, SockEntry]:
+    """inode -> TCP socket entry, from the process's network namespace; ``listening``:
+    the listening sockets only. The namespace's table lists every socket of the host's
+    (or the pod's) connections, thousands of them on a busy node, many in TIME_WAIT:
+    the state is looked at before the addresses are parsed, which cost the most."""
     out: dict[int, SockEntry] = {}
     for name, fam in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
         text = str(_read(PROC / str(pid) / "net" / name))
         for line in text.splitlines()[1:]:
+            if listening and line.split(None, 4)[3:4] != [_LISTEN_HEX]:
+                continue
             cols = line.split()
             if len(cols) < 10:
                 continue
@@ -198,21 +204,26 @@ def unix_sockets(pid: int) -> dict[int, SockEntry]:
     return out
 
 
+def netns(pid: int) -> str | None:
+    """The process's network namespace (``net:[inode]``), None if it is gone."""
+    try:
+        return os.readlink(PROC / str(pid) / "ns" / "net")
+    except OSError:
+        return None
+
+
 def pids_listening_on(port: int) -> list[int]:
     """Processes holding a TCP socket listening on ``port`` (any address)."""
     listeners: set[int] = set()
     seen_ns: set[str] = set()
     pids = all_pids()
     for pid in pids:
-        try:
-            ns = os.readlink(PROC / str(pid) / "ns" / "net")
-        except OSError:
-            continue
-        if ns in seen_ns:
+        ns = netns(pid)
+        if ns is None or ns in seen_ns:
             continue
         seen_ns.add(ns)
-        for e in inet_sockets(pid).values():
-            if e.state == TCP_LISTEN and e.local_port == port:
+        for e in inet_sockets(pid, listening=True).values():
+            if e.local_port == port:
                 listeners.add(e.inode)
     if not listeners:
         return []

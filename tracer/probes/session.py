@@ -127,6 +127,7 @@ class CaptureSession:
         self._parked_tps: list[bytes] = []  # tracepoints taken out by pause()
         self.program_stats = ProgramStats()  # --control probe-stats on|off
         self.analysis = True  # control "analysis off": records read and dropped
+        self._own_netns = procfs.netns(os.getpid())  # sock_diag answers for this one
         self.dropped_unanalysed = 0
         self.records_read = 0  # ring-buffer records, for `status`
         self.stacks: Any = None  # tracer.probes.stacks.StackSampler with --stacks
@@ -226,8 +227,9 @@ class CaptureSession:
                 self._tls_scan(pid)
         if "netwait" in self.concerns and now >= self._next_listen_scan:
             self._next_listen_scan = now + self.config.listen_scan_interval_s
+            listening: dict[str, dict[int, int]] = {}  # by network namespace
             for pid in sorted(self.pids):
-                self._watch_listeners(pid)
+                self._watch_listeners(pid, listening)
         if now >= self._next_counters:
             self._next_counters = now + self.config.counters_interval_s
             # every interval, changed or not: its time stamp is also the stream's clock
@@ -615,18 +617,30 @@ class CaptureSession:
         self.concerns = self.concerns[: i + 1] + ("netwait",) + self.concerns[i + 1:]
         return NetTimingMode(ts=0, mode="socket")
 
-    def _watch_listeners(self, pid: int) -> None:
+    def _watch_listeners(self, pid: int, listening: dict[str, dict[int, int]] | None = None
+                         ) -> None:
         """Put ``pid``'s listening TCP ports (and --port) in the kernel's port filter:
-        the softirq tracepoints keep state only for sockets on those ports."""
+        the softirq tracepoints keep state only for sockets on those ports. Run every
+        second for every traced process: ``listening`` keeps each network namespace's
+        listening sockets (inode -> port) for the round (traced processes mostly share
+        one), asked of sock_diag in the agent's own namespace (the kernel's listening
+        table alone), else read from the process's /proc/net/tcp."""
         if "netwait" not in self.concerns:
             return
         ports = set(self.config.ports)
         fds = procfs.socket_fds(pid)
         if fds:
-            inet = procfs.inet_sockets(pid)
+            ns = procfs.netns(pid)
+            ports_of = None if listening is None or ns is None else listening.get(ns)
+            if ports_of is None:
+                ports_of = sockdiag.tcp_listening() if ns == self._own_netns else None
+                if ports_of is None:
+                    ports_of = {i: e.local_port for i, e
+                                in procfs.inet_sockets(pid, listening=True).items()}
+                if listening is not None and ns is not None:
+                    listening[ns] = ports_of
             inodes = set(fds.values())
-            ports.update(e.local_port for i, e in inet.items()
-                         if i in inodes and e.state == procfs.TCP_LISTEN)
+            ports.update(port for i, port in ports_of.items() if i in inodes)
         table = self.bpf[b"nw_ports"]
         for port in sorted(ports - self._nw_ports):
             try:
