@@ -11,13 +11,18 @@ of fixed work into an 8-byte shared file the bench reads at a slice's start and 
 - ``cache``: pseudo-random reads over a 32 MiB array (past any core's L2, inside the
   shared L3), which slows too when others fill the last-level cache or the memory bus.
 
-    python bench/host_speed.py FILE cpu|cache   (run by SpeedMeters, not by hand)
+``AgentLoad`` is the same cache work at a set duty cycle on the agent's CPUs, stopped
+and continued by the bench: what any such load beside the servers costs them, to hold
+against what the agent's analysis costs them.
+
+    python bench/host_speed.py FILE cpu|cache|load [DUTY]   (run by the classes below)
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -43,11 +48,19 @@ def _cache_chunk(a: array, state: list[int]) -> None:
     state[0] = x
 
 
-def meter(path: str, kind: str) -> None:
-    """Count chunks of ``kind`` work into ``path`` (8 bytes, native order) forever."""
+def meter(path: str, kind: str, duty: float = 1.0) -> None:
+    """Count chunks of ``kind`` work into ``path`` (8 bytes, native order) forever;
+    ``load``: the cache work, busy ``duty`` of every 10 ms and asleep the rest."""
     with open(path, "r+b") as f:
         m = mmap.mmap(f.fileno(), 8)
     count = memoryview(m).cast("Q")
+    if kind == "load":
+        a, state = array("q", range(CACHE_WORDS)), [1]
+        while True:
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < 0.01 * duty:
+                _cache_chunk(a, state)
+            time.sleep(0.01 * (1.0 - duty))
     if kind == "cpu":
         work = _cpu_chunk
     else:
@@ -101,5 +114,26 @@ class SpeedMeters:
             m.close()
 
 
+class AgentLoad:
+    """A load of ``cores`` (0-1) of cache work on ``cpus``, started stopped; ``set(on)``
+    continues or stops it."""
+
+    def __init__(self, work: Path, cpus: set[int], cores: float) -> None:
+        path = work / "agent-load"
+        path.write_bytes(b"\0" * 8)
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, str(path), "load", f"{cores:g}"],
+            preexec_fn=lambda: os.sched_setaffinity(0, cpus))
+        time.sleep(1.0)  # its array built (a fraction of a second)
+        self.set(False)
+
+    def set(self, on: bool) -> None:
+        self.proc.send_signal(signal.SIGCONT if on else signal.SIGSTOP)
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
 if __name__ == "__main__":
-    meter(sys.argv[1], sys.argv[2])
+    meter(sys.argv[1], sys.argv[2], float(sys.argv[3]) if len(sys.argv) > 3 else 1.0)

@@ -114,6 +114,12 @@ run time, and the server's syscalls per second by name (counted by the bench on
 agent's, only a do-nothing syscall tracepoint the bench holds (``bench/syscall_watch.py``):
 while any syscall tracepoint is attached every syscall of every task takes the kernel's
 slow path, so the socket probes also tax the server's futex, ioctl and sched_yield calls.
+``agent-load``: no probe of the agent's, a load of ``--agent-load`` cores of cache-heavy
+Python work on the agent's CPUs instead (bench/host_speed.py): what a busy agent costs
+the servers beside it through the host alone. ``--speed-meter`` runs
+bench/host_speed.py's meters on two unused CPUs: whether the host itself runs slower in
+a mode (``host_speed``). Every slice records the servers' context switches and run-queue
+delay (``server_sched``); ``--server-cpus`` gives the replicas CPU plans of their own.
 """
 
 from __future__ import annotations
@@ -823,7 +829,7 @@ class Agent:
     kept running: one agent for every replica, as a node's agent would trace them."""
 
     def __init__(self, server: Server | Sequence[Server], work: Path, cpus: set[int],
-                 extra: list[str]) -> None:
+                 extra: list[str], profile: str | None = None) -> None:
         from tracer.control import send
         self.send = send
         self.sock = str(work / "agent.sock")
@@ -833,7 +839,10 @@ class Agent:
         pids = [a for s in servers for a in ("--pid", str(s.pid))]
         # "full" counts every launch (not --gpu-sample auto's choice): the "sampled"
         # mode is what auto switches a busy step engine to
-        cmd = [sys.executable, "-m", "tracer", "run", *pids,
+        # profile: under cProfile, with the garbage collector's time (bench/profiled_agent.py)
+        head = ([sys.executable, "-m", "tracer"] if profile is None else
+                [sys.executable, str(ROOT / "bench" / "profiled_agent.py"), profile])
+        cmd = [*head, "run", *pids,
                "--control", self.sock, "--quiet", "--jsonl", str(self.jsonl),
                "--summary", str(self.summary), "--gpu-sample", "1", *extra]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True,
@@ -901,6 +910,9 @@ MODES = {  # name -> control commands that set it up from "full" (the default tr
     # no probe of ours, only a do-nothing syscall tracepoint held by the bench: what the
     # kernel's syscall slow path (on while any syscall tracepoint is) costs the server
     "slow-path": ["pause", "bench:slow-path on"],
+    # no probe of ours, a load of --agent-load cores on the agent's CPUs instead
+    # (bench/host_speed.py): whether a busy agent slows the servers beside it
+    "agent-load": ["pause", "bench:agent-load on"],
 }
 UNDO = {"untraced": ["resume"], "full": [], "no-payload": ["capture-limit 262144"],
         "no-analysis": ["analysis on"], "no-launch-probes": ["gpu-launch on"],
@@ -908,7 +920,10 @@ UNDO = {"untraced": ["resume"], "full": [], "no-payload": ["capture-limit 262144
         "alias-lookups-open": ["alias-lookups off"],
         "census": ["probe-stats off"], "sampled": ["gpu-sample 1"],
         "sampled-p5": ["gpu-sample 1"], "sampled-copies": ["gpu-sample 1"],
-        "slow-path": ["bench:slow-path off", "resume"]}
+        "slow-path": ["bench:slow-path off", "resume"],
+        "agent-load": ["bench:agent-load off", "resume"]}
+# the bench's own switches ("bench:NAME on|off") besides slow-path, set up by run_server
+BENCH_SWITCHES: dict[str, Any] = {}
 
 
 def t975(df: int) -> float:
@@ -1125,7 +1140,7 @@ def choose_modes(args: argparse.Namespace, gpu: bool) -> list[str]:
     """Untraced and full, and with ``--breakdown`` the parts this server has."""
     modes = ["untraced", "full"]
     if args.breakdown:
-        parts = ["no-payload", "no-analysis", "census", "slow-path"]
+        parts = ["no-payload", "no-analysis", "census", "slow-path", "agent-load"]
         if gpu:
             parts += ["no-launch-probes", "burst-min-1ms", "stub-naming-open",
                       "alias-lookups-open", "sampled", "sampled-p5", "sampled-copies"]
@@ -1147,7 +1162,7 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
     gpus = replica_gpus(n, args.device)
     on_gpus = Counter(g for g in gpus if g is not None)
     lanes: list[Lane] = []
-    agent = watch = meters = None
+    agent = watch = meters = load = None
     out: dict[str, Any] = {"server": kind, "device": args.device, "mode": args.mode,
                            "replicas": n,
                            "replicas_per_gpu": max(on_gpus.values()) if on_gpus else None,
@@ -1181,6 +1196,10 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
         modes = choose_modes(args, gpu)
         if args.speed_meter:
             meters = start_meters(work, plan)
+        if "agent-load" in modes:
+            from bench.host_speed import AgentLoad
+            load = AgentLoad(work, plan.agent, args.agent_load)
+            BENCH_SWITCHES["agent-load"] = load.set
         if "slow-path" in modes or "census" in modes:
             from bench.syscall_watch import SyscallWatch
             watch = SyscallWatch()
@@ -1215,6 +1234,9 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
             watch.close()
         if meters is not None:
             meters.close()
+        if load is not None:
+            load.close()
+            BENCH_SWITCHES.pop("agent-load", None)
         summary = agent.stop() if agent is not None else {}
         for lane in lanes:
             if lane.client is not None:
@@ -1295,6 +1317,9 @@ def command(agent: Agent, watch: Any, cmd: str) -> str:
     anything else for the agent."""
     if cmd.startswith("bench:"):
         what, state = cmd[len("bench:"):].split()
+        if what in BENCH_SWITCHES:
+            BENCH_SWITCHES[what](state == "on")
+            return "ok"
         if what != "slow-path" or watch is None:
             raise RuntimeError(f"{cmd}: no such bench switch")
         watch.slow_path(state == "on")
@@ -1854,6 +1879,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="replica i's server on only the first N (the i-th of the list; "
                          "the last for the rest) of its CPUs, to compare CPU plans' noise "
                          "and overhead in one run (default: all of its share)")
+    ap.add_argument("--agent-load", type=float, default=0.4, metavar="CORES",
+                    help="the agent-load part's load on the agent's CPUs (default 0.4: "
+                         "about what the agent's analysis of 4 HF serve servers takes)")
     ap.add_argument("--speed-meter", action="store_true",
                     help="slices: bench/host_speed.py's meters on two unused CPUs, to see "
                          "whether the host runs slower while traced (host_speed)")
@@ -1869,7 +1897,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--breakdown", action="store_true", help="also each part off in turn")
     ap.add_argument("--breakdown-modes", metavar="M,M", default="",
                     help="only these parts of --breakdown (no-payload, no-analysis, census, "
-                         "slow-path, no-launch-probes, burst-min-1ms, stub-naming-open, "
+                         "slow-path, agent-load, no-launch-probes, burst-min-1ms, stub-naming-open, "
                          "alias-lookups-open, sampled, sampled-p5, sampled-copies)")
     ap.add_argument("--sample-fraction", type=float, default=0.1, metavar="F",
                     help="the sampled part's --gpu-sample (default 0.1; its period is the "

@@ -291,3 +291,20 @@ def test_speed_meters_count_on_their_cpus(tmp_path: Path) -> None:
         meters.close()
     assert set(a) == {"cpu", "cache"}
     assert all(b[k] > a[k] > 0 for k in a)
+
+
+def test_profiled_agent_writes_its_profile_and_collections(tmp_path: Path) -> None:
+    import pstats
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    prefix = tmp_path / "agent"
+    capture = root / "samples" / "captures" / "openai-http1.ttcap"
+    done = subprocess.run([sys.executable, str(root / "bench" / "profiled_agent.py"),
+                           str(prefix), "replay", str(capture), "-q"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    stats = pstats.Stats(str(prefix) + ".prof")
+    assert any(name == "feed" for _, _, name in stats.stats)  # type: ignore[attr-defined]
+    gc = json.loads(Path(str(prefix) + "-gc.json").read_text())
+    assert set(gc["collections"]) == {"0", "1", "2"} and gc["objects_tracked"] > 0
