@@ -139,7 +139,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -196,20 +196,26 @@ def tree_times(pid: int) -> tuple[float, float]:
     return sum(u + k for u, k in times), sum(k for _, k in times)
 
 
-def thread_cpu(pid: int) -> dict[int, float]:
-    """CPU seconds of each thread of ``pid`` and of its descendants."""
-    out = {}
+def tree_threads(pid: int) -> Iterator[str]:
+    """``/proc/P/task/T`` of every thread of ``pid`` and of its descendants."""
     for p in tree(pid):
         try:
             tids = os.listdir(f"/proc/{p}/task")
         except OSError:
             continue
         for t in tids:
-            try:
-                f = Path(f"/proc/{p}/task/{t}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            out[int(t)] = (int(f[11]) + int(f[12])) / CLK
+            yield f"/proc/{p}/task/{t}"
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds of each thread of ``pid`` and of its descendants."""
+    out = {}
+    for task in tree_threads(pid):
+        try:
+            f = Path(f"{task}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(task.rsplit("/", 1)[1])] = (int(f[11]) + int(f[12])) / CLK
     return out
 
 
@@ -219,23 +225,18 @@ def sched_stats(pid: int) -> tuple[int, int, int]:
     ``pid`` and its descendants: a traced server that hands its GIL over more often, or
     waits on a run queue more, shows it here."""
     vol = invol = delay = 0
-    for p in tree(pid):
+    for task in tree_threads(pid):
         try:
-            tids = os.listdir(f"/proc/{p}/task")
+            status = Path(f"{task}/status").read_text()
+            sched = Path(f"{task}/schedstat").read_text().split()
         except OSError:
             continue
-        for t in tids:
-            try:
-                status = Path(f"/proc/{p}/task/{t}/status").read_text()
-                sched = Path(f"/proc/{p}/task/{t}/schedstat").read_text().split()
-            except OSError:
-                continue
-            for line in status.splitlines():
-                if line.startswith("voluntary_ctxt_switches:"):
-                    vol += int(line.split()[1])
-                elif line.startswith("nonvoluntary_ctxt_switches:"):
-                    invol += int(line.split()[1])
-            delay += int(sched[1]) if len(sched) > 1 else 0
+        for line in status.splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                vol += int(line.split()[1])
+            elif line.startswith("nonvoluntary_ctxt_switches:"):
+                invol += int(line.split()[1])
+        delay += int(sched[1]) if len(sched) > 1 else 0
     return vol, invol, delay
 
 
@@ -1897,8 +1898,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--breakdown", action="store_true", help="also each part off in turn")
     ap.add_argument("--breakdown-modes", metavar="M,M", default="",
                     help="only these parts of --breakdown (no-payload, no-analysis, census, "
-                         "slow-path, agent-load, no-launch-probes, burst-min-1ms, stub-naming-open, "
-                         "alias-lookups-open, sampled, sampled-p5, sampled-copies)")
+                         "slow-path, agent-load, no-launch-probes, burst-min-1ms, "
+                         "stub-naming-open, alias-lookups-open, sampled, sampled-p5, "
+                         "sampled-copies)")
     ap.add_argument("--sample-fraction", type=float, default=0.1, metavar="F",
                     help="the sampled part's --gpu-sample (default 0.1; its period is the "
                          "agent's --gpu-sample-period, e.g. --agent-args=--gpu-sample-period=1)")

@@ -31,7 +31,8 @@ def test_sock_diag_and_proc_agree_on_listeners_and_skip_connections() -> None:
         want = {_inode(v4): v4.getsockname()[1], _inode(v6): v6.getsockname()[1]}
         diag = sockdiag.tcp_listening()
         assert diag is not None
-        proc = {i: e.local_port for i, e in procfs.inet_sockets(os.getpid(), listening=True).items()}
+        rows = procfs.inet_sockets(os.getpid(), listening=True)
+        proc = {i: e.local_port for i, e in rows.items()}
         for got in (diag, proc):
             assert {i: got.get(i) for i in want} == want
             assert _inode(conn) not in got and _inode(peer) not in got
@@ -53,7 +54,8 @@ def test_time_wait_rows_are_skipped_when_only_listeners_are_asked_for() -> None:
         c.close()
         a.close()
     try:
-        rows = [line.split() for line in open(f"/proc/{os.getpid()}/net/tcp").read().splitlines()[1:]]
+        table = open(f"/proc/{os.getpid()}/net/tcp").read().splitlines()[1:]
+        rows = [line.split() for line in table]
         assert sum(1 for r in rows if r[3] == "06") >= 200  # TIME_WAIT rows are there
         got = procfs.inet_sockets(os.getpid(), listening=True)
         assert {e.state for e in got.values()} == {procfs.TCP_LISTEN}
@@ -80,3 +82,13 @@ def test_a_process_in_another_namespace_is_read_from_its_proc_table() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_unix_socketpair_ends_are_each_others_peers() -> None:
+    a, b = socket.socketpair()
+    try:
+        peers = sockdiag.unix_peers()
+        assert peers[_inode(a)] == _inode(b) and peers[_inode(b)] == _inode(a)
+    finally:
+        a.close()
+        b.close()

@@ -14,7 +14,6 @@ only, the kernel walks its listening table alone.
 
 from __future__ import annotations
 
-import os
 import socket
 import struct
 
@@ -43,43 +42,19 @@ TCP_LISTEN = 10
 
 def unix_peers() -> dict[int, int]:
     """inode -> peer inode for connected unix sockets ({} if sock_diag is unavailable)."""
-    try:
-        s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG)
-    except OSError:
-        return {}
+    req = _UNIX_DIAG_REQ.pack(socket.AF_UNIX, 0, 0, 0xFFFFFFFF, 0, UDIAG_SHOW_PEER, 0, 0)
     peers: dict[int, int] = {}
-    try:
-        req = _UNIX_DIAG_REQ.pack(socket.AF_UNIX, 0, 0, 0xFFFFFFFF, 0, UDIAG_SHOW_PEER, 0, 0)
-        hdr = _NLMSGHDR.pack(_NLMSGHDR.size + len(req), SOCK_DIAG_BY_FAMILY,
-                             NLM_F_REQUEST | NLM_F_DUMP, 1, os.getpid())
-        s.sendall(hdr + req)
-        while True:
-            data = s.recv(1 << 16)
-            if not data:
-                return peers
-            off = 0
-            while off + _NLMSGHDR.size <= len(data):
-                length, mtype, _, _, _ = _NLMSGHDR.unpack_from(data, off)
-                if length < _NLMSGHDR.size:
-                    return peers
-                if mtype in (NLMSG_DONE, NLMSG_ERROR):
-                    return peers
-                body = off + _NLMSGHDR.size
-                ino = _UNIX_DIAG_MSG.unpack_from(data, body)[4]
-                a = body + _UNIX_DIAG_MSG.size
-                end = off + length
-                while a + _RTATTR.size <= end:
-                    alen, atype = _RTATTR.unpack_from(data, a)
-                    if alen < _RTATTR.size:
-                        break
-                    if atype == UNIX_DIAG_PEER and alen >= 8:
-                        peers[ino] = struct.unpack_from("=I", data, a + 4)[0]
-                    a += (alen + 3) & ~3
-                off += (length + 3) & ~3
-    except OSError:
-        return peers
-    finally:
-        s.close()
+    for data, body, end in _dump(req) or ():
+        ino = _UNIX_DIAG_MSG.unpack_from(data, body)[4]
+        a = body + _UNIX_DIAG_MSG.size
+        while a + _RTATTR.size <= end:
+            alen, atype = _RTATTR.unpack_from(data, a)
+            if alen < _RTATTR.size:
+                break
+            if atype == UNIX_DIAG_PEER and alen >= 8:
+                peers[ino] = struct.unpack_from("=I", data, a + 4)[0]
+            a += (alen + 3) & ~3
+    return peers
 
 
 def tcp_listening() -> dict[int, int] | None:
@@ -87,39 +62,42 @@ def tcp_listening() -> dict[int, int] | None:
     cannot say (no netlink, a kernel without inet_diag)."""
     out: dict[int, int] = {}
     for family in (socket.AF_INET, socket.AF_INET6):
-        if not _inet_dump(family, 1 << TCP_LISTEN, out):
+        msgs = _dump(_INET_DIAG_REQ.pack(family, socket.IPPROTO_TCP, 0, 0, 1 << TCP_LISTEN))
+        if msgs is None:
             return None
+        for data, body, end in msgs:
+            if end - body >= _INET_DIAG_INODE + 4:
+                port = struct.unpack_from(">H", data, body + _INET_DIAG_SPORT)[0]
+                out[struct.unpack_from("=I", data, body + _INET_DIAG_INODE)[0]] = port
     return out
 
 
-def _inet_dump(family: int, states: int, out: dict[int, int]) -> bool:
+def _dump(req: bytes) -> list[tuple[bytes, int, int]] | None:
+    """A SOCK_DIAG_BY_FAMILY dump: per message its buffer and where its body starts and
+    ends; None if the kernel refused (no netlink socket, an error message)."""
     try:
         s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG)
     except OSError:
-        return False
+        return None
+    out: list[tuple[bytes, int, int]] = []
     try:
-        req = _INET_DIAG_REQ.pack(family, socket.IPPROTO_TCP, 0, 0, states)
         hdr = _NLMSGHDR.pack(_NLMSGHDR.size + len(req), SOCK_DIAG_BY_FAMILY,
                              NLM_F_REQUEST | NLM_F_DUMP, 1, 0)
         s.sendall(hdr + req)
         while True:
             data = s.recv(1 << 16)
             if not data:
-                return True
+                return out
             off = 0
             while off + _NLMSGHDR.size <= len(data):
                 length, mtype, _, _, _ = _NLMSGHDR.unpack_from(data, off)
                 if length < _NLMSGHDR.size or mtype == NLMSG_DONE:
-                    return True
+                    return out
                 if mtype == NLMSG_ERROR:
-                    return False
-                body = off + _NLMSGHDR.size
-                if length >= _NLMSGHDR.size + _INET_DIAG_INODE + 4:
-                    port = struct.unpack_from(">H", data, body + _INET_DIAG_SPORT)[0]
-                    inode = struct.unpack_from("=I", data, body + _INET_DIAG_INODE)[0]
-                    out[inode] = port
+                    return None
+                out.append((data, off + _NLMSGHDR.size, off + length))
                 off += (length + 3) & ~3
     except OSError:
-        return False
+        return None
     finally:
         s.close()
