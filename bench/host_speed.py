@@ -15,7 +15,7 @@ of fixed work into an 8-byte shared file the bench reads at a slice's start and 
 and continued by the bench: what any such load beside the servers costs them, to hold
 against what the agent's analysis costs them.
 
-    python bench/host_speed.py FILE cpu|cache|load [DUTY]   (run by the classes below)
+    python bench/host_speed.py FILE cpu|cache | load DUTY   (run by the classes below)
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from array import array
+from collections.abc import Callable
 from pathlib import Path
 
 KINDS = ("cpu", "cache")
@@ -48,31 +49,39 @@ def _cache_chunk(a: array, state: list[int]) -> None:
     state[0] = x
 
 
-def meter(path: str, kind: str, duty: float = 1.0) -> None:
-    """Count chunks of ``kind`` work into ``path`` (8 bytes, native order) forever;
-    ``load``: the cache work, busy ``duty`` of every 10 ms and asleep the rest."""
+def _cache_work() -> Callable[[], None]:
+    """A chunk of cache work over an array of its own (built here: ~0.5 s)."""
+    a, state = array("q", range(CACHE_WORDS)), [1]
+    return lambda: _cache_chunk(a, state)
+
+
+def _spawn(args: list[str], cpus: set[int]) -> subprocess.Popen[bytes]:
+    """This file run with ``args`` on ``cpus``."""
+    return subprocess.Popen([sys.executable, __file__, *args],
+                            preexec_fn=lambda: os.sched_setaffinity(0, cpus))
+
+
+def meter(path: str, kind: str) -> None:
+    """Count chunks of ``kind`` work into ``path`` (8 bytes, native order) forever."""
     with open(path, "r+b") as f:
         m = mmap.mmap(f.fileno(), 8)
     count = memoryview(m).cast("Q")
-    if kind == "load":
-        a, state = array("q", range(CACHE_WORDS)), [1]
-        while True:
-            t0 = time.perf_counter()
-            while time.perf_counter() - t0 < 0.01 * duty:
-                _cache_chunk(a, state)
-            time.sleep(0.01 * (1.0 - duty))
-    if kind == "cpu":
-        work = _cpu_chunk
-    else:
-        a, state = array("q", range(CACHE_WORDS)), [1]
-
-        def work() -> None:
-            _cache_chunk(a, state)
+    work = _cpu_chunk if kind == "cpu" else _cache_work()
     n = 0
     while True:
         work()
         n += 1
         count[0] = n
+
+
+def load(duty: float) -> None:
+    """The cache work, busy ``duty`` of every 10 ms and asleep the rest, forever."""
+    work = _cache_work()
+    while True:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.01 * duty:
+            work()
+        time.sleep(0.01 * (1.0 - duty))
 
 
 class SpeedMeters:
@@ -86,14 +95,11 @@ class SpeedMeters:
         for kind, cpu in zip(KINDS, cpus):
             path = work / f"speed-{kind}"
             path.write_bytes(b"\0" * 8)
-            self.procs.append(subprocess.Popen(
-                [sys.executable, __file__, str(path), kind],
-                preexec_fn=lambda c=cpu: os.sched_setaffinity(0, {c})))
+            self.procs.append(_spawn([str(path), kind], {cpu}))
             with open(path, "r+b") as f:
                 m = mmap.mmap(f.fileno(), 8)
             self._maps.append(m)
             self.counts[kind] = memoryview(m).cast("Q")
-        self.cpus = dict(zip(KINDS, cpus))
 
     def read(self) -> dict[str, int]:
         return {kind: int(c[0]) for kind, c in self.counts.items()}
@@ -118,12 +124,8 @@ class AgentLoad:
     """A load of ``cores`` (0-1) of cache work on ``cpus``, started stopped; ``set(on)``
     continues or stops it."""
 
-    def __init__(self, work: Path, cpus: set[int], cores: float) -> None:
-        path = work / "agent-load"
-        path.write_bytes(b"\0" * 8)
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, str(path), "load", f"{cores:g}"],
-            preexec_fn=lambda: os.sched_setaffinity(0, cpus))
+    def __init__(self, cpus: set[int], cores: float) -> None:
+        self.proc = _spawn(["load", f"{cores:g}"], cpus)
         time.sleep(1.0)  # its array built (a fraction of a second)
         self.set(False)
 
@@ -136,4 +138,7 @@ class AgentLoad:
 
 
 if __name__ == "__main__":
-    meter(sys.argv[1], sys.argv[2], float(sys.argv[3]) if len(sys.argv) > 3 else 1.0)
+    if sys.argv[1] == "load":
+        load(float(sys.argv[2]))
+    else:
+        meter(sys.argv[1], sys.argv[2])

@@ -923,7 +923,8 @@ UNDO = {"untraced": ["resume"], "full": [], "no-payload": ["capture-limit 262144
         "sampled-p5": ["gpu-sample 1"], "sampled-copies": ["gpu-sample 1"],
         "slow-path": ["bench:slow-path off", "resume"],
         "agent-load": ["bench:agent-load off", "resume"]}
-# the bench's own switches ("bench:NAME on|off") besides slow-path, set up by run_server
+# the bench's own switches ("bench:NAME on|off": slow-path, agent-load), set up by
+# run_server for the modes it runs
 BENCH_SWITCHES: dict[str, Any] = {}
 
 
@@ -1199,15 +1200,16 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
             meters = start_meters(work, plan)
         if "agent-load" in modes:
             from bench.host_speed import AgentLoad
-            load = AgentLoad(work, plan.agent, args.agent_load)
+            load = AgentLoad(plan.agent, args.agent_load)
             BENCH_SWITCHES["agent-load"] = load.set
         if "slow-path" in modes or "census" in modes:
             from bench.syscall_watch import SyscallWatch
             watch = SyscallWatch()
+            BENCH_SWITCHES["slow-path"] = watch.slow_path
         if args.mode == "windows":
             assert lanes[0].client is not None
             windows, switches, elapsed = run_windows(kind, agent, lanes[0].client,
-                                                     lanes[0].server, args, modes, watch)
+                                                     lanes[0].server, args, modes)
         else:
             windows, switches, elapsed, mode_s = run_slices(kind, agent, lanes, args, modes,
                                                             watch, meters)
@@ -1237,7 +1239,7 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
             meters.close()
         if load is not None:
             load.close()
-            BENCH_SWITCHES.pop("agent-load", None)
+        BENCH_SWITCHES.clear()
         summary = agent.stop() if agent is not None else {}
         for lane in lanes:
             if lane.client is not None:
@@ -1313,23 +1315,20 @@ def switch_time(reply: str, cmd: str, switches: list[float]) -> None:
         switches.append(float(reply.split()[-1].rstrip("s")))
 
 
-def command(agent: Agent, watch: Any, cmd: str) -> str:
-    """A mode's switch: ``bench:...`` for the bench's own probes (``SyscallWatch``),
-    anything else for the agent."""
+def command(agent: Agent, cmd: str) -> str:
+    """A mode's switch: ``bench:...`` for the bench's own (``BENCH_SWITCHES``: the
+    ``SyscallWatch``'s probe, the agent-load), anything else for the agent."""
     if cmd.startswith("bench:"):
         what, state = cmd[len("bench:"):].split()
-        if what in BENCH_SWITCHES:
-            BENCH_SWITCHES[what](state == "on")
-            return "ok"
-        if what != "slow-path" or watch is None:
+        if what not in BENCH_SWITCHES:
             raise RuntimeError(f"{cmd}: no such bench switch")
-        watch.slow_path(state == "on")
+        BENCH_SWITCHES[what](state == "on")
         return "ok"
     return agent.ctl(cmd)
 
 
 def run_windows(kind: str, agent: Agent, client: Client, server: Server,
-                args: argparse.Namespace, modes: list[str], watch: Any = None
+                args: argparse.Namespace, modes: list[str]
                 ) -> tuple[list[dict[str, Any]], list[float], float]:
     """``--mode windows``: the whole mix per window, untraced and full in ABBA order,
     each mode set up before its window and undone after it."""
@@ -1345,7 +1344,7 @@ def run_windows(kind: str, agent: Agent, client: Client, server: Server,
         order += 1
         for mode in rnd:
             for cmd in MODES[mode]:
-                switch_time(command(agent, watch, cmd), cmd, switches)
+                switch_time(command(agent, cmd), cmd, switches)
             time.sleep(args.settle_s)
             a0, s0, r0 = agent.cpu, tree_cpu(server.pid), agent.records()
             w = client.window()
@@ -1354,7 +1353,7 @@ def run_windows(kind: str, agent: Agent, client: Client, server: Server,
                      agent_records=agent.records() - r0)
             windows.append(w)
             for cmd in UNDO[mode]:
-                switch_time(command(agent, watch, cmd), cmd, switches)
+                switch_time(command(agent, cmd), cmd, switches)
         stats = summarise(windows, modes)
         elapsed = time.monotonic() - t_start
         progress(kind, order, elapsed, stats)
@@ -1480,7 +1479,7 @@ def run_slices(kind: str, agent: Agent, lanes: list[Lane], args: argparse.Namesp
         if mode == state[0]:
             return
         for cmd in UNDO[state[0]] + MODES[mode]:
-            switch_time(command(agent, watch, cmd), cmd, switches)
+            switch_time(command(agent, cmd), cmd, switches)
         now = time.monotonic()
         mode_s[state[0]] = mode_s.get(state[0], 0.0) + now - state[1]
         resumed = state[0] == "untraced"

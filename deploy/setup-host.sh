@@ -27,6 +27,9 @@ if [ ! -d "/lib/modules/$kv/build/include" ]; then
 fi
 # venv for Debian's python3: tests/test_deploy.py runs the image recipe with it
 dpkg -s python3-venv >/dev/null 2>&1 || need+=(python3-venv)
+# Debian's own interpreter (libpython linked into the executable): tests/test_flame.py
+# finds and checks it beside the project's; said by name so its tests never skip
+[ -x /usr/bin/python3.11 ] || need+=(python3.11)
 if [ ${#need[@]} -gt 0 ]; then
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
