@@ -263,3 +263,35 @@ def test_sampling_switched_on_and_off_while_running(gpu_build, tmp_path, copies,
     else:
         assert proc["memset_calls_seen"] == proc["memset_calls"] == want
         assert proc["memset_bytes"] == nbytes
+
+
+def test_uprobes_off_leaves_the_gpu_unseen_until_on(gpu_build, tmp_path):
+    """`--control uprobes off|on` (bench/real_server.py's sockets-only): every uprobe
+    out while the workload launches, and back; a pause and resume in between keep them
+    out. The syncs and launches of the stretch off are not seen, those after `on` are
+    (every launch counted, not estimated); `on` while paused is refused."""
+    from tracer.control import send
+
+    sock = str(tmp_path / "ctl.sock")
+    replies = []
+
+    def switch() -> None:
+        time.sleep(0.8)
+        replies.extend(send(sock, w) for w in ("uprobes off", "uprobes off", "pause",
+                                               "uprobes on", "resume"))
+        time.sleep(1.5)
+        replies.append(send(sock, "uprobes on"))
+
+    proc, truth, _, doc, run = run_workload(
+        gpu_build, tmp_path, ["--steps", "4000", "--kernels", "12"],
+        ["--control", sock], kernel_ns=100_000, during=switch)
+    want = ["ok uprobes off ", "ok uprobes off ", "ok paused ", "error: paused: resume first",
+            "ok resumed ", "ok uprobes on "]
+    assert len(replies) == len(want), replies
+    assert all(r.startswith(w) for r, w in zip(replies, want)), replies
+    assert replies[1] == "ok uprobes off 0.000s"  # already off: nothing to do
+    assert not doc["gpu"].get("launch_sampling", {}).get("estimated")
+    # ~1.5-2 s of ~5 s unseen; the rest seen, before the switch and after it
+    assert 0.2 * truth["sync_calls"] < proc["sync_calls"] < 0.8 * truth["sync_calls"], \
+        (proc["sync_calls"], truth["sync_calls"], run.stderr)
+    assert 0.2 * truth["launches"] < proc["kernel_launches"] < 0.8 * truth["launches"]

@@ -124,6 +124,7 @@ class CaptureSession:
         self.tls: Any = None  # tracer.probes.tls.TlsProbes when the TLS probes load
         self._next_tls_scan = 0.0
         self.paused = False
+        self.uprobes_off = False  # --control uprobes off: the socket probes alone
         self._parked_tps: list[bytes] = []  # tracepoints taken out by pause()
         self.program_stats = ProgramStats()  # --control probe-stats on|off
         self.analysis = True  # control "analysis off": records read and dropped
@@ -416,16 +417,10 @@ class CaptureSession:
             if not tp.startswith(self.KEEP_WHILE_PAUSED):
                 self.bpf.detach_tracepoint(tp)
                 self._parked_tps.append(tp)
-        if self.gpu is not None:
-            self.gpu.join_detach()  # a --gpu-sample detach under way finishes first
-            self.gpu.uprobes.suspend(self.gpu.errors)
-        if self.tls is not None and (self.gpu is None or self.tls.uprobes is not self.gpu.uprobes):
-            self.tls.uprobes.suspend(self.tls.errors)
+        self._suspend_uprobes()
         self.ring.consume()  # what was sent before the probes came out
         self._take_staged_runs()  # ...and what they staged
-        if self.gpu is not None:
-            for raw in self.gpu.drain():  # bursts open at the pause: counts stay exact
-                self.sink(raw)
+        self._drain_bursts()
         took = time.perf_counter() - t0
         self.sink(schema.TracingPaused(ts=time.monotonic_ns(), paused=True, switch_s=took))
         return took
@@ -444,10 +439,9 @@ class CaptureSession:
         for tp in self._parked_tps:
             self.bpf.attach_tracepoint(tp=tp, fn_name=b"tracepoint__" + tp.replace(b":", b"__"))
         self._parked_tps = []
-        if self.gpu is not None:
-            self.gpu.uprobes.resume(self.gpu.errors)
-        if self.tls is not None and (self.gpu is None or self.tls.uprobes is not self.gpu.uprobes):
-            self.tls.uprobes.resume(self.tls.errors)
+        if not self.uprobes_off:
+            for attacher, errors in self._uprobe_attachers():
+                attacher.resume(errors)
         self.paused = False
         took = time.perf_counter() - t0
         self.sink(schema.TracingPaused(ts=time.monotonic_ns(), paused=False, switch_s=took))
@@ -455,13 +449,56 @@ class CaptureSession:
             self._adopt_sockets(pid)
         return took
 
+    def _uprobe_attachers(self) -> list[tuple[Any, dict[str, str]]]:
+        """Each uprobe attacher in use, once (TLS shares the GPU probes' when both run),
+        with the error dict its owner keeps."""
+        got: list[tuple[Any, dict[str, str]]] = []
+        if self.gpu is not None:
+            got.append((self.gpu.uprobes, self.gpu.errors))
+        if self.tls is not None and (self.gpu is None or self.tls.uprobes is not self.gpu.uprobes):
+            got.append((self.tls.uprobes, self.tls.errors))
+        return got
+
+    def _suspend_uprobes(self) -> None:
+        if self.gpu is not None:
+            self.gpu.join_detach()  # a --gpu-sample detach under way finishes first
+        for attacher, errors in self._uprobe_attachers():
+            attacher.suspend(errors)
+
+    def _drain_bursts(self) -> None:
+        """Send the GPU bursts open now (their probes just came out): counts stay exact."""
+        if self.gpu is not None:
+            for raw in self.gpu.drain():
+                self.sink(raw)
+
+    def set_uprobes(self, on: bool) -> float:
+        """Every uprobe (GPU, NCCL, ibverbs, TLS) out, or back, while the socket and TCP
+        tracepoints stay (``--control uprobes off|on``): what the socket probes cost on
+        their own, for bench/real_server.py. The analysis sees no GPU work meanwhile.
+        ``--gpu-sample``'s switches go on and take effect at ``on``. Returns the seconds
+        the switch took."""
+        if self.paused:
+            raise ValueError("paused: resume first")
+        if on != self.uprobes_off:
+            return 0.0
+        t0 = time.perf_counter()
+        self.uprobes_off = not on
+        if on:
+            for attacher, errors in self._uprobe_attachers():
+                attacher.resume(errors)
+        else:
+            self._suspend_uprobes()
+            self._drain_bursts()
+        return time.perf_counter() - t0
+
     def control(self, command: str) -> str:
         """One ``--control`` command; the reply (``ok ...`` or ``error: ...``).
 
         ``pause`` / ``resume``: all probes out / back; ``status``; and, to measure
         what each part costs (bench/real_server.py): ``capture-limit BYTES`` (payload
         bytes copied per syscall), ``burst-min-us US``, ``gpu-launch off|on`` (the
-        kernel-launch uprobes), ``stub-naming off|on`` (libcudart's launch probes),
+        kernel-launch uprobes), ``uprobes off|on`` (every uprobe: the socket and TCP
+        probes alone), ``stub-naming off|on`` (libcudart's launch probes),
         ``alias-lookups off|on`` (the probes on cuKernelGetFunction), ``analysis
         off|on`` (records read from the ring buffer and dropped, counted)."""
         words = command.split()
@@ -514,6 +551,8 @@ class CaptureSession:
                            else "")
                         + (" memsets" if self.gpu is not None and self.gpu.memsets_switched
                            else ""))
+            if cmd == "uprobes" and args in (["on"], ["off"]):
+                return f"ok uprobes {args[0]} {self.set_uprobes(args[0] == 'on'):.3f}s"
             if (cmd in ("gpu-launch", "stub-naming", "alias-lookups", "analysis")
                     and args in (["on"], ["off"])):
                 on = args[0] == "on"
