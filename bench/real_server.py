@@ -103,7 +103,9 @@ cuKernelGetFunction look-up window held open, and ``--burst-min-us 1000``), or o
 more (``census``: full tracing with the kernel's
 per-program statistics on; ``sampled``: ``--gpu-sample --sample-fraction`` switched on
 while running; ``sampled-copies``: the same with the sampled copies' probes
-switched with the launch probes), and reports each part's share of the server's added CPU;
+switched with the launch probes; ``sockets-only``: every uprobe out, the socket and TCP
+probes in: the floor of any duty cycle of the GPU probes), and reports each part's share
+of the server's added CPU;
 ``--breakdown-modes`` picks some. Every slice also records the server's system CPU,
 where the probes' own cost is paid (uprobe traps, tracepoint programs): ``server_sys``
 gives each mode's added system CPU per second over the untraced slice of its round,
@@ -893,6 +895,9 @@ MODES = {  # name -> control commands that set it up from "full" (the default tr
     "no-payload": ["capture-limit 1"],  # socket probes without their payload copies
     "no-analysis": ["analysis off"],  # the agent reads the records and drops them
     "no-launch-probes": ["gpu-launch off"],  # the kernel-launch uprobes out
+    # every uprobe out (GPU, TLS), the socket and TCP probes in: what a duty cycle of
+    # all the GPU probes could get down to at most
+    "sockets-only": ["uprobes off"],
     "burst-min-1ms": ["burst-min-us 1000"],  # a burst record per ms, not per sync
     "stub-naming-open": ["stub-naming on"],  # the runtime's launch probes in (at attach)
     # the probes on cuKernelGetFunction in (at attach; detached once quiet)
@@ -917,6 +922,7 @@ MODES = {  # name -> control commands that set it up from "full" (the default tr
 }
 UNDO = {"untraced": ["resume"], "full": [], "no-payload": ["capture-limit 262144"],
         "no-analysis": ["analysis on"], "no-launch-probes": ["gpu-launch on"],
+        "sockets-only": ["uprobes on"],
         "burst-min-1ms": ["burst-min-us 0"], "stub-naming-open": ["stub-naming off"],
         "alias-lookups-open": ["alias-lookups off"],
         "census": ["probe-stats off"], "sampled": ["gpu-sample 1"],
@@ -1144,7 +1150,7 @@ def choose_modes(args: argparse.Namespace, gpu: bool) -> list[str]:
     if args.breakdown:
         parts = ["no-payload", "no-analysis", "census", "slow-path", "agent-load"]
         if gpu:
-            parts += ["no-launch-probes", "burst-min-1ms", "stub-naming-open",
+            parts += ["no-launch-probes", "sockets-only", "burst-min-1ms", "stub-naming-open",
                       "alias-lookups-open", "sampled", "sampled-p5", "sampled-copies"]
             MODES["sampled"] = [f"gpu-sample {args.sample_fraction:g}"
                                 + (f" {args.sample_period:g}" if args.sample_period else "")]
@@ -1833,7 +1839,10 @@ def pool(files: list[str], target: float) -> dict[str, Any]:
                 ttft.setdefault(key, {}).setdefault(q + "_per_file", []).append(r.get(q))
     out: dict[str, Any] = {"files": files}
     for key, ws in runs.items():
-        stats = summarise(ws, ["untraced", "full"])
+        # each mode the runs have: the parts of --breakdown pooled too, over the runs
+        # (and rounds) that had them
+        parts = sorted({w["mode"] for w in ws} - {"untraced", "full"})
+        stats = summarise(ws, ["untraced", "full", *parts])
         if len(files) > 1:  # a quantile of runs of different speeds pooled is neither's:
             del stats["ttft_p50"], stats["ttft_p99"]  # each file's own
             stats.update(ttft[key])
@@ -1897,7 +1906,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--breakdown", action="store_true", help="also each part off in turn")
     ap.add_argument("--breakdown-modes", metavar="M,M", default="",
                     help="only these parts of --breakdown (no-payload, no-analysis, census, "
-                         "slow-path, agent-load, no-launch-probes, burst-min-1ms, "
+                         "slow-path, agent-load, no-launch-probes, sockets-only, burst-min-1ms, "
                          "stub-naming-open, alias-lookups-open, sampled, sampled-p5, "
                          "sampled-copies)")
     ap.add_argument("--sample-fraction", type=float, default=0.1, metavar="F",

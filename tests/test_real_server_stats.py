@@ -186,6 +186,28 @@ def test_pool_takes_old_files_as_replica_0(tmp_path: Path) -> None:
     assert t["seconds_for_target"] == round(t["rounds_for_target"] * 124 / 16)
 
 
+def test_pool_keeps_the_parts_of_the_runs_that_had_them(tmp_path: Path) -> None:
+    """A part (``sockets-only``) in one run of two: pooled, it is compared over that
+    run's rounds alone, against the same rounds' untraced slices; full over both runs."""
+    plain = slices([[-0.04]] * 6)
+    parted = slices([[-0.04]] * 8)
+    for k in range(1, 9):  # each round of the second run a part slice, 1% under untraced
+        parted.append(record("sockets-only", k, 10000.0 * math.exp(-0.01 * (k % 2 + 0.5))))
+    files = []
+    for name, ws in (("a", plain), ("b", parted)):
+        f = tmp_path / f"{name}.json"
+        f.write_text(json.dumps({"results": [{"server": "hf-cb", "mode": "slices",
+                                              "seconds_per_round": 9.0, "slices": ws}]}))
+        files.append(str(f))
+    pooled = rs.pool(files, 0.01)["hf-cb (slices)"]
+    assert pooled["tokens_per_s"]["rounds"] == 14
+    assert pooled["tokens_per_s"]["ratio"] == pytest.approx(math.exp(-0.04), abs=1e-4)
+    part = pooled["breakdown"]["sockets-only"]["tokens_per_s_vs_untraced"]
+    assert part["rounds"] == 8
+    assert part["ratio"] == pytest.approx(math.exp(-0.01), abs=1e-4)
+    assert pooled["server_sys"]["sockets-only_added_per_s"]["rounds"] == 8
+
+
 def test_census_is_per_token_of_every_replica() -> None:
     ws = slices([[0.0, 0.0, 0.0]] * 2)
     for k, n in ((3, 1000), (4, 3000)):  # census slices in two rounds, counts on replica 0
