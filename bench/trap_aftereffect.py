@@ -128,7 +128,7 @@ class Probe:
         from bcc import BPF
         self.bpf = BPF(text=PROGRAM)
         for pid in pids:
-            self.bpf["traced"][ctypes.c_uint32(pid)] = ctypes.c_uint8(1)
+            self.bpf[b"traced"][ctypes.c_uint32(pid)] = ctypes.c_uint8(1)
         self.lib = lib
         self.on: str | None = None
 
@@ -147,7 +147,7 @@ class Probe:
         self.on = mode
 
     def hits(self) -> int:
-        return int(sum(self.bpf["hits"][ctypes.c_int(0)]))
+        return int(sum(self.bpf[b"hits"][ctypes.c_int(0)]))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -488,6 +488,7 @@ class CaptureSession:
                 attacher.resume(errors)
         else:
             self._suspend_uprobes()
+            self.ring.consume()  # the bursts sent before, ahead of those still open
             self._drain_bursts()
         return time.perf_counter() - t0
 
