@@ -46,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from real_server import t975  # noqa: E402
+from real_server import cpu_times, t975, tree_threads  # noqa: E402
 
 # Two targets: one whose first instruction is a push, which the kernel emulates at the
 # trap, and one whose first instruction it must single-step out of line (a second trap)
@@ -101,15 +101,8 @@ while True:
 
 def run_ns(pid: int) -> int:
     """The process's CPU time so far, in ns (the scheduler's, not ticks)."""
-    return sum(int(Path(f"/proc/{pid}/task/{t}/schedstat").read_text().split()[0])
-               for t in os.listdir(f"/proc/{pid}/task"))
-
-
-def cpu_times(pid: int) -> tuple[float, float]:
-    """The process's user and system CPU seconds so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    tick = os.sysconf("SC_CLK_TCK")
-    return int(fields[11]) / tick, int(fields[12]) / tick
+    return sum(int(Path(f"{task}/schedstat").read_text().split()[0])
+               for task in tree_threads(pid))
 
 
 def mean_ci(xs: list[float]) -> dict[str, float]:
