@@ -99,6 +99,21 @@ def test_gap_in_response_is_counted_and_marks_the_request():
     assert f.t.stats["bytes_lost"] == 500
 
 
+def test_response_ending_before_the_request_marks_the_request_incomplete():
+    """The tail of a request body lost with nothing inbound after it (the hole is never
+    seen): the response still ends the exchange, and the record must not claim the
+    request whole."""
+    f = Feed()
+    f.data(True, REQ[: len(REQ) - 10])
+    f.data(False, HEAD + chunk({"choices": [{"delta": {"content": "x"}}]}) + b"0\r\n\r\n")
+    (r,) = f.records
+    assert r.request_incomplete and not r.response_incomplete
+    assert r.request_bytes == len(BODY) - 10 and r.llm_response.output_tokens == 1
+    f2 = Feed()
+    serve(f2)
+    assert not f2.records[0].request_incomplete  # a whole request stays whole
+
+
 def test_existing_socket_finds_its_role_from_the_first_request_line():
     f = Feed(existing=True)
     f.data(True, b'tail of an earlier body"}')  # attached mid-request: skipped

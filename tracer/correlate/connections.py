@@ -153,6 +153,11 @@ class Exchange:
         rec = self.rec
         rec.end_ns = ts
         rec.response_incomplete = incomplete
+        if rec.request_end_ns is None:
+            # the response ended before the request did: the end of the request (a hole
+            # the next inbound bytes would have shown, or bytes the server never read)
+            # was not seen, so what is recorded of it is not the whole request
+            rec.request_incomplete = True
         if rec.llm_request is None and self.operation and self.body is not None:
             # the response finished (or failed) before the request body did
             rec.llm_request = parse_request(self.operation, bytes(self.body), False,
