@@ -65,6 +65,12 @@ static __always_inline void flush(u32 tid, struct tt_kburst *b, u16 reason)
     bursts.delete(&tid);
 }
 
+/* the syncs' bit of the copy gate, after the copy kinds' and the memsets' */
+static __always_inline int sync_gate_closed(void)
+{
+    return (config_get(TT_CFG_COPY_GATE_CLOSED, 0) >> (TT_COPY_KINDS + 1)) & 1;
+}
+
 /* The burst of a traced thread, ready for one more call; NULL if not traced. */
 static __always_inline struct tt_kburst *begin_call(u64 id, u64 now)
 {
@@ -74,7 +80,10 @@ static __always_inline struct tt_kburst *begin_call(u64 id, u64 now)
     if (!b)
         return NULL;
     if (now - b->first_ts > config_get(TT_CFG_BURST_NS, 10000000ULL)) {
-        flush((u32)id, b, TT_BURST_INTERVAL);
+        /* with the syncs off a result copy flushes its burst at once (on_copy), so one
+         * still held here is a step whose sync went unseen as they went off: it ended */
+        int ended = b->copy_calls[TT_COPY_D2H] && sync_gate_closed();
+        flush((u32)id, b, ended ? TT_BURST_COPY : TT_BURST_INTERVAL);
         b = burst_of(id, now);
     }
     return b;
@@ -265,6 +274,16 @@ static __always_inline int on_copy(struct pt_regs *ctx, u32 kind, u64 bytes)
     struct tt_kburst *b = begin_call(id, now);
     if (!b)
         return 0;
+    if (kind == TT_COPY_D2H && b->copy_calls[TT_COPY_D2H] && sync_gate_closed()) {
+        /* The burst holds the last step's result copy: the sync that would have ended
+         * that step was gated off, or its return probe came out while it waited, as
+         * the syncs went off. That step ended there: flushed first, this copy is the
+         * next one's. */
+        flush((u32)id, b, TT_BURST_COPY);
+        b = burst_of(id, now);
+        if (!b)
+            return 0;
+    }
     b->last_ts = now;
 #ifdef TT_STACKS
     stacks_call(ctx, id, TT_STK_COPY + kind, 0, b->first_ts);
@@ -273,6 +292,12 @@ static __always_inline int on_copy(struct pt_regs *ctx, u32 kind, u64 bytes)
         b->copy_bytes[kind] += bytes;
         b->copy_calls[kind]++;
     }
+    /* The syncs are off with the launch probes (--gpu-sample, SYNC_GATE in
+     * tracer/events/gpu.py): the step this copy brings results back for ends here, not
+     * at the sync that follows it, which nothing sees now. */
+    if (kind == TT_COPY_D2H && sync_gate_closed()
+        && now - b->first_ts >= config_get(TT_CFG_BURST_MIN_NS, 0))
+        flush((u32)id, b, TT_BURST_COPY);
     return 0;
 }
 
@@ -317,6 +342,10 @@ int tt_memset32_arg3(struct pt_regs *ctx) { return on_memset(PT_REGS_PARM3(ctx),
  * goes on; its wait is not timed. A thread is known to sync on its results once a sync
  * has returned with a device-to-host copy in its burst (`result_syncers`); until then,
  * as for a thread that never does, every sync is timed and ends its burst.
+ *
+ * Under --gpu-sample the syncs can go off with the launch probes (SYNC_GATE in
+ * tracer/events/gpu.py): then the device-to-host copy flushes its burst (on_copy), and
+ * the step ends there, just before the sync whose wait nothing times now.
  */
 
 struct sync_args {
@@ -340,7 +369,9 @@ static __always_inline int sync_begin(u64 id, u32 api, u64 sp)
 static __always_inline int sync_enter(u32 api)
 {
     u64 id = bpf_get_current_pid_tgid();
-    if (!is_traced(id >> 32))
+    /* switched off with the launches: not counted from the gate's closing to the
+     * detach (a sync already in flight is still timed at its return) */
+    if (!is_traced(id >> 32) || sync_gate_closed())
         return 0;
     return sync_begin(id, api, 0);
 }
@@ -396,7 +427,7 @@ static __always_inline int sync_session(struct pt_regs *ctx, u32 api)
     struct sync_args *a = sync_inflight.lookup(&id);
     if (a && a->sp + 8 == sp)
         return sync_end(id, a);
-    if (!is_traced(id >> 32))
+    if (!is_traced(id >> 32) || sync_gate_closed())
         return 1;
     u32 tid = (u32)id;
     struct tt_kburst *b = bursts.lookup(&tid);

@@ -28,18 +28,29 @@ COPY_KINDS = ("h2d", "d2h", "d2d", "other")
 # batch, as the input copies' do).
 SAMPLED_COPY_KINDS = ("h2d", "d2d")
 # the kernel's gate of those copies (CFG_COPY_GATE_CLOSED): a bit per TT_COPY_* kind
-SAMPLED_COPIES = ",".join(SAMPLED_COPY_KINDS)  # GpuSampling.copy_kinds
+# GpuSampling.copy_kinds: those copies and the syncs (captures that name the copies only
+# kept the syncs probed; replayed, they are estimated as if they had not, and say so)
+SAMPLED_COPIES = ",".join((*SAMPLED_COPY_KINDS, "sync"))
 # Memsets can be switched with the launch probes too, on their own (GpuSampling.memsets):
 # HF serve CB on the lent hosts makes ~9 a step, one a sync, while its H100 captures
 # make one in a few steps only. They are in no step's shape, so a step the probes did
 # not see whole takes its reference's where they were switched; their bit in the
 # kernel's copy gate (CFG_COPY_GATE_CLOSED) is the one after the copy kinds'.
 MEMSET_GATE = 1 << C["COPY_KINDS"]
+# The syncs (cuStreamSynchronize, cuEventSynchronize, cuCtxSynchronize) go on and off
+# with the sampled copies: HF serve CB makes nine a step, eight after its input copies
+# (a third of the GPU probes' traps left under sampling, 4xH100). Their bit in the
+# copy gate is the one after the memsets'. While it is closed, the device-to-host copy
+# that brings a step's results back flushes its burst ("copy"), so each step still
+# ends where its results come back (exactly one such copy a step on HF serve CB's H100
+# captures: bench/results/step_markers-h100.json), just before the sync that would
+# have timed the wait.
+SYNC_GATE = 1 << (C["COPY_KINDS"] + 1)
 SAMPLED_COPY_MASK = sum(1 << C[f"COPY_{k.upper()}"] for k in SAMPLED_COPY_KINDS)
 SHAPE_COPY_KINDS = tuple(k for k in COPY_KINDS if k not in SAMPLED_COPY_KINDS)
 BURST_REASONS = {C["BURST_SYNC"]: "sync", C["BURST_QUERY"]: "query",
                  C["BURST_INTERVAL"]: "interval", C["BURST_SLOTS"]: "slots",
-                 C["BURST_EXIT"]: "exit", C["BURST_DRAIN"]: "drain"}
+                 C["BURST_EXIT"]: "exit", C["BURST_DRAIN"]: "drain", C["BURST_COPY"]: "copy"}
 NCCL_OPS = {C[k]: k[5:].lower() for k in C if k.startswith("NCCL_")}
 # ncclDataType_t -> bytes per element (nccl.h: int8, uint8, int32, uint32, int64, uint64,
 # float16, float32, float64, bfloat16, fp8 e4m3, fp8 e5m2)
@@ -240,9 +251,9 @@ class GpuSampling:
     ``attach_s`` is how long this switch's attach took, ``detach_s`` how long the
     previous detach took (both 0 where unknown, as in older captures). ``reason``: why
     sampling began or ended where the agent chose it (``--gpu-sample auto``), else
-    empty. ``copies``: the probes of the copies ``copy_kinds`` names (comma-separated:
-    ``SAMPLED_COPY_KINDS``) are switched with the launch probes (their counts are
-    estimates too); False in older captures. ``memsets``: the same for the memset
+    empty. ``copies``: the probes of the copies and syncs ``copy_kinds`` names
+    (comma-separated: ``SAMPLED_COPY_KINDS`` and "sync") are switched with the launch
+    probes (their counts are estimates too); False in older captures. ``memsets``: the same for the memset
     probes (``MEMSET_GATE``). A capture whose kinds differ from this
     version's is replayed as if these were switched, and says so
     (``launch_sampling.problem`` in the GPU summary)."""

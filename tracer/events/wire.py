@@ -158,6 +158,9 @@ CONSTANTS: dict[str, int] = {
     "BURST_SLOTS": 4,  # wire v2 only: its slots were full (now: overflow goes to KCOUNT)
     "BURST_EXIT": 5,
     "BURST_DRAIN": 6,
+    # its device-to-host copy, while the sync probes are off with the launch probes
+    # (--gpu-sample, SYNC_GATE): that copy brings a step's results back, so it ends the step
+    "BURST_COPY": 7,
     "BURST_SLOTS_N": 16,  # distinct kernel handles per burst before it is flushed
     # GPU: memcpy directions (index into KBURST.copy_bytes)
     "COPY_H2D": 0,
@@ -238,7 +241,8 @@ CONSTANTS: dict[str, int] = {
     "CFG_STUB_NAMING": 4,  # 1 while the runtime's launch probes are attached (KSTUB)
     # --gpu-sample with copies (and memsets) switched with the launch probes: while
     # they are not counted, a bit per TT_COPY_* kind stopped (SAMPLED_COPY_MASK), and
-    # bit TT_COPY_KINDS for the memsets (MEMSET_GATE); 0: all counted
+    # bit TT_COPY_KINDS for the memsets (MEMSET_GATE), bit TT_COPY_KINDS + 1 for the
+    # syncs (SYNC_GATE: then a device-to-host copy flushes its burst); 0: all counted
     "CFG_COPY_GATE_CLOSED": 5,
     "N_CONFIG": 8,
     # drop/loss counters (index into the per-CPU `counters` array)

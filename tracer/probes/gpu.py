@@ -100,11 +100,13 @@ NCCL_PROBES: list[Probe] = [
 # The launch handlers: the probes --gpu-sample switches on and off (their uprobe trap is
 # what an eager launch-bound loop pays per launch).
 LAUNCH_HANDLERS = frozenset({"tt_launch_arg1", "tt_launch_arg2", "tt_graph_launch"})
-# The handlers of the copies SAMPLED_COPY_KINDS names (tracer/events/gpu.py): switched
-# with the launch probes where their steps are told apart without them
-# (``copies_switched``), else attached all the time. cuMemcpy[Async] (direction known
-# only from the pointers) stays probed.
-COPY_HANDLERS = frozenset({"tt_copy_h2d_arg3", "tt_copy_d2d_arg3", "tt_copy_d2d_arg5"})
+# The handlers of the copies SAMPLED_COPY_KINDS names (tracer/events/gpu.py) and of the
+# syncs (entries, returns and sessions alike; SYNC_GATE): switched with the launch probes
+# where their steps are told apart without them (``copies_switched``), else attached all
+# the time. cuMemcpy[Async] (direction known only from the pointers) stays probed, as
+# does the device-to-host copy, which ends a step while the syncs are off.
+COPY_HANDLERS = frozenset({"tt_copy_h2d_arg3", "tt_copy_d2d_arg3", "tt_copy_d2d_arg5",
+                           "tt_sync_stream", "tt_sync_event", "tt_sync_ctx"})
 # The memsets' handlers: switched with the launch probes on their own (``memsets_switched``)
 MEMSET_HANDLERS = frozenset({"tt_memset8_arg3", "tt_memset16_arg3", "tt_memset32_arg3"})
 # the groups that can go on and off with the launch probes, by their handlers
@@ -291,16 +293,18 @@ class GpuProbes:
             done[addr] = p.symbol
             # by address: BCC's lookup by name may pick a non-default version
             looked_up = p.entry in LOOKUP_HANDLERS  # entry and return go in the window
-            if p.session and self.uprobes.sessions:
-                sites.append(Site(path, addr, p.session, name=p.symbol, session=True))
-                continue
+            # a switched group takes the probe whole: entry, return, or its session
             group = next((g for g, h in SWITCHED_GROUPS.items() if p.entry in h), None)
+            if p.session and self.uprobes.sessions:
+                (grouped[group] if group else sites).append(
+                    Site(path, addr, p.session, name=p.symbol, session=True))
+                continue
             if p.entry:
                 (launch if p.entry in LAUNCH_HANDLERS else grouped[group] if group
                  else lookups if looked_up
                  else sites).append(Site(path, addr, p.entry, False, p.symbol))
             if p.ret:
-                (lookups if looked_up else sites).append(
+                (lookups if looked_up else grouped[group] if group else sites).append(
                     Site(path, addr, p.ret, True, p.symbol))
         self.launch_sites.extend(launch)
         attached = list(self.uprobes.attach(sites, self.errors).sites)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tracer.events import schema, wire
-from tracer.events.gpu import MEMSET_GATE, SAMPLED_COPY_MASK, GpuSampling
+from tracer.events.gpu import MEMSET_GATE, SAMPLED_COPY_MASK, SYNC_GATE, GpuSampling
 from tracer.events.netwait import NetTimingMode
 from tracer.events.runs import RunArmed
 from tracer.probes import loader, procfs, ringbuf, sockdiag
@@ -282,12 +282,12 @@ class CaptureSession:
 
     def _gates(self, closed: bool) -> None:
         """The kernel's gates of what --gpu-sample switches: the launches', and the
-        copies (SAMPLED_COPY_KINDS)' and memsets' where they are switched with them
-        (else open)."""
+        copies (SAMPLED_COPY_KINDS)' with the syncs', and the memsets', where they are
+        switched with them (else open)."""
         assert self.gpu is not None
         gate = self.bpf[b"config"]
         gate[ctypes.c_int(C["CFG_LAUNCH_GATE_CLOSED"])] = ctypes.c_uint64(closed)
-        mask = ((SAMPLED_COPY_MASK if self.gpu.copies_switched else 0)
+        mask = ((SAMPLED_COPY_MASK | SYNC_GATE if self.gpu.copies_switched else 0)
                 | (MEMSET_GATE if self.gpu.memsets_switched else 0))
         gate[ctypes.c_int(C["CFG_COPY_GATE_CLOSED"])] = ctypes.c_uint64(mask if closed else 0)
 
