@@ -19,17 +19,19 @@ Why these numbers (docs/overhead.md, "the default"):
   concurrency 32 scored against the profiler: kernel-share error 1.1% (0.9% with every
   launch counted), GPU-time share 3.6% (1.6%) (``bench/accuracy.py --gpu-sample auto``).
 - The host-to-device and device-to-device copies (HF serve CB: ~7 and ~38 a step, over
-  half of the traps left once launches are sampled) are switched with the launch probes
-  too where the other probes tell the deciding threads' steps apart as well without
-  them: launches estimated without them over the steps counted so far were off by 3% or
-  less, and each kind's bytes by 10% or less (``StepEstimates.copies_tell_steps_apart``;
-  HF serve CB ~1% and 2-3%, HF generate 29%: its steps of 143, 5 and 2 launches differ
-  only in these copies). Else they stay probed.
+  half of the traps left once launches are sampled) and the syncs (nine a step) are
+  switched with the launch probes too where the other probes tell the deciding
+  threads' steps apart as well without them: launches estimated without them over the
+  steps counted so far were off by 3% or less (a step that did not make exactly one
+  device-to-host copy, which then ends it, counted as all missed), and each kind's
+  bytes by 10% or less (``StepEstimates.copies_tell_steps_apart``; HF serve CB ~1% and
+  2-4%, HF generate 29%: its steps of 143, 5 and 2 launches differ only in these
+  copies). Else they stay probed.
 - The memsets are switched on their own, where every deciding thread's steps counted
-  so far made the memset bytes their shape makes on average, to within 10% in all
-  (``StepEstimates.memsets_tell_steps_apart``): HF serve CB on the lent hosts makes ~9
-  a step (one a sync), its H100 captures one in a few steps (~100% off: they stay
-  probed there).
+  so far made the memset bytes their shape makes on average, to within 10% of those
+  bytes or 1% of all the bytes the steps moved (``StepEstimates.memsets_tell_steps_apart``):
+  HF serve CB's H100 captures make them in a few steps (~100% off, but 0.1-0.3% of the
+  bytes moved: switched).
 - A thread that serves its one request itself (a burst charged whole to it,
   "same-thread") has no steps: sampled, its launches would only be scaled by the share
   of time the probes were on, once 90% low on a real GPU. So sampling is chosen only
@@ -42,7 +44,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import AbstractSet, Mapping
 
-COPIES = "host-to-device and device-to-device copies"  # SAMPLED_COPY_KINDS, in words
+# SAMPLED_COPY_KINDS and the syncs, in words
+COPIES = "host-to-device and device-to-device copies and syncs"
 # the share of each --gpu-sample-period the launch probes are on: 0.05 halves the traps
 # of 0.1 (HF serve CB on an H100 at c32, against the profiler: kernel share 0.0088 and
 # GPU-time share 0.038 MAE/mean at 0.05, 0.0101 and 0.0245 at 0.1;

@@ -294,16 +294,18 @@ class GpuLedger:
             t.add_burst(ev)
             if self.sampling is not None:
                 copies = sampled_copy_counts(ev.copy_calls, ev.copy_bytes, ev.memset_calls,
-                                             ev.memset_bytes)
+                                             ev.memset_bytes, ev.sync_calls, ev.sync_wait_ns)
                 if t.sample is None:  # what came before sampling began was all counted
                     t.sample = StepSample(
                         exact_launches=t.kernel_launches - ev.launches,
                         exact_graph_launches=t.graph_launches - ev.graph_launches,
                         exact_copies=Counter(sampled_copy_counts(
-                            t.memcpy_calls, t.memcpy_bytes, t.memset_calls, t.memset_bytes)))
+                            t.memcpy_calls, t.memcpy_bytes, t.memset_calls, t.memset_bytes,
+                            t.sync_calls, t.sync_wait_ns)))
                     t.sample.exact_copies.subtract(copies)
                 t.sample.add(ev.reason, ev.first_ts, ev.last_ts, ev.launches,
-                             ev.graph_launches, self.sampling, copies)
+                             ev.graph_launches, self.sampling, copies,
+                             ev.copy_calls.get("d2h", 0))
         elif isinstance(ev, KernelName):
             p = self.proc(ev.pid)
             p.name_records += 1
@@ -410,7 +412,7 @@ class GpuLedger:
         from its steps as booked when all its bursts were steps, else scaled."""
         steps = self.step_totals.get((pid, tid))
         if steps is not None and steps.steps and (pid, tid) not in self.same_thread:
-            memsets = sampling.memsets_ever
+            memsets, copies = sampling.memsets_ever, sampling.copies_ever
             return (ThreadTotals(kernel_launches=steps.launches,
                                  graph_launches=steps.graph_launches,
                                  kernels=+steps.kernels,
@@ -419,7 +421,10 @@ class GpuLedger:
                                  memcpy_bytes=_sampled_kinds(t.memcpy_bytes, steps.copy_bytes,
                                                              sampling),
                                  memset_calls=steps.memset_calls if memsets else t.memset_calls,
-                                 memset_bytes=steps.memset_bytes if memsets else t.memset_bytes),
+                                 memset_bytes=steps.memset_bytes if memsets else t.memset_bytes,
+                                 sync_calls=steps.sync_calls if copies else t.sync_calls,
+                                 sync_wait_ns=(steps.sync_wait_ns if copies
+                                               else t.sync_wait_ns)),
                     {"method": "step_shapes", "steps": steps.steps,
                      "estimated_steps": steps.estimated})
         est, method = _scaled(t, sampling)
@@ -459,16 +464,20 @@ def _scaled(t: ThreadTotals, sampling: LaunchSampling) -> tuple[ThreadTotals, st
                                           s, sampling, t.first_ts, t.last_ts,
                                           s.exact_copies[key] if s else 0)
     memsets = {"calls": float(t.memset_calls), "bytes": float(t.memset_bytes)}
-    if sampling.memsets_ever:
-        for what in memsets:
-            key = f"{what}.memset"
-            memsets[what], _ = estimate(memsets[what], s.sampled_copies[key] if s else 0, s,
-                                        sampling, t.first_ts, t.last_ts,
-                                        s.exact_copies[key] if s else 0)
+    syncs = {"calls": float(t.sync_calls), "wait": float(t.sync_wait_ns)}
+    for ever, kind, counts in ((sampling.memsets_ever, "memset", memsets),
+                               (sampling.copies_ever, "sync", syncs)):
+        for what in counts if ever else ():
+            key = f"{what}.{kind}"
+            counts[what], _ = estimate(counts[what], s.sampled_copies[key] if s else 0, s,
+                                       sampling, t.first_ts, t.last_ts,
+                                       s.exact_copies[key] if s else 0)
     return ThreadTotals(kernel_launches=launches,  # type: ignore[arg-type]
                         graph_launches=graphs,  # type: ignore[arg-type]
                         memset_calls=memsets["calls"],  # type: ignore[arg-type]
                         memset_bytes=memsets["bytes"],  # type: ignore[arg-type]
+                        sync_calls=syncs["calls"],  # type: ignore[arg-type]
+                        sync_wait_ns=syncs["wait"],  # type: ignore[arg-type]
                         kernels=Counter({h: n * f for h, n in t.kernels.items()}),
                         memcpy_calls=_sampled_kinds(t.memcpy_calls, copies["calls"], sampling),
                         memcpy_bytes=_sampled_kinds(t.memcpy_bytes, copies["bytes"], sampling)
@@ -496,7 +505,8 @@ def _totals(t: ThreadTotals, p: ProcessGpu, top: int,
     seen = ({"kernel_launches_seen": t.kernel_launches, "graph_launches_seen": t.graph_launches,
              "memcpy_bytes_seen": {k: t.memcpy_bytes.get(k, 0) for k in SAMPLED_COPY_KINDS},
              "memcpy_calls_seen": {k: t.memcpy_calls.get(k, 0) for k in SAMPLED_COPY_KINDS},
-             "memset_bytes_seen": t.memset_bytes, "memset_calls_seen": t.memset_calls}
+             "memset_bytes_seen": t.memset_bytes, "memset_calls_seen": t.memset_calls,
+             "sync_calls_seen": t.sync_calls}
             if est is not None else {})
     return {
         "kernel_launches": round(src.kernel_launches),
@@ -506,8 +516,8 @@ def _totals(t: ThreadTotals, p: ProcessGpu, top: int,
         "memcpy_calls": {k: round(src.memcpy_calls.get(k, 0)) for k in COPY_KINDS},
         "memset_bytes": round(src.memset_bytes),
         "memset_calls": round(src.memset_calls),
-        "sync_calls": t.sync_calls,
-        "sync_wait_ms": round(t.sync_wait_ns / 1e6, 3),
+        "sync_calls": round(src.sync_calls),
+        "sync_wait_ms": round(src.sync_wait_ns / 1e6, 3),
         "query_polls": t.query_polls,
         "bursts": t.bursts,
         "nccl_ops": dict(t.nccl_ops),

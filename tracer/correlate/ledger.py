@@ -23,9 +23,10 @@ NO_REQUEST = "no_request"  # a step no traced request was in (warm-up, idle, unt
 UNJOINED_RANK = "unjoined_rank"  # a tensor-parallel rank's step not matched to rank 0's
 EVICTED = "evicted"  # dropped unsettled to bound memory
 # what --gpu-sample estimates for a step the launch probes did not see whole: its
-# launches and span, and the SAMPLED_COPY_KINDS copies where those were sampled too
+# launches and span, and the SAMPLED_COPY_KINDS copies and the syncs' wait where those
+# were sampled too
 ESTIMATED = ("kernel_launches", "graph_launches", "gpu_time_ns")
-ESTIMATED_COPIES = tuple(f"memcpy_bytes.{k}" for k in SAMPLED_COPY_KINDS)
+ESTIMATED_COPIES = tuple(f"memcpy_bytes.{k}" for k in SAMPLED_COPY_KINDS) + ("sync_wait_ns",)
 TOLERANCE = 1e-6  # relative: float rounding of many fractional shares
 
 

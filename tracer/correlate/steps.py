@@ -10,8 +10,10 @@ step (input copies, bookkeeping) copy nothing back; HF ``transformers serve`` ma
 synchronisations per step, one of them with the tokens' copy (measured on an H100 against
 the server's own step records: 1,054 of 1,054 steps found, launches exact). A thread
 that has never synchronised on a device-to-host copy ends a step at every
-synchronisation. Bursts flushed by the interval timer or full handle slots only continue
-a step. A step's GPU-time estimate is its span, from its first launch to the end of its
+synchronisation. Where ``--gpu-sample`` has switched the syncs off with the launch
+probes, the device-to-host copy itself flushes its burst ("copy") and ends the step, just
+before the sync that would have. Bursts flushed by the interval timer or full handle
+slots only continue a step. A step's GPU-time estimate is its span, from its first launch to the end of its
 last wait (what CUDA events around the step measure: 1% share error against them on HF
 serve), or, for a step that launched no kernel, its bursts' own spans.
 
@@ -40,6 +42,20 @@ MAX_MIXES = 4096
 # where each copy kind sits in Step.copy_calls
 SHAPE_COPY_INDEX = tuple(COPY_KINDS.index(k) for k in SHAPE_COPY_KINDS)
 SAMPLED_COPY_INDEX = tuple(COPY_KINDS.index(k) for k in SAMPLED_COPY_KINDS)
+
+
+def ends_step(b: KernelBurst, result_copies: bool) -> tuple[bool, bool]:
+    """Whether burst ``b`` ends its thread's step, and whether it brought results back
+    (a device-to-host copy at its flush), on a thread that has ``result_copies`` before.
+
+    A sync timed to its return sets ``sync_api``; one only counted at its entry (an
+    uprobe session skips the returns of syncs inside a step: bpf/cuda.c) ends nothing.
+    While the syncs are off with the launch probes the result copy itself flushes the
+    burst ("copy")."""
+    synced = b.sync_api != 0 or b.reason in ("sync", "copy")
+    results = synced and b.copy_calls.get("d2h", 0) > 0
+    ends = results or (synced and not result_copies) or b.reason in ("exit", "drain")
+    return ends, results
 
 
 @dataclass
@@ -131,15 +147,15 @@ class Step:
 
     def shape(self, copies_sampled: bool = False) -> tuple[int, ...]:
         """What the probes that stay on under ``--gpu-sample`` saw of it: copy calls by
-        kind (without SAMPLED_COPY_KINDS where ``copies_sampled``: those are
-        then switched with the launches), sync calls, whether it polled. Steps of one
-        shape launch the same kernels to within 1% on the H100 captures (the whole mix
-        varies 5-120%). Not its memsets, which can be switched with the launches on
-        their own: left out, the H100 captures' estimates moved by under 1%."""
-        calls = self.copy_calls
+        kind and sync calls (without SAMPLED_COPY_KINDS and the syncs where
+        ``copies_sampled``: those are then switched with the launches), whether it
+        polled. Steps of one shape launch the same kernels to within 1% on the H100
+        captures (the whole mix varies 5-120%). Not its memsets, which can be switched
+        with the launches on their own: left out, the H100 captures' estimates moved
+        by under 1%."""
         if copies_sampled:
-            calls = [calls[i] for i in SHAPE_COPY_INDEX]
-        return (*calls, self.sync_calls, self.query_polls > 0)
+            return (*(self.copy_calls[i] for i in SHAPE_COPY_INDEX), self.query_polls > 0)
+        return (*self.copy_calls, self.sync_calls, self.query_polls > 0)
 
     def sampled_copies(self) -> tuple[tuple[int, int], ...]:
         """(calls, bytes) of each of ``SAMPLED_COPY_KINDS``: estimated with the launches
@@ -156,6 +172,18 @@ class Step:
             else:
                 self.work.pop(f"memcpy_bytes.{k}", None)
 
+    def syncs(self) -> tuple[int, int]:
+        """(calls, wait ns) of its syncs: estimated with the sampled copies."""
+        return self.sync_calls, int(self.work.get("sync_wait_ns", 0))
+
+    def set_syncs(self, syncs: tuple[int, int]) -> None:
+        """Its syncs as estimated (``syncs``'s form)."""
+        self.sync_calls, wait = syncs
+        if wait:
+            self.work["sync_wait_ns"] = wait
+        else:
+            self.work.pop("sync_wait_ns", None)
+
     def memsets(self) -> tuple[int, int]:
         """(calls, bytes) of its memsets."""
         return self.memset_calls, int(self.work.get("memset_bytes", 0))
@@ -171,7 +199,7 @@ class Step:
     def counts(self) -> "StepCounts":
         """What ``--gpu-sample`` estimates of it, as it stands now."""
         return StepCounts(self.launches, int(self.work.get("graph_launches", 0)),
-                          self.kernels, self.sampled_copies(), self.memsets())
+                          self.kernels, self.sampled_copies(), self.memsets(), self.syncs())
 
     def add(self, b: KernelBurst) -> None:
         if not self.bursts:
@@ -204,6 +232,7 @@ class StepCounts:
     kernels: Counter[int]
     sampled_copies: tuple[tuple[int, int], ...]  # (calls, bytes) per SAMPLED_COPY_KINDS
     memsets: tuple[int, int]  # (calls, bytes)
+    syncs: tuple[int, int] = (0, 0)  # (calls, wait ns)
 
 
 @dataclass
@@ -222,6 +251,8 @@ class StepTotals:
     copy_bytes: Counter[str] = field(default_factory=Counter)
     memset_calls: int = 0
     memset_bytes: int = 0
+    sync_calls: int = 0
+    sync_wait_ns: int = 0
 
     def book(self, step: Step) -> None:
         """A step closed: its launches, kernels and sampled copies as they stand."""
@@ -232,6 +263,7 @@ class StepTotals:
         self.kernels.update(step.kernels)
         self._copies(step.sampled_copies(), 1)
         self._memsets(step.memsets(), 1)
+        self._syncs(step.syncs(), 1)
 
     def revise(self, step: Step, seen: StepCounts) -> None:
         """``step``, booked as ``seen``, has been estimated since."""
@@ -244,6 +276,12 @@ class StepTotals:
         self._copies(step.sampled_copies(), 1)
         self._memsets(seen.memsets, -1)
         self._memsets(step.memsets(), 1)
+        self._syncs(seen.syncs, -1)
+        self._syncs(step.syncs(), 1)
+
+    def _syncs(self, syncs: tuple[int, int], sign: int) -> None:
+        self.sync_calls += sign * syncs[0]
+        self.sync_wait_ns += sign * syncs[1]
 
     def _memsets(self, memsets: tuple[int, int], sign: int) -> None:
         self.memset_calls += sign * memsets[0]
@@ -291,15 +329,9 @@ class StepLog:
         self.open.add(b)
         if stacks:
             self.open.add_stacks(stacks)
-        # a sync timed to its return sets sync_api; one only counted at its entry (an
-        # uprobe session skips the returns of syncs inside a step: bpf/cuda.c) ends
-        # nothing
-        synced = b.sync_api != 0 or b.reason == "sync"
-        results = synced and b.copy_calls.get("d2h", 0) > 0
+        ends, results = ends_step(b, self.result_copies)
         self.result_copies = self.result_copies or results
-        ends_step = (results or (synced and not self.result_copies)
-                     or b.reason in ("exit", "drain"))
-        if ends_step or self.open.end_ts - self.open.first_ts > OPEN_STEP_MAX_NS:
+        if ends or self.open.end_ts - self.open.first_ts > OPEN_STEP_MAX_NS:
             return self._close()
         return None
 
