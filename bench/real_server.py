@@ -1288,6 +1288,8 @@ def agent_stats(out: dict[str, Any], summary: dict[str, Any], mode_s: dict[str, 
         # launched handles and launches by where their names came from
         "kernel_names": [p.get("kernel_names") for p in
                          summary.get("gpu", {}).get("processes", []) if p.get("kernel_launches")],
+        # what --gpu-sample auto chose, and why (what is switched with the launches)
+        "launch_sampling": summary.get("gpu", {}).get("launch_sampling"),
     }
     if mode_s:
         stats["seconds_in_mode"] = {k: round(v, 1) for k, v in mode_s.items()}

@@ -21,11 +21,13 @@ flatter the result.
 
 ``--exact-s S``: every launch counted for the first S seconds, sampling after, as
 ``--gpu-sample auto`` switches. ``--copies``: the host-to-device and device-to-device
-copies are switched with the launch probes, as ``--gpu-sample auto`` does where the
-other probes tell a thread's steps apart without them (``copies_blind_error`` in the
-output: how far off launches estimated without them were, per step thread, on the
-truth's steps). ``--memsets``: the memsets too, as auto does where their bytes so
-estimated were within 10% (``memsets_blind_bytes_error``).
+copies and the syncs are switched with the launch probes, as ``--gpu-sample auto`` does
+where the other probes tell a thread's steps apart without them (``copies_blind_error``
+in the output: how far off launches estimated without them were, per step thread, on
+the truth's steps); a burst a sync flushed then ends at its result copy instead, where
+the sync's wait began (``reason`` "copy"), or not at all. ``--memsets``: the memsets
+too, as auto does where their bytes so estimated were within 10%, or their error within
+1% of the bytes moved (``memsets_blind_bytes_error``).
 """
 
 from __future__ import annotations
@@ -103,11 +105,18 @@ def impose(items: list[Any], fraction: float, period_ns: int, phase_ns: int,
                                              and on(item.first_ts) and on(item.last_ts))
             if not whole:
                 item = replace(item, launches=0, graph_launches=0, handle_counts={})
-            if not whole and copies:  # the copies switched with the launches
+            if not whole and copies:  # the copies and the syncs switched with the launches
                 item = replace(item, copy_bytes={k: 0 if k in SAMPLED_COPY_KINDS else n
                                                  for k, n in item.copy_bytes.items()},
                                copy_calls={k: 0 if k in SAMPLED_COPY_KINDS else n
                                            for k, n in item.copy_calls.items()})
+                if item.reason == "sync":
+                    # no sync seen: the result copy flushes its burst, where the sync's
+                    # wait began; a sync inside a step flushes nothing
+                    copy = item.copy_calls.get("d2h", 0) > 0
+                    item = replace(item, reason="copy" if copy else "interval",
+                                   last_ts=item.last_ts - item.sync_wait_ns)
+                item = replace(item, sync_calls=0, sync_wait_ns=0, sync_api=0)
             if not whole and memsets:
                 item = replace(item, memset_calls=0, memset_bytes=0)
         out.append(item)

@@ -6,7 +6,8 @@ today the sync probes cannot be switched off with the launch probes. A step coul
 delimited in the off windows by a call whose probe stays on, if every step makes it
 exactly once: the tokens' device-to-host copy is the candidate. Per thread with 50 steps
 or more, this replays the capture's bursts into ``StepLog`` (as the correlator does) and
-reports how many steps made 0, 1, 2... device-to-host copies, syncs and memsets.
+reports how many steps made 0, 1, 2... device-to-host copies, syncs and memsets, and
+the memsets per step by the bytes of the step's device-to-host copy.
 
     python3 bench/step_markers.py [CAPTURE ...] [--out bench/results/step_markers-h100.json]
 """
@@ -51,11 +52,19 @@ def markers(path: Path) -> list[dict[str, Any]]:
             return {str(k): n for k, n in sorted(counts.items())}
 
         d2h = Counter(s.copy_calls[D2H] for s in steps)
+        # which steps make memsets: by the bytes their tokens' copy back moved (the
+        # batch's size), the key the memsets' estimate uses (sampling.StepEstimates)
+        by_size: dict[int, Counter[int]] = {}
+        for st in steps:
+            size = int(st.work.get("memcpy_bytes.d2h", 0))
+            by_size.setdefault(size, Counter())[st.memset_calls] += 1
         out.append({"pid": pid, "tid": tid, "steps": len(steps),
                     "d2h_copies_per_step": per_step(d2h),
                     "steps_with_one_d2h_copy": round(d2h[1] / len(steps), 4),
                     "syncs_per_step": per_step(Counter(s.sync_calls for s in steps)),
-                    "memsets_per_step": per_step(Counter(s.memset_calls for s in steps))})
+                    "memsets_per_step": per_step(Counter(s.memset_calls for s in steps)),
+                    "memsets_per_step_by_d2h_bytes": {str(b): per_step(c) for b, c
+                                                      in sorted(by_size.items())}})
     return out
 
 
