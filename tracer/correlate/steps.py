@@ -11,11 +11,12 @@ synchronisations per step, one of them with the tokens' copy (measured on an H10
 the server's own step records: 1,054 of 1,054 steps found, launches exact). A thread
 that has never synchronised on a device-to-host copy ends a step at every
 synchronisation. Where ``--gpu-sample`` has switched the syncs off with the launch
-probes, the device-to-host copy itself flushes its burst ("copy") and ends the step, just
-before the sync that would have. Bursts flushed by the interval timer or full handle
-slots only continue a step. A step's GPU-time estimate is its span, from its first launch to the end of its
-last wait (what CUDA events around the step measure: 1% share error against them on HF
-serve), or, for a step that launched no kernel, its bursts' own spans.
+probes, the device-to-host copy itself flushes its burst ("copy") and ends the step,
+just before the sync that would have. Bursts flushed by the interval timer or full
+handle slots only continue a step. A step's GPU-time estimate is its span, from its
+first launch to the end of its last wait (what CUDA events around the step measure: 1%
+share error against them on HF serve), or, for a step that launched no kernel, its
+bursts' own spans.
 
 ``StepLog`` keeps one thread's steps in order, numbered from 0, with their end times
 indexed so that "the last step that had ended by time t" is a bisection

@@ -253,9 +253,9 @@ class GpuSampling:
     sampling began or ended where the agent chose it (``--gpu-sample auto``), else
     empty. ``copies``: the probes of the copies and syncs ``copy_kinds`` names
     (comma-separated: ``SAMPLED_COPY_KINDS`` and "sync") are switched with the launch
-    probes (their counts are estimates too); False in older captures. ``memsets``: the same for the memset
-    probes (``MEMSET_GATE``). A capture whose kinds differ from this
-    version's is replayed as if these were switched, and says so
+    probes (their counts are estimates too); False in older captures. ``memsets``: the
+    same for the memset probes (``MEMSET_GATE``). A capture whose kinds differ from
+    this version's is replayed as if these were switched, and says so
     (``launch_sampling.problem`` in the GPU summary)."""
 
     ts: int
