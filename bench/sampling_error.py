@@ -25,7 +25,8 @@ copies and the syncs are switched with the launch probes, as ``--gpu-sample auto
 where the other probes tell a thread's steps apart without them (``copies_blind_error``
 in the output: how far off launches estimated without them were, per step thread, on
 the truth's steps); a burst a sync flushed then ends at its result copy instead, where
-the sync's wait began (``reason`` "copy"), or not at all. ``--memsets``: the memsets
+the sync's wait began (``reason`` "copy"), or not at all: it goes on into the next
+burst of its thread, as the kernel sums them. ``--memsets``: the memsets
 too, as auto does where their bytes so estimated were within 10%, or their error within
 1% of the bytes moved (``memsets_blind_bytes_error``).
 """
@@ -94,6 +95,7 @@ def impose(items: list[Any], fraction: float, period_ns: int, phase_ns: int,
         t += period_ns
     out: list[Any] = []
     k = 0
+    held: dict[tuple[int, int], KernelBurst] = {}  # a burst the syncs' probes would not end
     for item in items:
         if isinstance(item, KernelBurst):
             while k < len(switches) and switches[k][0] <= item.last_ts:
@@ -105,22 +107,47 @@ def impose(items: list[Any], fraction: float, period_ns: int, phase_ns: int,
                                              and on(item.first_ts) and on(item.last_ts))
             if not whole:
                 item = replace(item, launches=0, graph_launches=0, handle_counts={})
+            if not whole and memsets:
+                item = replace(item, memset_calls=0, memset_bytes=0)
             if not whole and copies:  # the copies and the syncs switched with the launches
                 item = replace(item, copy_bytes={k: 0 if k in SAMPLED_COPY_KINDS else n
                                                  for k, n in item.copy_bytes.items()},
                                copy_calls={k: 0 if k in SAMPLED_COPY_KINDS else n
                                            for k, n in item.copy_calls.items()})
+                item = replace(item, sync_calls=0, sync_wait_ns=0, sync_api=0,
+                               last_ts=item.last_ts - item.sync_wait_ns)
+                key = (item.pid, item.tid)
+                if key in held:
+                    item = _merged(held.pop(key), item)
                 if item.reason == "sync":
                     # no sync seen: the result copy flushes its burst, where the sync's
-                    # wait began; a sync inside a step flushes nothing
-                    copy = item.copy_calls.get("d2h", 0) > 0
-                    item = replace(item, reason="copy" if copy else "interval",
-                                   last_ts=item.last_ts - item.sync_wait_ns)
-                item = replace(item, sync_calls=0, sync_wait_ns=0, sync_api=0)
-            if not whole and memsets:
-                item = replace(item, memset_calls=0, memset_bytes=0)
+                    # wait began; a sync inside a step flushes nothing, so its burst
+                    # goes on into the next
+                    if not item.copy_calls.get("d2h", 0):
+                        held[key] = replace(item, reason="interval")
+                        continue
+                    item = replace(item, reason="copy")
+            elif (item.pid, item.tid) in held:  # the probes came on: it was flushed
+                out.append(held.pop((item.pid, item.tid)))
         out.append(item)
-    return out
+    return out + list(held.values())
+
+
+def _merged(a: KernelBurst, b: KernelBurst) -> KernelBurst:
+    """Bursts ``a`` and then ``b`` of one thread as the kernel would have summed them
+    (no sync between them flushed: the syncs' probes were off)."""
+    kinds = set(a.copy_bytes) | set(b.copy_bytes)
+    handles = dict(a.handle_counts)
+    for h, n in b.handle_counts.items():
+        handles[h] = handles.get(h, 0) + n
+    return replace(
+        b, first_ts=a.first_ts, launches=a.launches + b.launches,
+        graph_launches=a.graph_launches + b.graph_launches,
+        copy_bytes={k: a.copy_bytes.get(k, 0) + b.copy_bytes.get(k, 0) for k in kinds},
+        copy_calls={k: a.copy_calls.get(k, 0) + b.copy_calls.get(k, 0) for k in kinds},
+        memset_bytes=a.memset_bytes + b.memset_bytes,
+        memset_calls=a.memset_calls + b.memset_calls,
+        query_polls=a.query_polls + b.query_polls, handle_counts=handles)
 
 
 class Collect:

@@ -8,7 +8,8 @@
  * are summed per thread in `bursts` (a struct tt_kburst per thread) and sent as one
  * record when the thread synchronises (at most once per TT_CFG_BURST_MIN_NS when that
  * is set: each record costs the agent ~10 us), when a query finds its work done, after
- * TT_CFG_BURST_NS, or when the thread exits. A burst's first TT_BURST_SLOTS_N distinct
+ * TT_CFG_BURST_NS, when the thread exits, or, while --gpu-sample has the syncs off, at
+ * the device-to-host copy that brings a step's results back. A burst's first TT_BURST_SLOTS_N distinct
  * kernels are counted in it; launches of further kernels are counted in the burst's
  * total and, per kernel, in `kernel_counts`, which user space reads on a timer (KCOUNT
  * records), so a step with many distinct kernels does not cost a record per 16 of
@@ -294,9 +295,10 @@ static __always_inline int on_copy(struct pt_regs *ctx, u32 kind, u64 bytes)
     }
     /* The syncs are off with the launch probes (--gpu-sample, SYNC_GATE in
      * tracer/events/gpu.py): the step this copy brings results back for ends here, not
-     * at the sync that follows it, which nothing sees now. */
-    if (kind == TT_COPY_D2H && sync_gate_closed()
-        && now - b->first_ts >= config_get(TT_CFG_BURST_MIN_NS, 0))
+     * at the sync that follows it, which nothing sees now. Whatever
+     * TT_CFG_BURST_MIN_NS says: with the launches off too that is a record a step, and
+     * a step's end held back would take the next one's calls. */
+    if (kind == TT_COPY_D2H && sync_gate_closed())
         flush((u32)id, b, TT_BURST_COPY);
     return 0;
 }
@@ -369,10 +371,17 @@ static __always_inline int sync_begin(u64 id, u32 api, u64 sp)
 static __always_inline int sync_enter(u32 api)
 {
     u64 id = bpf_get_current_pid_tgid();
-    /* switched off with the launches: not counted from the gate's closing to the
-     * detach (a sync already in flight is still timed at its return) */
-    if (!is_traced(id >> 32) || sync_gate_closed())
+    if (!is_traced(id >> 32))
         return 0;
+    if (sync_gate_closed()) {
+        /* switched off with the launches: not counted from the gate's closing to the
+         * detach (a sync already in flight is still timed at its return). A sync this
+         * thread began before is over: one whose return probe came out while it waited
+         * left its entry, which the return probe attached again before the gate opens
+         * must not take for this sync's. */
+        sync_inflight.delete(&id);
+        return 0;
+    }
     return sync_begin(id, api, 0);
 }
 
@@ -427,8 +436,13 @@ static __always_inline int sync_session(struct pt_regs *ctx, u32 api)
     struct sync_args *a = sync_inflight.lookup(&id);
     if (a && a->sp + 8 == sp)
         return sync_end(id, a);
-    if (!is_traced(id >> 32) || sync_gate_closed())
+    if (!is_traced(id >> 32))
         return 1;
+    if (sync_gate_closed()) {
+        if (a)
+            sync_inflight.delete(&id); /* a return that never came (see sync_enter) */
+        return 1;
+    }
     u32 tid = (u32)id;
     struct tt_kburst *b = bursts.lookup(&tid);
     if ((b && b->copy_calls[TT_COPY_D2H]) || !result_syncers.lookup(&tid))

@@ -411,7 +411,11 @@ class GpuLedger:
         """A sampled thread's estimated launch counts, and how they were estimated:
         from its steps as booked when all its bursts were steps, else scaled."""
         steps = self.step_totals.get((pid, tid))
-        if steps is not None and steps.steps and (pid, tid) not in self.same_thread:
+        # with the syncs off with the copies, only a result copy ends a step: a thread
+        # with none has its off windows merged into a few steps, its launches scaled
+        told = not sampling.copies_ever or (t.sample is not None and t.sample.results)
+        if (steps is not None and steps.steps and (pid, tid) not in self.same_thread
+                and told):
             memsets, copies = sampling.memsets_ever, sampling.copies_ever
             return (ThreadTotals(kernel_launches=steps.launches,
                                  graph_launches=steps.graph_launches,

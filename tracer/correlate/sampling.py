@@ -1,8 +1,10 @@
 """Launch-count estimates under ``--gpu-sample``: the launch probes are attached for a
 share of each period, the copy, memset and sync probes all the time (but those of the
-host-to-device and device-to-device copies, switched with the launch probes where a
-thread's steps are told apart without them: ``GpuSampling.copies``,
-``StepEstimates.copies_tell_steps_apart``).
+host-to-device and device-to-device copies and of the syncs, switched with the launch
+probes where a thread's steps are told apart without them: ``GpuSampling.copies``,
+``StepEstimates.copies_tell_steps_apart``; and the memsets', on their own:
+``GpuSampling.memsets``, ``StepEstimates.memsets_tell_steps_apart``). While the syncs
+are off a step ends at its device-to-host copy (``steps.ends_step``).
 
 The estimate is a ratio over steps. A thread's step ends where its work is known to be
 done (a burst flushed by a synchronisation or a query that found the work finished);
@@ -21,7 +23,8 @@ seen divided by the share of its active span the probes were on; ``method`` says
 Per request, the same question is asked of each engine step (``StepEstimates``): a step
 the launch probes did not see whole takes its launches, kernels and span from a
 wholly seen step of the same thread and shape (the calls the probes that stay on saw:
-copies by kind, memsets, syncs), the one whose copies moved the nearest bytes, so each
+copies by kind and syncs, but those switched with the launches), the one whose copies
+moved the nearest bytes, so each
 request's kernel counts and GPU time are estimates too, and charged plus unattributed
 still equals observed.
 """
@@ -52,7 +55,8 @@ class LaunchSampling:
     switches: list[tuple[int, bool]] = field(default_factory=list)  # (ts, on)
     attach_s: list[float] = field(default_factory=list)
     detach_s: list[float] = field(default_factory=list)
-    # whether the SAMPLED_COPY_KINDS copies were switched with the launches, per switch
+    # whether the SAMPLED_COPY_KINDS copies and the syncs were switched with the
+    # launches, per switch
     copies: list[bool] = field(default_factory=list)
     memsets: list[bool] = field(default_factory=list)  # and the memsets
 
@@ -157,7 +161,7 @@ class StepSample:
     _launches: int = 0
     _graphs: int = 0
     _copies: Counter[str] = field(default_factory=Counter)
-    _results: bool = False  # a sync (or the copy) has brought results back
+    results: bool = False  # a sync (or the copy) has brought results back
 
     def add(self, reason: str, first_ts: int, last_ts: int, launches: int,
             graph_launches: int, sampling: LaunchSampling,
@@ -176,9 +180,9 @@ class StepSample:
             # as StepLog ends steps: once results came back at a sync, a sync without
             # them is inside a step (where it flushes: no uprobe sessions), and while
             # the syncs are off each step ends at its result copy instead, once
-            if not d2h and self._results:
+            if not d2h and self.results:
                 return
-            self._results = self._results or d2h > 0
+            self.results = self.results or d2h > 0
         self.steps += 1
         if sampling.counted(self._start, last_ts):
             self.sampled_steps += 1
@@ -228,7 +232,10 @@ def estimate(seen: float, sampled: float, sample: StepSample | None,
              exact: float = 0.0) -> tuple[float, str]:
     """(estimated count, method) for a thread that saw ``seen`` launches of which
     ``sampled`` fell in sampled steps and ``exact`` came before sampling began."""
-    factor = sample.scale() if sample is not None else None
+    # a thread whose steps no result copy ended has none at all while the syncs are off
+    # with the copies: its steps then say nothing of its launches
+    blind = sampling.copies_ever and (sample is None or not sample.results)
+    factor = sample.scale() if sample is not None and not blind else None
     if factor is not None:
         return exact + sampled * factor, "steps"
     if exact and sampling.switches:
@@ -241,7 +248,9 @@ def estimate(seen: float, sampled: float, sample: StepSample | None,
 # a step's start when its launches were not seen: after the previous step's end by the
 # reference's gap, but not before its first burst's end by more than this many times the
 # reference's first burst (an engine that idled between steps); chosen on the H100
-# captures, where it puts the summed span within 1.5% (bench/sampling_error.py)
+# captures, where it puts the summed span within 1.5% (bench/sampling_error.py). With
+# the syncs sampled too no sync splits the step's bursts, so its first ends at its
+# result copy: not before its end by this many times the reference's span
 FIRST_BURST_SLACK = 4
 MAX_SHAPES = 256  # per thread, least recently seen forgotten first
 MAX_SIZES = 16  # per shape: the latest steps of different copy sizes
@@ -257,6 +266,7 @@ class StepReference:
     gap_ns: int  # previous step's end to its first launch
     first_burst_ns: int  # its first launch to its first burst's end
     copies: tuple[tuple[int, int], ...]  # (calls, bytes) per SAMPLED_COPY_KINDS
+    span_ns: int = 0  # its first launch to its end
     memsets: tuple[int, int] = (0, 0)  # (calls, bytes)
     syncs: tuple[int, int] = (0, 0)  # (calls, wait ns)
 
@@ -331,6 +341,7 @@ class StepEstimates:
                             graph_launches=int(step.work.get("graph_launches", 0)),
                             kernels=step.kernels, gap_ns=max(0, step.first_ts - prev_end),
                             first_burst_ns=max(0, step.first_end_ts - step.first_ts),
+                            span_ns=max(0, step.end_ts - step.first_ts),
                             copies=step.sampled_copies(), memsets=step.memsets(),
                             syncs=step.syncs())
         key = (step.pid, step.tid)
@@ -464,9 +475,9 @@ class StepEstimates:
             step.set_memsets(self._memsets_of(step, ref))
             step.memsets_estimated = True
         if (ref.launches or ref.graph_launches) and prev_end is not None:
-            start = max(prev_end + ref.gap_ns,
-                        step.first_end_ts - FIRST_BURST_SLACK * ref.first_burst_ns)
-            step.first_ts = min(start, step.first_end_ts)
+            floor = (step.end_ts - FIRST_BURST_SLACK * ref.span_ns if copies_sampled
+                     else step.first_end_ts - FIRST_BURST_SLACK * ref.first_burst_ns)
+            step.first_ts = min(max(prev_end + ref.gap_ns, floor), step.first_end_ts)
         step.work["gpu_time_ns"] = step.span_ns  # bursts' spans for a step that launched none
         return True
 

@@ -76,7 +76,8 @@ class Step:
     coll_seq: int = -1  # that collective's place among its thread's collectives
 
     bursts_ns: int = 0  # the bursts' own spans, summed
-    first_end_ts: int = 0  # where its first burst ended (a sync: seen, sampled or not)
+    # where its first burst ended: a sync, or its result copy where the syncs were off
+    first_end_ts: int = 0
     # the calls seen whether or not the launch probes are on (--gpu-sample), for
     # shape(); and whether its launches and span are estimates (sampling.StepEstimates)
     memset_calls: int = 0
@@ -135,8 +136,9 @@ class Step:
 
     @property
     def span_ns(self) -> int:
-        """The GPU-time estimate: first launch to the end of the step's last wait; for
-        a step that launched no kernel (a thread that only copies, such as an API
+        """The GPU-time estimate: first launch to the end of the step's last wait (to its
+        result copy where the syncs were off with the launches); for a step that
+        launched no kernel (a thread that only copies, such as an API
         thread moving inputs to the device), only its bursts' own spans."""
         if not self.work.get("kernel_launches") and not self.work.get("graph_launches"):
             return self.bursts_ns

@@ -313,9 +313,9 @@ class CaptureSession:
         ``--gpu-sample auto`` with its ``reason``). From counting every launch,
         sampling starts with the probes on for ``F`` of a period; back at 1 they are
         attached (once a detach under way ends) and the gate opened. ``copies``: the
-        sampled copies' probes (SAMPLED_COPY_KINDS) are switched with the launch probes
-        (``memsets``: the memsets' probes; from
-        sampling's start; a fraction already in force keeps its choice). Every change
+        sampled copies' probes (SAMPLED_COPY_KINDS) and the syncs' are switched with the
+        launch probes (``memsets``: the memsets' probes; from sampling's start; a
+        fraction already in force keeps its choice). Every change
         is a ``GpuSampling`` switch, so the estimate of launch counts
         (tracer/correlate/sampling.py) sees which spans were counted."""
         if not 0.0 < fraction <= 1.0:
