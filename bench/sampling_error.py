@@ -113,8 +113,8 @@ def impose(items: list[Any], fraction: float, period_ns: int, phase_ns: int,
                 item = replace(item, copy_bytes={k: 0 if k in SAMPLED_COPY_KINDS else n
                                                  for k, n in item.copy_bytes.items()},
                                copy_calls={k: 0 if k in SAMPLED_COPY_KINDS else n
-                                           for k, n in item.copy_calls.items()})
-                item = replace(item, sync_calls=0, sync_wait_ns=0, sync_api=0,
+                                           for k, n in item.copy_calls.items()},
+                               sync_calls=0, sync_wait_ns=0, sync_api=0,
                                last_ts=item.last_ts - item.sync_wait_ns)
                 key = (item.pid, item.tid)
                 if key in held:

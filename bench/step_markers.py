@@ -4,8 +4,8 @@ sampling the syncs (docs/overhead.md, "where the rest is").
 Steps are counted at the sync that brings results back (tracer/correlate/steps.py). For
 the sync probes to go off with the launch probes, a step must be delimited in the off
 windows by a call whose probe stays on, made exactly once a step: the tokens'
-device-to-host copy, which now ends a step while the syncs are off. Per thread with 50 steps
-or more, this replays the capture's bursts into ``StepLog`` (as the correlator does) and
+device-to-host copy, which now ends a step while the syncs are off. Per thread with 50
+steps or more, this replays the capture's bursts into ``StepLog`` (as the correlator does) and
 reports how many steps made 0, 1, 2... device-to-host copies, syncs and memsets, and
 the memsets per step by the bytes of the step's device-to-host copy.
 

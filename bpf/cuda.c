@@ -9,12 +9,12 @@
  * record when the thread synchronises (at most once per TT_CFG_BURST_MIN_NS when that
  * is set: each record costs the agent ~10 us), when a query finds its work done, after
  * TT_CFG_BURST_NS, when the thread exits, or, while --gpu-sample has the syncs off, at
- * the device-to-host copy that brings a step's results back. A burst's first TT_BURST_SLOTS_N distinct
- * kernels are counted in it; launches of further kernels are counted in the burst's
- * total and, per kernel, in `kernel_counts`, which user space reads on a timer (KCOUNT
- * records), so a step with many distinct kernels does not cost a record per 16 of
- * them. Python never sees a single launch. Name resolution, allocations and frees are
- * rare and sent one by one.
+ * the device-to-host copy that brings a step's results back. A burst's first
+ * TT_BURST_SLOTS_N distinct kernels are counted in it; launches of further kernels are
+ * counted in the burst's total and, per kernel, in `kernel_counts`, which user space
+ * reads on a timer (KCOUNT records), so a step with many distinct kernels does not cost
+ * a record per 16 of them. Python never sees a single launch. Name resolution,
+ * allocations and frees are rare and sent one by one.
  *
  * tracer/probes/gpu.py attaches each exported symbol to the handler named in its
  * table; the handlers below are named by what they read from the arguments.

@@ -341,7 +341,7 @@ class StepEstimates:
                             graph_launches=int(step.work.get("graph_launches", 0)),
                             kernels=step.kernels, gap_ns=max(0, step.first_ts - prev_end),
                             first_burst_ns=max(0, step.first_end_ts - step.first_ts),
-                            span_ns=max(0, step.end_ts - step.first_ts),
+                            span_ns=step.span_ns,
                             copies=step.sampled_copies(), memsets=step.memsets(),
                             syncs=step.syncs())
         key = (step.pid, step.tid)
@@ -383,7 +383,7 @@ class StepEstimates:
             m = self.blind_memsets.setdefault(key, [0.0, 0.0, 0.0])
             m[0] += abs(mean[1] / mean[0] - nbytes)
             m[1] += nbytes
-            m[2] += nbytes + sum(step.work.get(f"memcpy_bytes.{k}", 0) for k in COPY_KINDS)
+            m[2] += nbytes + sum(_copy_sizes(step, False))
         for k in ((key, shape), (key, shape, _copy_sizes(step, True))):
             mean = self._memset_means.setdefault(k, [0, 0, 0])
             mean[0] += 1

@@ -170,10 +170,7 @@ class Step:
         """Its ``SAMPLED_COPY_KINDS`` copies as estimated (``sampled_copies``'s form)."""
         for i, k, (calls, nbytes) in zip(SAMPLED_COPY_INDEX, SAMPLED_COPY_KINDS, copies):
             self.copy_calls[i] = calls
-            if nbytes:
-                self.work[f"memcpy_bytes.{k}"] = nbytes
-            else:
-                self.work.pop(f"memcpy_bytes.{k}", None)
+            self._set_work(f"memcpy_bytes.{k}", nbytes)
 
     def syncs(self) -> tuple[int, int]:
         """(calls, wait ns) of its syncs: estimated with the sampled copies."""
@@ -182,10 +179,7 @@ class Step:
     def set_syncs(self, syncs: tuple[int, int]) -> None:
         """Its syncs as estimated (``syncs``'s form)."""
         self.sync_calls, wait = syncs
-        if wait:
-            self.work["sync_wait_ns"] = wait
-        else:
-            self.work.pop("sync_wait_ns", None)
+        self._set_work("sync_wait_ns", wait)
 
     def memsets(self) -> tuple[int, int]:
         """(calls, bytes) of its memsets."""
@@ -194,10 +188,14 @@ class Step:
     def set_memsets(self, memsets: tuple[int, int]) -> None:
         """Its memsets as estimated (``memsets``'s form)."""
         self.memset_calls, nbytes = memsets
-        if nbytes:
-            self.work["memset_bytes"] = nbytes
+        self._set_work("memset_bytes", nbytes)
+
+    def _set_work(self, quantity: str, value: int) -> None:
+        """One quantity of its work as estimated (a zero one left out, as seen)."""
+        if value:
+            self.work[quantity] = value
         else:
-            self.work.pop("memset_bytes", None)
+            self.work.pop(quantity, None)
 
     def counts(self) -> "StepCounts":
         """What ``--gpu-sample`` estimates of it, as it stands now."""
