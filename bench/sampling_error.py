@@ -103,8 +103,11 @@ def impose(items: list[Any], fraction: float, period_ns: int, phase_ns: int,
                 out.append(GpuSampling(ts=ts, enabled=enabled, fraction=fraction,
                                        copies=copies, memsets=memsets))
                 k += 1
-            whole = item.last_ts < start or (window(item.first_ts) == window(item.last_ts)
-                                             and on(item.first_ts) and on(item.last_ts))
+            # the probes were on all along before ``start`` (every launch counted) and
+            # stay on into the first window: a burst across ``start`` is whole too
+            first = max(item.first_ts, start)
+            whole = item.last_ts < start or (window(first) == window(item.last_ts)
+                                             and on(first) and on(item.last_ts))
             if not whole:
                 item = replace(item, launches=0, graph_launches=0, handle_counts={})
             if not whole and memsets:

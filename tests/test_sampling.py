@@ -278,6 +278,33 @@ def test_sampled_replay_of_the_h100_capture_charges_each_request_close_to_the_tr
     assert sum(k["launches"] for k in engine[0]["top_kernels"]) <= proc["kernel_launches"]
 
 
+def test_a_burst_across_the_switch_to_sampling_is_whole_when_the_first_window_is_on():
+    """bench/sampling_error.py's --exact-s: the probes count every launch until the
+    sampling starts, with a window on, so a burst that spans that instant is counted
+    whole. Taken for one the window missed, it poisoned its step's reference (a step of
+    32 requests learned with 70 of its 195 launches): a phase of the c32 capture at 0.03
+    of 2-s periods charged 5.2% too few launches, which read as 0.03 being too few."""
+    from bench.sampling_error import errors, impose, load, replay
+    from tests.conftest import CAPTURES
+
+    items, header = load(CAPTURES / "hf-cb-c32-h100.ttcap")
+    bursts = [i for i in items if isinstance(i, KernelBurst)]
+    t0 = min(b.first_ts for b in bursts)
+    across = next(b for b in bursts if b.first_ts > t0 + 5 * 10**9 and b.launches > 100)
+    exact_ns = (across.first_ts + across.last_ts) // 2 - t0
+    imposed = impose(items, 0.03, 2 * 10**9, 0, exact_ns=exact_ns, copies=True)
+    (kept,) = [b for b in imposed if isinstance(b, KernelBurst)
+               and (b.tid, b.last_ts) == (across.tid, across.last_ts)]
+    assert kept.launches == across.launches and kept.sync_calls == across.sync_calls
+    truth, _ = replay(items, header)
+    period = 2 * 10**9
+    sampled, p = replay(impose(items, 0.03, period, period * 6 // 8, exact_ns=5 * 10**9,
+                               copies=True, memsets=True), header)
+    assert p.attribution.ledger.balanced()
+    launches = errors(truth, sampled, "gpu.kernel_launches")
+    assert abs(launches["total_ratio"] - 1) < 0.005, launches
+
+
 def test_sampling_switched_on_later_estimates_from_the_steps_counted_before():
     """As --gpu-sample auto runs: every launch counted for 5 s, then 0.1 of each 5-s
     period. The steps counted before the switch are their shapes' references from the
