@@ -19,6 +19,9 @@ from tracer.autosample import AutoSample
 
 # the stand-in engine runs far fewer steps than a GPU server: the thresholds scaled down
 LOW_RATE = 200.0
+# and longer ones (15-30 ms): windows of 0.05 of each 0.5-s period (25 ms, as measured
+# below), not the default's 0.03 (15 ms: a step seen whole would be rare)
+FRACTION = 0.05
 
 
 @pytest.fixture(scope="module")
@@ -27,14 +30,15 @@ def libs(tmp_path_factory):
 
 
 def test_an_engine_thread_is_sampled_once_busy_and_requests_keep_their_share(libs, tmp_path):
-    auto = AutoSample(min_rate=LOW_RATE, min_steps=5, check_s=1.0)
+    auto = AutoSample(min_rate=LOW_RATE, min_steps=5, check_s=1.0,
+                      fraction=FRACTION)
     r = run_case("thread", concurrency=8, requests=96, device="cpu", libs=libs,
                  work=tmp_path, max_batch=16, auto_sample=auto, gpu_sample_period_s=0.5)
     t = r["tracer"]
     assert auto.state == "sampling", auto.reason
     assert t["gpu_sample_auto_switches"] == 1
     assert r["requests_traced"] == r["requests_truth"] == 96
-    # as test_live_batching's --gpu-sample 0.3 (0.025-0.072 there), at 0.1 of a period
+    # as test_live_batching's --gpu-sample 0.3 (0.025-0.072 there), at 0.05 of a period
     assert r["kernel_share"]["mae_over_mean"] <= 0.15, r
     assert t["gpu_steps_estimated"] > 0 and t["gpu_steps_counted"] > 0
     assert t.get("gpu_steps_unestimated", 0) == 0
@@ -85,7 +89,8 @@ def test_syncs_switched_with_the_launches_still_count_every_step(libs, tmp_path)
     """With the syncs off in the off windows, each of the engine's steps ends at its
     result copy (burst reason "copy"): as many steps as with them on, each request still
     charged its share, the books balanced, and the syncs estimated."""
-    auto = CopiesToo(min_rate=LOW_RATE, min_steps=5, check_s=1.0)
+    auto = CopiesToo(min_rate=LOW_RATE, min_steps=5, check_s=1.0,
+                     fraction=FRACTION)
     r = run_case("thread", concurrency=8, requests=96, device="cpu", libs=libs,
                  work=tmp_path, max_batch=16, auto_sample=auto, gpu_sample_period_s=0.5)
     t = r["tracer"]
