@@ -479,7 +479,7 @@ class GpuAttribution:
             self._sampled(step, prev_end, self.sampling)
         else:  # every launch counted: the step is its shape's reference for a later
             # --gpu-sample (auto's switch, or ctl's), which then estimates from its start
-            self.estimates.learn(step, prev_end)
+            self._learn(step, prev_end)
         self.step_totals[log.key].book(step)
         self.stats["gpu_step_launches"] += step.launches
         self.ledger.observe(step.pid, step.work, estimated=step.estimated,
@@ -493,7 +493,7 @@ class GpuAttribution:
         reference; any other takes its estimates from one."""
         start = step.first_ts if prev_end is None else prev_end
         if sampling.counted(start, step.end_ts):
-            self.estimates.learn(step, prev_end)
+            self._learn(step, prev_end)
             self.stats["gpu_steps_counted"] += 1
         elif self.estimates.fill(step, prev_end, sampling.copies_at(step.end_ts),
                                  sampling.memsets_at(step.end_ts)):
@@ -501,6 +501,11 @@ class GpuAttribution:
         else:  # no reference yet: tried again when its members are decided
             step.unestimated_after = start
             self.stats["gpu_steps_unestimated"] += 1
+
+    def _learn(self, step: Step, prev_end: int | None) -> None:
+        """``step`` was counted whole: its shape's reference from now on."""
+        if self.estimates.learn(step, prev_end):
+            self.stats["gpu_step_gaps_idle"] += 1
 
     def _estimate_late(self, step: Step) -> None:
         """A step closed before its thread had a step counted whole: estimated now if
