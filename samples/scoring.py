@@ -163,9 +163,11 @@ def score(truth_lines: Lines, spans: list[dict[str, Any]],
     return out
 
 
-def replay(capture_path: str, price: float | None = 3.0) -> tuple[list[dict[str, Any]], Any]:
+def replay(capture_path: str, price: float | None = 3.0,
+           items: Iterable[Any] | None = None) -> tuple[list[dict[str, Any]], Any]:
     """Replay a capture through the analysis (no BPF): its JSONL spans and the pipeline
-    (for ``report()`` and ``reconciliation()``)."""
+    (for ``report()`` and ``reconciliation()``). ``items``: these records instead of the
+    capture's own (a capture edited by a test), under its header."""
     import io
 
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -183,7 +185,7 @@ def replay(capture_path: str, price: float | None = 3.0) -> tuple[list[dict[str,
     spans = SpanBuilder(ctx, [SimpleSpanProcessor(JsonlSpanExporter(buf))])
     pricing = GpuPricing.resolve(price=price, model=reader.header.get("gpu_model") or "replay")
     pipeline = Pipeline([spans], ctx, pricing=pricing)
-    for item in reader:
+    for item in reader if items is None else items:
         pipeline.feed(item)
     pipeline.close()
     return [json.loads(line) for line in buf.getvalue().splitlines()], pipeline

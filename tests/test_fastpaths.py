@@ -244,7 +244,13 @@ def test_captures_replay_the_same(path):
     items = list(r)
     fast = _replay(items, r.header)
     with general_paths():
-        assert _replay(items, r.header) == fast
+        general = _replay(items, r.header)
+    assert general[0] == fast[0]
+    # a token run the shortcut could not take is taken write by write and counted: with
+    # the shortcut off, that is every run (a capture recorded with token runs)
+    path_taken = {"token_runs_taken_write_by_write"}
+    assert ({k: v for k, v in general[1].items() if k not in path_taken}
+            == {k: v for k, v in fast[1].items() if k not in path_taken})
 
 
 def test_synthetic_streams_replay_the_same_and_exactly():
