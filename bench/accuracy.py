@@ -261,9 +261,11 @@ def main(argv: list[str] | None = None) -> int:
                     "(batching stand-in; default 6,1,2)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--gpu-sample", default="1", metavar="FRACTION|auto",
-                    help="hf: the tracer's --gpu-sample (default 1: every launch counted)")
+                    help="hf: the tracer's --gpu-sample (default 1: every launch counted, "
+                         "NOT the tracer's own default; auto measures what it does)")
     ap.add_argument("--gpu-sample-period", type=float, metavar="S",
-                    help="hf: the tracer's --gpu-sample-period (default: its own, 5 s)")
+                    help="hf: the tracer's --gpu-sample-period (default: its own, 1 s "
+                         "through uprobe_multi links, else 5 s)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/accuracy.json"))
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="tt-accuracy-"))

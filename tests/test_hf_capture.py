@@ -11,7 +11,7 @@ what the live tracer recorded (``bench/accuracy.py --server hf-cb|hf-plain``).
   the tracer at its default (``--gpu-sample auto`` switched after ~10 s to 0.03 of each
   1-s period, with the copies, syncs and memsets): most steps' launches and GPU time
   are estimates (``bench/accuracy.py --server hf-cb --concurrency 32 --requests 768
-  --device cuda --gpu-sample-period 1 --keep DIR``).
+  --device cuda --gpu-sample auto --gpu-sample-period 1 --keep DIR``).
 """
 
 from __future__ import annotations
