@@ -832,12 +832,13 @@ class Agent:
     kept running: one agent for every replica, as a node's agent would trace them."""
 
     def __init__(self, server: Server | Sequence[Server], work: Path, cpus: set[int],
-                 extra: list[str], profile: str | None = None) -> None:
+                 extra: list[str], profile: str | None = None, name: str = "") -> None:
         from tracer.control import send
         self.send = send
-        self.sock = str(work / "agent.sock")
-        self.summary = work / "summary.json"
-        self.jsonl = work / "spans.jsonl"
+        # name: agents of one run told apart (--design crossover: one per half)
+        self.sock = str(work / f"agent{name}.sock")
+        self.summary = work / f"summary{name}.json"
+        self.jsonl = work / f"spans{name}.jsonl"
         servers = list(server) if isinstance(server, Sequence) else [server]
         pids = [a for s in servers for a in ("--pid", str(s.pid))]
         # "full" counts every launch (not --gpu-sample auto's choice): the "sampled"
@@ -1171,8 +1172,10 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
     on_gpus = Counter(g for g in gpus if g is not None)
     lanes: list[Lane] = []
     agent = watch = meters = load = None
+    agents: list[Agent] = []
+    crossover = args.design == "crossover"
     out: dict[str, Any] = {"server": kind, "device": args.device, "mode": args.mode,
-                           "replicas": n,
+                           "design": args.design, "replicas": n,
                            "replicas_per_gpu": max(on_gpus.values()) if on_gpus else None,
                            "gpus": gpus if args.device == "cuda" else None,
                            "cpus": plan.as_json(), "cpus_shared": plan.shared,
@@ -1181,6 +1184,7 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
                            "concurrency": args.concurrency, "max_tokens": args.max_tokens,
                            "fixed_work": not args.keep_eos and kind in ("hf-cb", "hf-plain")}
     mode_s: dict[str, float] = {}
+    halves_s: list[dict[str, float]] = []  # crossover: each agent's
     loaded = False
     try:
         start_lanes(kind, args, work, plan, gpus, lanes)
@@ -1193,15 +1197,24 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
         else:
             loaded = True
             start_loads(lanes, args, out)
-        agent = Agent([lane.server for lane in lanes], work, plan.agent, args.agent_args.split())
+        if crossover:  # an agent per half of the replicas
+            for g in (0, 1):
+                agents.append(Agent([lane.server for lane in lanes[g::2]], work, plan.agent,
+                                    args.agent_args.split(), name=f"-{g}"))
+            agent = agents[0]
+        else:
+            agent = Agent([lane.server for lane in lanes], work, plan.agent,
+                          args.agent_args.split())
+            agents.append(agent)
         t_attached = time.monotonic()
         for lane in lanes:  # threads the servers started since
             pin(lane.server.pid, plan.lanes[lane.replica]["server"])
         gpu = int(agent.ctl("status").rsplit("gpu_libs=", 1)[1].split()[0]) > 0
         if gpu:  # the window kernel naming opens at attach closes by itself once naming
-            agent.ctl("stub-naming off")  # is quiet: closed now, "full" is the steady
-            # state, and the window's cost a mode of its own
-        modes = choose_modes(args, gpu)
+            for a in agents:  # is quiet: closed now, "full" is the steady state, and the
+                a.ctl("stub-naming off")  # window's cost a mode of its own
+        modes = choose_modes(args, gpu) + ([NONE_TRACED] if crossover and args.null_every
+                                           else [])
         if args.speed_meter:
             meters = start_meters(work, plan)
         if "agent-load" in modes:
@@ -1216,6 +1229,12 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
             assert lanes[0].client is not None
             windows, switches, elapsed = run_windows(kind, agent, lanes[0].client,
                                                      lanes[0].server, args, modes)
+        elif crossover:
+            windows, switches, elapsed, halves_s = run_crossover(kind, agents, lanes, args)
+            stop_loads(lanes, out)
+            loaded = False
+            for h in halves_s:
+                h["all"] = time.monotonic() - t_attached
         else:
             windows, switches, elapsed, mode_s = run_slices(kind, agent, lanes, args, modes,
                                                             watch, meters)
@@ -1246,13 +1265,22 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
         if load is not None:
             load.close()
         BENCH_SWITCHES.clear()
-        summary = agent.stop() if agent is not None else {}
+        summaries = [a.stop() for a in agents]
         for lane in lanes:
             if lane.client is not None:
                 lane.client.close()
             lane.server.stop()
     out["agent_report_tail"] = agent.stderr.strip().splitlines()[-3:] if agent else []
-    out["agent"] = agent_stats(out, summary, mode_s, args.mode)
+    if not crossover:
+        out["agent"] = agent_stats(out, summaries[0] if summaries else {}, mode_s, args.mode)
+        return out
+    # each half's agent over its own replicas' slices
+    ws = out.get("slices", [])
+    out["agents"] = [agent_stats({"slices": [w for w in ws if w["replica"] % 2 == g]},
+                                 summaries[g] if g < len(summaries) else {},
+                                 halves_s[g] if g < len(halves_s) else {}, args.mode)
+                     for g in (0, 1)]
+    out["agent"] = out["agents"][0]
     return out
 
 
@@ -1268,7 +1296,8 @@ def agent_stats(out: dict[str, Any], summary: dict[str, Any], mode_s: dict[str, 
     traced = [w for w in ws if (w["mode"] == "full" if mode == "slices"
                                 else w["mode"] != "untraced")]
     cpu_traced = sum(w["agent_cpu_s"] for w in traced)
-    traced_s = sum(w["wall_s"] for w in traced if w.get("replica", 0) == 0)
+    first = min((w.get("replica", 0) for w in ws), default=0)  # a crossover half's own
+    traced_s = sum(w["wall_s"] for w in traced if w.get("replica", 0) == first)
     if mode == "slices" and launches:
         # launches are counted over the whole run: their rate over the time the launch
         # probes were in, times the traced slices' time
@@ -1390,8 +1419,9 @@ def gpu_clocks(lanes: list[Lane]) -> dict[int, GpuClocks]:
     return clocks
 
 
-def time_slice(mode: str, order: int, agent: Agent, lanes: list[Lane], slice_s: float,
-               watch: Any = None, clocks: dict[int, GpuClocks] | None = None,
+def time_slice(mode: str | Sequence[str], order: int, agent: Agent | Sequence[Agent],
+               lanes: list[Lane], slice_s: float, watch: Any = None,
+               clocks: dict[int, GpuClocks] | None = None,
                meters: Any = None) -> list[dict[str, Any]]:
     """One time slice of ``mode``: a record per replica (``replica``) with its server's
     CPU, system CPU and busiest threads, its client's CPU (its tokens and requests are
@@ -1399,15 +1429,24 @@ def time_slice(mode: str, order: int, agent: Agent, lanes: list[Lane], slice_s: 
     CPU and records in the time slice are split evenly among the replicas' records, so
     that sums over records stay the agent's. Census mode's per-program counts and the
     servers' syscalls (agent-wide; the union of every server's processes) go on replica
-    0's record only."""
-    census = mode == "census"
+    0's record only. ``--design crossover`` passes a mode per lane and two agents,
+    lane i's being ``agent[i % 2]``: each agent's CPU and records are split among its
+    own lanes."""
+    agents = [agent] if isinstance(agent, Agent) else list(agent)
+    modes = [mode] * len(lanes) if isinstance(mode, str) else list(mode)
+    census = "census" in modes
+    if census and len(agents) > 1:
+        raise ValueError("census needs the one agent of every replica")
+    mine = [agents[i % len(agents)] for i in range(len(lanes))]
+    share = Counter(id(a) for a in mine)  # lanes per agent
     th0 = [thread_cpu(lane.server.pid) for lane in lanes]
-    p0 = agent.ctl("probe-stats") if census else ""
+    p0 = agents[0].ctl("probe-stats") if census else ""
     if census and watch is not None:  # the servers' syscalls, by name
         watch.count_start({p for lane in lanes for p in tree(lane.server.pid)})
     s0 = [tree_times(lane.server.pid) for lane in lanes]
     q0 = [sched_stats(lane.server.pid) for lane in lanes]
-    a0, c0, r0 = agent.cpu, [lane_cpu(lane) for lane in lanes], agent.records()
+    a0 = {id(a): (a.cpu, a.records()) for a in agents}
+    c0 = [lane_cpu(lane) for lane in lanes]
     m0 = meters.read() if meters is not None else {}
     t0 = time.monotonic()
     time.sleep(slice_s)
@@ -1415,19 +1454,20 @@ def time_slice(mode: str, order: int, agent: Agent, lanes: list[Lane], slice_s: 
     m1 = meters.read() if meters is not None else {}
     s1 = [tree_times(lane.server.pid) for lane in lanes]
     q1 = [sched_stats(lane.server.pid) for lane in lanes]
-    a1, c1, r1 = agent.cpu, [lane_cpu(lane) for lane in lanes], agent.records()
-    p1 = agent.ctl("probe-stats") if census else ""
+    a1 = {id(a): (a.cpu, a.records()) for a in agents}
+    c1 = [lane_cpu(lane) for lane in lanes]
+    p1 = agents[0].ctl("probe-stats") if census else ""
     calls = watch.count_stop() if census and watch is not None else None
     th1 = [thread_cpu(lane.server.pid) for lane in lanes]
-    n = len(lanes)
     records = []
     for i, lane in enumerate(lanes):
         busy = sorted((v - th0[i].get(k, 0.0) for k, v in th1[i].items()), reverse=True)
+        a, n = id(mine[i]), share[id(mine[i])]
         w: dict[str, Any] = {
-            "mode": mode, "round": order, "replica": lane.replica, "t0": t0, "wall_s": t1 - t0,
-            "server_cpu_s": s1[i][0] - s0[i][0], "agent_cpu_s": (a1 - a0) / n,
-            "client_cpu_s": c1[i] - c0[i],
-            "agent_records": r1 - r0 if n == 1 else (r1 - r0) / n,
+            "mode": modes[i], "round": order, "replica": lane.replica, "t0": t0,
+            "wall_s": t1 - t0, "server_cpu_s": s1[i][0] - s0[i][0],
+            "agent_cpu_s": (a1[a][0] - a0[a][0]) / n, "client_cpu_s": c1[i] - c0[i],
+            "agent_records": a1[a][1] - a0[a][1] if n == 1 else (a1[a][1] - a0[a][1]) / n,
             "server_sys_s": s1[i][1] - s0[i][1],
             # the server's busiest threads (a GIL-bound server: one near 1.0/s)
             "server_top_threads_cpu_s": [round(b, 2) for b in busy[:3]],
@@ -1537,6 +1577,108 @@ def run_slices(kind: str, agent: Agent, lanes: list[Lane], args: argparse.Namesp
     now = time.monotonic()
     mode_s[state[0]] = mode_s.get(state[0], 0.0) + now - state[1]
     go("full")  # the agent as it started, for its report
+    t0 = slices[0]["t0"] if slices else t_start
+    for w in slices:
+        w["t0"] = round(w["t0"] - t0, 3)
+    return slices, switches, now - t_start, mode_s
+
+
+NONE_TRACED = "none-traced"  # crossover's null slice: both halves untraced
+
+
+def run_crossover(kind: str, agents: list[Agent], lanes: list[Lane],
+                  args: argparse.Namespace
+                  ) -> tuple[list[dict[str, Any]], list[float], float, list[dict[str, float]]]:
+    """``--design crossover``: two agents, each tracing half the replicas (agent g the
+    lanes i with i % 2 == g); in every time slice one half is traced and the other
+    untraced, the halves swapping in ABBA order (A B B A A B ...: one switch per round,
+    a pause of one agent and a resume of the other, then ``--settle-resume-s``). A
+    replica's round is still one traced and one untraced slice of its own, so
+    ``summarise`` pairs them as ever; but its round mean now takes each half's traced
+    slice against the other half's at the same moment, and what the whole host does in
+    a slice (its speed drifts by ±15-20% between 3-s slices on the lent H100 hosts,
+    docs/overhead.md) cancels out of it, where the alternating design leaves it in.
+
+    What it leaves out: the untraced half runs beside the traced half's probes, and the
+    socket and TCP tracepoints are global (their programs run for every process's
+    syscalls and segments, and return at once for one not traced). ``--null-every N``
+    adds to every Nth round a slice with both halves untraced (``none-traced``): against
+    the round's untraced slice of each replica, what that tax is (``server_sys``'s
+    ``none-traced_added_per_s``: minus the system CPU it costs an untraced server).
+    Per agent the seconds it spent in each mode."""
+    slices: list[dict[str, Any]] = []
+    switches: list[float] = []
+    traced: list[int | None] = [0]  # the half traced now (agent 1 is paused first)
+    mode_s: list[dict[str, float]] = [{}, {}]
+    since = [time.monotonic()]
+    switch_time(agents[1].ctl("pause"), "pause", switches)
+    modes = ["untraced", "full"] + ([NONE_TRACED] if args.null_every else [])
+
+    def book(now: float) -> None:
+        for g in (0, 1):
+            m = "full" if g == traced[0] else "untraced"
+            mode_s[g][m] = mode_s[g].get(m, 0.0) + now - since[0]
+
+    def go(half: int | None) -> None:
+        """``half`` traced and the other not; None: neither."""
+        if half == traced[0]:
+            return
+        book(time.monotonic())
+        was = traced[0]
+        if was is not None:
+            switch_time(agents[was].ctl("pause"), "pause", switches)
+        if half is not None:
+            switch_time(agents[half].ctl("resume"), "resume", switches)
+        traced[0], since[0] = half, time.monotonic()
+        resumed = half is not None and args.settle_resume_s is not None
+        time.sleep(args.settle_resume_s if resumed else args.settle_s)
+
+    def fill(todo: list[dict[str, Any]]) -> None:
+        for w in todo:
+            client = lanes[w["replica"]].client
+            assert client is not None
+            w.update(client.slice(w["t0"], w["t0"] + w["wall_s"]))
+
+    clocks = gpu_clocks(lanes) if args.device == "cuda" else {}
+    t_start = time.monotonic()
+    order = 0
+    pending: list[dict[str, Any]] = []
+    while True:
+        halves: list[int | None] = [0, 1] if order % 2 == 0 else [1, 0]
+        order += 1
+        if args.null_every and order % args.null_every == 0:
+            halves.append(None)
+        done, pending = pending, []
+        for half in halves:
+            go(half)
+            lane_modes = [NONE_TRACED if half is None else "full" if i % 2 == half
+                          else "untraced" for i in range(len(lanes))]
+            records = time_slice(lane_modes, order, agents, lanes, args.slice_s,
+                                 clocks=clocks)
+            slices += records
+            pending += records
+        fill(done)
+        elapsed = time.monotonic() - t_start
+        if args.partial:
+            Path(args.partial).write_text(json.dumps({"server": kind, "slices": slices,
+                                                      "switches": switches}) + "\n")
+        complete = [w for w in slices if "tokens" in w]
+        if complete:
+            stats = summarise(complete, modes)
+            progress(kind, order - 1, elapsed, stats)
+            hw = stats["tokens_per_s"].get("half_width")
+            if order - 1 >= args.min_pairs and hw is not None and hw <= args.target:
+                break
+        if order >= args.max_pairs or elapsed + elapsed / order > args.budget_s:
+            break
+    fill(pending)
+    for clock in clocks.values():
+        clock.running = False
+    now = time.monotonic()
+    book(now)
+    for g in (0, 1):  # both traced, as they began
+        if g != traced[0]:
+            switch_time(agents[g].ctl("resume"), "resume", switches)
     t0 = slices[0]["t0"] if slices else t_start
     for w in slices:
         w["t0"] = round(w["t0"] - t0, 3)
@@ -1831,7 +1973,9 @@ def pool(files: list[str], target: float) -> dict[str, Any]:
     for i, f in enumerate(files):
         for r in json.loads(Path(f).read_text())["results"]:
             ws = r.get("slices") or r.get("windows") or []
-            key = f"{r['server']} ({r.get('mode', 'windows')})"
+            design = r.get("design", "alternate")  # designs differ in noise: apart
+            key = f"{r['server']} ({r.get('mode', 'windows')}" + (
+                ")" if design == "alternate" else f", {design})")
             runs.setdefault(key, []).extend(dict(w, round=w["round"] + 100000 * i,
                                                  replica=w.get("replica", 0)) for w in ws)
             per_round = r.get("seconds_per_round", r.get("seconds_per_pair", 0.0))
@@ -1883,6 +2027,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="slices: N servers at once (on CUDA one per GPU, round robin), "
                          "each with its own client and CPUs, traced by one agent: N pairs "
                          "a round, intervals over rounds")
+    ap.add_argument("--design", default="alternate", choices=("alternate", "crossover"),
+                    help="slices: alternate (every replica traced or untraced together, "
+                         "one agent) or crossover (an agent per half of an even number "
+                         "of replicas, one half traced while the other is not, swapped "
+                         "each slice: the host's own drift cancels within a slice)")
+    ap.add_argument("--null-every", type=int, default=0, metavar="N",
+                    help="crossover: every Nth round a slice with neither half traced, "
+                         "to measure what the traced half's probes cost the untraced "
+                         "half (none-traced in the output; default 0: none)")
     ap.add_argument("--agent-cpus", type=int, default=1, metavar="K",
                     help="CPUs for the agent, before the replicas' (default 1)")
     ap.add_argument("--server-cpus", type=lambda v: [int(x) for x in v.split(",")],
@@ -1947,6 +2100,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--replicas and --agent-cpus are at least 1")
     if args.replicas > 1 and args.mode != "slices":
         ap.error("--replicas takes --mode slices (windows: one server)")
+    if args.design == "crossover" and (args.mode != "slices" or args.replicas % 2
+                                       or args.breakdown or args.speed_meter):
+        ap.error("--design crossover takes --mode slices, an even --replicas and no "
+                 "--breakdown or --speed-meter")
+    if args.null_every < 0 or (args.null_every and args.design != "crossover"):
+        ap.error("--null-every takes --design crossover and N >= 0")
     if os.geteuid() != 0:
         raise SystemExit("needs root (BPF)")
     results = []

@@ -330,3 +330,69 @@ def test_profiled_agent_writes_its_profile_and_collections(tmp_path: Path) -> No
     assert any(name == "feed" for _, _, name in stats.stats)  # type: ignore[attr-defined]
     gc = json.loads(Path(str(prefix) + "-gc.json").read_text())
     assert set(gc["collections"]) == {"0", "1", "2"} and gc["objects_tracked"] > 0
+
+
+def host_drift_slices(design: str, rounds: int, effect: float, seed: int) -> list[Record]:
+    """Four replicas whose tokens/s move together by a host factor of sd 0.15 per time
+    slice (as the lent H100 hosts' do) and by 0.02 each: ``alternate`` traces all four
+    in one slice of a round, ``crossover`` replicas 0 and 2 in one and 1 and 3 in the
+    other (``run_crossover``'s halves, in ABBA order); tracing costs ``effect`` in log
+    tokens/s."""
+    rng = random.Random(seed)
+    out: list[Record] = []
+    for k in range(1, rounds + 1):
+        for s in range(2):
+            host = rng.gauss(0.0, 0.15)
+            for i in range(4):
+                if design == "alternate":
+                    traced = (s == 1) == (k % 2 == 1)
+                else:
+                    half = (0, 1)[s] if k % 2 == 1 else (1, 0)[s]
+                    traced = i % 2 == half
+                x = host + rng.gauss(0.0, 0.02) + (effect if traced else 0.0)
+                out.append(record("full" if traced else "untraced", k,
+                                  10000.0 * math.exp(x), i))
+    return out
+
+
+def test_crossover_cancels_the_host_drift_the_alternating_design_keeps() -> None:
+    """The same host drift, 30 rounds: the crossover's round means take each half's
+    traced slice against the other's at the same moment, so the drift cancels and the
+    interval is a few times narrower than the alternating design's, around the same
+    true ratio; both intervals hold it."""
+    effect = math.log(0.99)
+    cross = rs.summarise(host_drift_slices("crossover", 30, effect, 3),
+                         ["untraced", "full"])["tokens_per_s"]
+    alt = rs.summarise(host_drift_slices("alternate", 30, effect, 3),
+                       ["untraced", "full"])["tokens_per_s"]
+    for t in (cross, alt):
+        assert t["rounds"] == 30 and t["replicas"] == 4 and t["pairs"] == 120
+        assert t["ci95"][0] <= 0.99 <= t["ci95"][1]
+    assert cross["half_width"] < 0.012  # ~0.02 / sqrt(4) a round, 30 rounds
+    assert alt["half_width"] > 3 * cross["half_width"]
+    # the halves move against each other within a round: negative replica correlation
+    assert cross["replica_correlation"] < 0 < alt["replica_correlation"]
+
+
+def test_pool_keeps_designs_apart(tmp_path: Path) -> None:
+    """A crossover run's rounds are not pooled with an alternating run's: their noise
+    differs, so each design is its own key."""
+    files = []
+    for design in ("alternate", "crossover"):
+        f = tmp_path / f"{design}.json"
+        f.write_text(json.dumps({"results": [{
+            "server": "hf-cb", "mode": "slices", "design": design, "seconds_per_round": 12.0,
+            "slices": host_drift_slices(design, 6, math.log(0.99), 5)}]}))
+        files.append(str(f))
+    pooled = rs.pool(files, 0.01)
+    assert pooled["hf-cb (slices)"]["tokens_per_s"]["rounds"] == 6
+    assert pooled["hf-cb (slices, crossover)"]["tokens_per_s"]["rounds"] == 6
+
+
+def test_crossover_needs_an_even_number_of_replicas_and_no_breakdown() -> None:
+    for argv in (["--design", "crossover", "--replicas", "3"],
+                 ["--design", "crossover", "--replicas", "4", "--breakdown"],
+                 ["--design", "crossover", "--replicas", "2", "--mode", "windows"]):
+        with pytest.raises(SystemExit) as e:
+            rs.main(argv)
+        assert e.value.code == 2

@@ -1,0 +1,51 @@
+"""``bench/real_server.py --design crossover`` on a real server under real probes: two
+agents, each tracing half the replicas, one half traced in each time slice and the
+halves swapped, every replica still paired with itself over a round."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_each_time_slice_traces_one_half_and_each_replica_pairs_with_itself(tmp_path):
+    out = tmp_path / "xo.json"
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "real_server.py"),
+                          "--servers", "batching", "--replicas", "2", "--design", "crossover",
+                          "--budget-s", "28", "--min-pairs", "2", "--slice-s", "1",
+                          "--settle-resume-s", "0.5", "--warmup-s", "2", "--null-every", "1",
+                          "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    r = json.loads(out.read_text())["results"][0]
+    assert r["design"] == "crossover" and r["errors"] == 0
+    by_slice: dict[float, dict[int, str]] = defaultdict(dict)
+    for w in r["slices"]:
+        by_slice[w["t0"]][w["replica"]] = w["mode"]
+        assert w["tokens"] > 0
+    # every time slice: replica 0 and replica 1 in opposite modes, but for each
+    # round's third slice (--null-every 1), where neither is traced
+    null = [t for t, m in by_slice.items() if set(m.values()) == {"none-traced"}]
+    assert len(null) == len({w["round"] for w in r["slices"]}) >= 2
+    assert all(sorted(m.values()) == ["full", "untraced"]
+               for t, m in by_slice.items() if t not in null)
+    # ABBA: the half traced changes once a round, not between rounds
+    firsts = [m[0] for _, m in sorted(by_slice.items())]
+    assert firsts[:6] == ["full", "untraced", "none-traced", "untraced", "full", "none-traced"]
+    # the null slices against each replica's untraced one: what the traced half's
+    # probes cost the untraced half
+    assert "none-traced_added_per_s" in r["server_sys"]
+    assert r["breakdown"]["none-traced"]["tokens_per_s_vs_untraced"]["pairs"] == 2 * len(null)
+    t = r["tokens_per_s"]
+    assert t["replicas"] == 2 and t["rounds"] >= 2 and t["pairs"] == 2 * t["rounds"]
+    # each agent traced its own replica, and only while its half was traced
+    assert len(r["agents"]) == 2
+    for g, a in enumerate(r["agents"]):
+        assert a["launches_traced"] > 0, g
+        assert 0 < a["seconds_in_mode"]["full"] < a["seconds_in_mode"]["all"]
+        assert a["records_per_s"] > 0
