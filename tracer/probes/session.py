@@ -13,6 +13,7 @@ import os
 import socket
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -28,6 +29,7 @@ C = wire.CONSTANTS
 CaptureItem = bytes | schema.Event
 POLL_MS = 20  # see poll()
 STACK_SCAN_WAIT_S = 10.0  # at start: the traced interpreters found before polling begins
+PARALLEL_DETACH = 32  # tracepoints detached at once by pause: all of them (see there)
 Sink = Callable[[CaptureItem], None]
 
 
@@ -413,10 +415,15 @@ class CaptureSession:
             return 0.0
         t0 = time.perf_counter()
         self.paused = True
-        for tp in list(self.bpf.tracepoint_fds):
-            if not tp.startswith(self.KEEP_WHILE_PAUSED):
-                self.bpf.detach_tracepoint(tp)
-                self._parked_tps.append(tp)
+        parked = [tp for tp in self.bpf.tracepoint_fds
+                  if not tp.startswith(self.KEEP_WHILE_PAUSED)]
+        # Each detach waits out the kernel's tracepoint grace period (~70 ms on the dev
+        # VM: 1.8 s for the 26 of them one after the other); from threads the waits
+        # overlap (0.7-0.9 s for the whole pause). BCC's detach only closes the event's
+        # fd and drops its own dict entry.
+        with ThreadPoolExecutor(max_workers=PARALLEL_DETACH) as pool:
+            list(pool.map(self.bpf.detach_tracepoint, parked))
+        self._parked_tps += parked
         self._suspend_uprobes()
         self.ring.consume()  # what was sent before the probes came out
         self._take_staged_runs()  # ...and what they staged
