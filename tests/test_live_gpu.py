@@ -311,3 +311,99 @@ def test_uprobes_off_leaves_the_gpu_unseen_until_on(gpu_build, tmp_path):
     assert 0.2 * truth["sync_calls"] < proc["sync_calls"] < 0.8 * truth["sync_calls"], \
         (proc["sync_calls"], truth["sync_calls"], run.stderr)
     assert 0.2 * truth["launches"] < proc["kernel_launches"] < 0.8 * truth["launches"]
+
+
+def libcuda_anon_kb(pid: int) -> int:
+    """Anonymous kB in ``pid``'s mappings of the stand-in libcuda's code: a uprobe written
+    into a process's copy of a library's text turns that page anonymous (copy on
+    write)."""
+    total, inside = 0, False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line
+            inside = line.rstrip().endswith("libcuda.so.1") and "x" in head[1]
+        elif inside and line.startswith("Anonymous:"):
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.parametrize("links", ["multi", "perf"])
+def test_a_process_not_traced_gets_no_probe_of_a_library_it_shares(gpu_build, tmp_path,
+                                                                   links):
+    """Two processes map the same libcuda file; the agent traces one. Its probes are
+    written into that one only: the other takes no trap (it did, returning at once in
+    BPF, before probes were limited to the traced processes; bench/untraced_neighbour.py
+    --gpu: 1.3 us of system time a launch on the dev VM), and the traced one's counts
+    stay exact."""
+    env = dict(os.environ, TT_STANDIN_KERNEL_NS="2000")
+    procs = []
+    for name in ("traced", "other"):
+        p = subprocess.Popen([str(gpu_build["workload"]), "--wait", "--steps", "50",
+                              "--kernels", "4"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env=dict(env, TT_STANDIN_COUNTS=str(tmp_path / f"{name}.json")))
+        assert p.stdout.readline().strip() == "ready"
+        procs.append(p)
+    traced, other = procs
+    assert libcuda_anon_kb(traced.pid) == libcuda_anon_kb(other.pid) == 0
+    summary = tmp_path / "summary.json"
+    with traced_cli(["--pid", str(traced.pid), "--summary", str(summary),
+                     "--uprobe-links", links, "--gpu-sample", "1"],
+                    str(tmp_path / "spans.jsonl")) as run:
+        assert libcuda_anon_kb(traced.pid) > 0  # its probes are in
+        assert libcuda_anon_kb(other.pid) == 0  # none in the process not traced
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        for p in procs:
+            assert p.stdout.readline().strip() == "done"
+            assert p.wait(30) == 0
+    assert run.returncode == 0, run.stderr
+    doc = json.loads(summary.read_text())
+    (proc,) = doc["gpu"]["processes"]
+    assert proc["pid"] == traced.pid
+    truth = json.loads((tmp_path / "traced.json").read_text())
+    assert proc["kernel_launches"] == truth["launches"] == 50 * 4
+
+
+def test_a_child_of_a_traced_process_gets_the_probes_of_a_file_attached_before(gpu_build,
+                                                                               tmp_path):
+    """A traced process maps libcuda (its probes attached, limited to it) and then starts
+    a child that maps the same file: the child is traced as its parent's child and the
+    file's probes are attached in it too, so its launches are counted exactly."""
+    code = ("import ctypes, os, subprocess, sys\n"
+            "ctypes.CDLL(sys.argv[1])\n"
+            "print('ready', flush=True)\n"
+            "sys.stdin.readline()\n"
+            "env = dict(os.environ, TT_STANDIN_COUNTS=sys.argv[3])\n"
+            "child = subprocess.Popen([sys.argv[2], '--wait', '--steps', '30', '--kernels', '3'],"
+            " stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)\n"
+            "assert child.stdout.readline().strip() == 'ready'\n"
+            "print('child', child.pid, flush=True)\n"
+            "sys.stdin.readline()\n"
+            "child.stdin.write('go\\n'); child.stdin.flush()\n"
+            "assert child.stdout.readline().strip() == 'done'\n"
+            "sys.exit(child.wait())\n")
+    env = dict(os.environ, TT_STANDIN_KERNEL_NS="2000",
+               TT_STANDIN_COUNTS=str(tmp_path / "parent.json"))
+    parent = subprocess.Popen([sys.executable, "-c", code, str(gpu_build["libcuda"]),
+                               str(gpu_build["workload"]), str(tmp_path / "child.json")],
+                              stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=env)
+    assert parent.stdout.readline().strip() == "ready"
+    summary = tmp_path / "summary.json"
+    with traced_cli(["--pid", str(parent.pid), "--summary", str(summary), "--gpu-sample", "1"],
+                    str(tmp_path / "spans.jsonl")) as run:
+        time.sleep(1.5)  # the parent's libcuda found and attached (limited to it)
+        parent.stdin.write("\n")
+        parent.stdin.flush()
+        child = int(parent.stdout.readline().split()[1])
+        time.sleep(2.5)  # the agent's rescan (1 s) finds the child mapping it
+        assert libcuda_anon_kb(child) > 0
+        parent.stdin.write("\n")
+        parent.stdin.flush()
+        assert parent.wait(30) == 0
+    assert run.returncode == 0, run.stderr
+    doc = json.loads(summary.read_text())
+    procs = {p["pid"]: p for p in doc["gpu"]["processes"]}
+    truth = json.loads((tmp_path / "child.json").read_text())
+    assert procs[child]["kernel_launches"] == truth["launches"] == 30 * 3

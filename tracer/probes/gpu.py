@@ -174,8 +174,9 @@ class GpuProbes:
         from tracer.probes.prenames import BackgroundPreNames, PreNames, device_arch
         from tracer.probes.stubnames import StubNames
 
-        # BCC's attach and detach bookkeeping is not meant for two threads at once
-        self.uprobes = Uprobes(bpf, threading.Lock(), uprobe_mode)
+        # BCC's attach and detach bookkeeping is not meant for two threads at once;
+        # each probe goes into the traced processes that map its file, not every one
+        self.uprobes = Uprobes(bpf, threading.Lock(), uprobe_mode, scope=self._mapping)
         self.verbs = VerbsProbes(bpf, self.errors, self.uprobes)
         # kernels resolved before attach: named from the libraries' registration code,
         # cubins and the driver's objects (off with host-stub naming)
@@ -191,6 +192,8 @@ class GpuProbes:
         # each attached file's paths through the processes mapping it: probes attached
         # later (windows, --gpu-sample) go through a live one
         self._mappers: dict[tuple[int, int], dict[int, str]] = {}  # (dev, ino) -> pid -> path
+        self._files: dict[str, tuple[int, int]] = {}  # a path attached through -> (dev, ino)
+        self._unscoped: set[tuple[int, int]] = set()  # files attached for no process
         self.launch_sites: list[Site] = []  # every library's launch probes
         self._launch_attached: list[Attached] = []  # those attached now
         # SWITCHED_GROUPS: each group's sites, those attached now, and whether they go
@@ -229,10 +232,21 @@ class GpuProbes:
             self.prenames.scan(pid)
         return new
 
+    def _mapping(self, path: str) -> dict[int, str] | None:
+        """``Uprobes``' scope: the traced processes that map the file at ``path`` (a path
+        it was attached through), each with its own path to it; None for a file not
+        attached here."""
+        key = self._files.get(path)
+        if key is None or key in self._unscoped:
+            return None
+        return dict(self._mappers.get(key, {}))
+
     def forget(self, pid: int) -> None:
-        """``pid`` exited: probes attached from now on reach its libraries through
-        another process that maps them."""
+        """``pid`` exited: its probes come out, and probes attached from now on reach its
+        libraries through another process that maps them."""
         self.stubs.forget(pid)
+        if any(pid in paths for paths in self._mappers.values()):
+            self.uprobes.drop_process(pid, self.errors)
         for key, paths in self._mappers.items():
             gone = paths.pop(pid, None)
             lib = self.attached.get(key)
@@ -263,9 +277,15 @@ class GpuProbes:
             self.errors[path] = str(e)
             return None
         key = (st.st_dev, st.st_ino)
+        self._files[path] = key
+        if not pid and key not in self.attached:
+            self._unscoped.add(key)  # attached as asked: in every process that maps it
+        joined = bool(pid) and pid not in self._mappers.get(key, {})
         if pid:
             self._mappers.setdefault(key, {})[pid] = path
         if key in self.attached:
+            if joined:  # probes attached in the processes that mapped it before: in it too
+                self.uprobes.add_process(pid, self.errors)
             lib = self.attached[key]
             if lib.path != path and not os.path.exists(lib.path):  # an exit not yet seen
                 self._move_file(lib, path)

@@ -807,6 +807,8 @@ class CaptureSession:
             self.pids.add(ev.pid)
             self.sink(self._process_info(ev.pid))
             self._tls_scan(ev.pid)  # its probes are its parent's no more (per-pid links)
+            if self.gpu is not None:  # the same for the GPU probes: its own, now
+                self.gpu.scan(ev.pid)
             self._adopt_sockets(ev.pid)
         elif ev.op == C["PROC_EXEC"]:
             self.pids.add(ev.pid)

@@ -26,6 +26,7 @@ has them and skip the returns they do not need (bpf/cuda.c).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import errno
 import os
 import platform
@@ -157,12 +158,24 @@ class Site:
 
 @dataclass
 class Attached:
-    """What one ``attach`` put in place: its sites, and the links holding them."""
+    """What one ``attach`` put in place: its sites (as asked: a site of pid 0 stands
+    for each process of the scope that maps its file), and what holds them: the links
+    with the process each is limited to (0: none), or the perf events' own sites."""
     sites: list[Site] = field(default_factory=list)
     links: list[int] = field(default_factory=list)  # uprobe_multi link fds
+    link_pids: list[int] = field(default_factory=list)  # each link's process (0: any)
+    events: list[Site] = field(default_factory=list)  # perf events: the sites attached
+    # (process, path as asked) each site of that path was attached for in that process
+    reached: set[tuple[int, str]] = field(default_factory=set)
 
     def __len__(self) -> int:
         return len(self.sites)
+
+
+# a site's file -> the traced processes that map it, each with the file's path as seen
+# through that process (/proc/PID/root/...); None: the file is not known (attached in
+# every process that maps it, as a site of pid 0 is)
+Scope = Callable[[str], "dict[int, str] | None"]
 
 
 class Uprobes:
@@ -171,9 +184,18 @@ class Uprobes:
     sites can be attached (uprobe session links); callers that have a session handler
     use it then, else an entry and a return probe.
 
-    ``lock`` guards BCC's bookkeeping, which is not meant for two threads at once."""
+    ``lock`` guards BCC's bookkeeping, which is not meant for two threads at once.
 
-    def __init__(self, bpf: Any, lock: threading.Lock, mode: str = "auto") -> None:
+    ``scope``: where a site of pid 0 goes. A uprobe is written into every process that
+    maps its file unless it is limited to one; a process the agent does not trace then
+    takes the trap for nothing (the program returns at once: on the dev VM 1.3 us of
+    system time a call of the stand-in's cuLaunchKernel, bench/untraced_neighbour.py
+    --gpu). With a scope, such a site is attached once per traced process that maps
+    its file, limited to it (``add_process`` and ``drop_process`` follow them)."""
+
+    def __init__(self, bpf: Any, lock: threading.Lock, mode: str = "auto",
+                 scope: Scope | None = None) -> None:
+        self.scope = scope
         if mode not in MODES:
             raise ValueError(f"uprobe mode must be one of {', '.join(MODES)}, not {mode!r}")
         self.bpf = bpf
@@ -228,11 +250,32 @@ class Uprobes:
             self._live.append(got)
         return got
 
-    def _attach_into(self, got: Attached, sites: list[Site], errors: dict[str, str]) -> None:
+    def _in_scope(self, got: Attached, sites: list[Site],
+                  only: int | None = None) -> list[tuple[Site, Site]]:
+        """Each site as asked, with each site to attach for it: itself where it names a
+        process or its file is out of the scope, else one per traced process mapping
+        its file that ``got`` has not reached yet (``only``: that process's alone)."""
+        out = []
+        for s in sites:
+            where = None if s.pid or self.scope is None else self.scope(s.path)
+            if where is None:
+                if only is None:
+                    out.append((s, s))
+                continue
+            out += [(s, dataclasses.replace(s, pid=pid, path=path))
+                    for pid, path in sorted(where.items())
+                    if only in (None, pid) and (pid, s.path) not in got.reached]
+        return out
+
+    def _attach_into(self, got: Attached, sites: list[Site], errors: dict[str, str],
+                     only: int | None = None) -> None:
+        pairs = self._in_scope(got, sites, only)
+        got.reached |= {(s.pid, asked.path) for asked, s in pairs if s is not asked}
+        done: set[int] = set()  # sites as asked (by id) with one attached at least
         if self.multi:
-            self._attach_links(sites, errors, got)
+            done = self._attach_links(pairs, errors, got)
         else:
-            for s in sites:
+            for asked, s in pairs:
                 if s.session:
                     errors[s.describe()] = "uprobe sessions need uprobe_multi links"
                     continue
@@ -244,9 +287,44 @@ class Uprobes:
                 except Exception as e:  # BCC raises bare Exception on attach failure
                     errors[s.describe()] = str(e)
                     continue
-                got.sites.append(s)
+                got.events.append(s)
+                done.add(id(asked))
+        if only is None:
+            got.sites += [s for s in sites if id(s) in done]
 
-    def _attach_links(self, sites: list[Site], errors: dict[str, str], got: Attached) -> None:
+    def add_process(self, pid: int, errors: dict[str, str]) -> None:
+        """``pid`` joined the scope (a traced process maps a file attached before): every
+        group attached now is attached in it too (groups parked by ``suspend`` are at
+        ``resume``, from the scope as it is then)."""
+        with self._live_lock:
+            live = list(self._live)
+        for g in live:
+            self._attach_into(g, g.sites, errors, only=pid)
+
+    def drop_process(self, pid: int, errors: dict[str, str]) -> None:
+        """``pid`` left the scope (it exited): the links and events limited to it are
+        taken out of every group attached now."""
+        with self._live_lock:
+            live = list(self._live)
+        fds = []
+        for g in live:
+            keep = [(fd, p) for fd, p in zip(g.links, g.link_pids) if p != pid]
+            fds += [fd for fd, p in zip(g.links, g.link_pids) if p == pid]
+            g.links, g.link_pids = [fd for fd, _ in keep], [p for _, p in keep]
+            gone = [s for s in g.events if s.pid == pid]
+            g.events = [s for s in g.events if s.pid != pid]
+            g.reached = {r for r in g.reached if r[0] != pid}
+            self._detach_events(gone, errors)
+        if fds:
+            _close_all(fds)
+
+    def _attach_links(self, pairs: list[tuple[Site, Site]], errors: dict[str, str],
+                      got: Attached) -> set[int]:
+        """Link each site to attach, grouped by file, program and process; the ids of
+        the sites as asked with one linked at least."""
+        asked = {id(s): a for a, s in pairs}
+        sites = [s for _, s in pairs]
+        done: set[int] = set()
         groups: dict[tuple[str, str, bool, int, bool], list[tuple[Site, int]]] = \
             defaultdict(list)
         for s, off in _file_offsets(sites, errors):
@@ -266,7 +344,8 @@ class Uprobes:
             try:
                 got.links.append(_create_link(prog.fd, path, [o for _, o in members], ret,
                                               pid, session))
-                got.sites.extend(s for s, _ in members)
+                got.link_pids.append(pid)
+                done.update(id(asked[id(s)]) for s, _ in members)
                 continue
             except OSError:
                 pass  # one bad site fails the whole link: find which, one by one
@@ -276,7 +355,9 @@ class Uprobes:
                 except OSError as e:
                     errors[s.describe()] = f"uprobe_multi link: {e.strerror}"
                     continue
-                got.sites.append(s)
+                got.link_pids.append(pid)
+                done.add(id(asked[id(s)]))
+        return done
 
     def sites_of(self, group: Attached) -> list[Site]:
         """``group``'s sites: attached, or parked until ``resume`` puts them back."""
@@ -345,15 +426,20 @@ class Uprobes:
         if self.multi:
             _close_all([fd for g in groups for fd in g.links])
         else:
-            for s in (s for g in groups for s in g.sites):
-                try:
-                    with self.lock:
-                        how = self.bpf.detach_uretprobe if s.ret else self.bpf.detach_uprobe
-                        how(name=s.path.encode(), addr=s.vaddr, pid=s.pid or -1)
-                except Exception as e:  # BCC raises bare Exception
-                    errors[f"{s.describe()} (detach)"] = str(e)
+            self._detach_events([s for g in groups for s in g.events], errors)
         for g in groups:
-            g.links, g.sites = [], []
+            g.links, g.link_pids, g.events, g.sites = [], [], [], []
+            g.reached = set()
+
+    def _detach_events(self, sites: list[Site], errors: dict[str, str]) -> None:
+        """Perf events: detach each site attached so."""
+        for s in sites:
+            try:
+                with self.lock:
+                    how = self.bpf.detach_uretprobe if s.ret else self.bpf.detach_uprobe
+                    how(name=s.path.encode(), addr=s.vaddr, pid=s.pid or -1)
+            except Exception as e:  # BCC raises bare Exception
+                errors[f"{s.describe()} (detach)"] = str(e)
 
     def close(self, errors: dict[str, str]) -> float:
         """Detach everything still attached, all links at once (BCC's ``cleanup`` would
