@@ -96,6 +96,17 @@ the server syscall counts (all servers together) are on replica 0's record. On a
         --budget-s 480 --settle-resume-s 1.5 --agent-args="--gpu-sample auto" \\
         --out OUT_DIR/real_server-hf-cb-h100x4.json
 
+``--design crossover`` (slices, an even ``--replicas``): two agents, each tracing half
+the replicas (i % 2), one half traced and the other not in every time slice, the halves
+swapped in ABBA order. A round still gives each replica one traced and one untraced
+slice (the statistics are the same), but its mean now sets each half's traced slice
+against the other half's at the same moment, so the host's own drift, shared by the
+replicas, cancels: on 4 H100s the noise of a round's mean fell from 0.089 to
+0.012-0.031 (docs/overhead.md, "a crossover design"). What it leaves out: the untraced
+half runs beside the traced half's global probes (the socket and TCP tracepoints'
+early returns); ``--null-every N`` adds to every Nth round a slice with neither half
+traced (``none-traced``) to measure that.
+
 ``--breakdown`` adds slices (windows) with one part of the tracer off while the rest
 traces (payload copies: capture-limit 1 byte; the agent's analysis: records read and
 dropped; on GPU servers the kernel-launch uprobes, the stub-naming window, the
