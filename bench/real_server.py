@@ -152,7 +152,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1519,17 +1519,68 @@ def lane_cpu(lane: Lane) -> float:
     return lane.client.cpu if lane.client is not None else 0.0
 
 
+Records = list[dict[str, Any]]
+
+
+def run_rounds(kind: str, lanes: list[Lane], args: argparse.Namespace, modes: list[str],
+               switches: list[float],
+               take_round: Callable[[int, dict[int, GpuClocks]], Records]
+               ) -> tuple[Records, float, float]:
+    """The rounds of a slices run, both designs: ``take_round(order, clocks)`` switches
+    and measures round ``order``'s (1, 2, ...) time slices and returns their records.
+    Slices are asked of the clients one round late, when every request sent in them has
+    had its first token. Rounds go on until the tokens/s interval is within
+    ``--target`` (after ``--min-pairs`` rounds), or ``--max-pairs`` or ``--budget-s``
+    run out. The slices, with ``t0`` from the first one's, and the run's start and end."""
+    clocks = gpu_clocks(lanes) if args.device == "cuda" else {}
+    t_start = time.monotonic()
+    slices: Records = []
+    pending: Records = []
+    order = 0
+    while True:
+        order += 1
+        done, pending = pending, take_round(order, clocks)
+        slices += pending
+        fill_slices(lanes, done)
+        elapsed = time.monotonic() - t_start
+        if args.partial:  # what a run cut short by a time limit still leaves
+            Path(args.partial).write_text(json.dumps({"server": kind, "slices": slices,
+                                                      "switches": switches}) + "\n")
+        complete = [w for w in slices if "tokens" in w]
+        if complete:
+            stats = summarise(complete, modes)
+            progress(kind, order - 1, elapsed, stats)
+            hw = stats["tokens_per_s"].get("half_width")  # the interval over rounds
+            if order - 1 >= args.min_pairs and hw is not None and hw <= args.target:
+                break
+        if order >= args.max_pairs or elapsed + elapsed / order > args.budget_s:
+            break
+    fill_slices(lanes, pending)
+    for clock in clocks.values():
+        clock.running = False
+    t0 = slices[0]["t0"] if slices else t_start
+    for w in slices:
+        w["t0"] = round(w["t0"] - t0, 3)
+    return slices, t_start, time.monotonic()
+
+
+def fill_slices(lanes: list[Lane], todo: Records) -> None:
+    """Each slice record's tokens, requests and TTFTs, asked of its replica's client."""
+    for w in todo:
+        client = lanes[w["replica"]].client
+        assert client is not None
+        w.update(client.slice(w["t0"], w["t0"] + w["wall_s"]))
+
+
 def run_slices(kind: str, agent: Agent, lanes: list[Lane], args: argparse.Namespace,
                modes: list[str], watch: Any = None, meters: Any = None
-               ) -> tuple[list[dict[str, Any]], list[float], float, dict[str, float]]:
+               ) -> tuple[Records, list[float], float, dict[str, float]]:
     """``--mode slices``: under continuous load, slices of ``--slice-s`` in the order
     U T T U U T ... (a round is one untraced and one traced slice, their order
     alternating), the parts' slices after a round's pair every ``--breakdown-every``
     rounds. The agent is switched only where the mode changes; ``--settle-s`` after
-    each switch. Every time slice measures every replica (``time_slice``). Slices are
-    asked of the clients one round late, when every request sent in them has had its
-    first token."""
-    slices: list[dict[str, Any]] = []
+    each switch. Every time slice measures every replica (``time_slice``); the rounds
+    are ``run_rounds``'."""
     switches: list[float] = []
     state: list[Any] = ["full", time.monotonic()]
     mode_s: dict[str, float] = {}
@@ -1546,52 +1597,21 @@ def run_slices(kind: str, agent: Agent, lanes: list[Lane], args: argparse.Namesp
         time.sleep(args.settle_resume_s if resumed and args.settle_resume_s is not None
                    else args.settle_s)
 
-    def fill(todo: list[dict[str, Any]]) -> None:
-        for w in todo:
-            client = lanes[w["replica"]].client
-            assert client is not None
-            w.update(client.slice(w["t0"], w["t0"] + w["wall_s"]))
-
-    clocks = gpu_clocks(lanes) if args.device == "cuda" else {}
-    t_start = time.monotonic()
-    order = 0
-    pending: list[dict[str, Any]] = []
-    while True:
-        rnd = ["untraced", "full"] if order % 2 == 0 else ["full", "untraced"]
-        if args.breakdown and order % args.breakdown_every == 0:
+    def take_round(order: int, clocks: dict[int, GpuClocks]) -> Records:
+        rnd = ["untraced", "full"] if order % 2 == 1 else ["full", "untraced"]
+        if args.breakdown and (order - 1) % args.breakdown_every == 0:
             rnd += [m for m in modes if m not in ("untraced", "full")]
-        order += 1
-        done, pending = pending, []
+        records: Records = []
         for mode in rnd:
             go(mode)
-            records = time_slice(mode, order, agent, lanes, args.slice_s, watch, clocks,
-                                 meters)
-            slices += records
-            pending += records
-        fill(done)
-        elapsed = time.monotonic() - t_start
-        if args.partial:  # what a run cut short by a time limit still leaves
-            Path(args.partial).write_text(json.dumps({"server": kind, "slices": slices,
-                                                      "switches": switches}) + "\n")
-        complete = [w for w in slices if "tokens" in w]
-        if complete:
-            stats = summarise(complete, modes)
-            progress(kind, order - 1, elapsed, stats)
-            hw = stats["tokens_per_s"].get("half_width")  # the interval over rounds
-            if order - 1 >= args.min_pairs and hw is not None and hw <= args.target:
-                break
-        if order >= args.max_pairs or elapsed + elapsed / order > args.budget_s:
-            break
-    fill(pending)
-    for clock in clocks.values():
-        clock.running = False
-    now = time.monotonic()
-    mode_s[state[0]] = mode_s.get(state[0], 0.0) + now - state[1]
+            records += time_slice(mode, order, agent, lanes, args.slice_s, watch, clocks,
+                                  meters)
+        return records
+
+    slices, t_start, end = run_rounds(kind, lanes, args, modes, switches, take_round)
+    mode_s[state[0]] = mode_s.get(state[0], 0.0) + end - state[1]
     go("full")  # the agent as it started, for its report
-    t0 = slices[0]["t0"] if slices else t_start
-    for w in slices:
-        w["t0"] = round(w["t0"] - t0, 3)
-    return slices, switches, now - t_start, mode_s
+    return slices, switches, end - t_start, mode_s
 
 
 NONE_TRACED = "none-traced"  # crossover's null slice: both halves untraced
@@ -1599,7 +1619,7 @@ NONE_TRACED = "none-traced"  # crossover's null slice: both halves untraced
 
 def run_crossover(kind: str, agents: list[Agent], lanes: list[Lane],
                   args: argparse.Namespace
-                  ) -> tuple[list[dict[str, Any]], list[float], float, list[dict[str, float]]]:
+                  ) -> tuple[Records, list[float], float, list[dict[str, float]]]:
     """``--design crossover``: two agents, each tracing half the replicas (agent g the
     lanes i with i % 2 == g); in every time slice one half is traced and the other
     untraced, the halves swapping in ABBA order (A B B A A B ...: one switch per round,
@@ -1617,7 +1637,6 @@ def run_crossover(kind: str, agents: list[Agent], lanes: list[Lane],
     the round's untraced slice of each replica, what that tax is (``server_sys``'s
     ``none-traced_added_per_s``: minus the system CPU it costs an untraced server).
     Per agent the seconds it spent in each mode."""
-    slices: list[dict[str, Any]] = []
     switches: list[float] = []
     traced: list[int | None] = [0]  # the half traced now (agent 1 is paused first)
     mode_s: list[dict[str, float]] = [{}, {}]
@@ -1644,56 +1663,25 @@ def run_crossover(kind: str, agents: list[Agent], lanes: list[Lane],
         resumed = half is not None and args.settle_resume_s is not None
         time.sleep(args.settle_resume_s if resumed else args.settle_s)
 
-    def fill(todo: list[dict[str, Any]]) -> None:
-        for w in todo:
-            client = lanes[w["replica"]].client
-            assert client is not None
-            w.update(client.slice(w["t0"], w["t0"] + w["wall_s"]))
-
-    clocks = gpu_clocks(lanes) if args.device == "cuda" else {}
-    t_start = time.monotonic()
-    order = 0
-    pending: list[dict[str, Any]] = []
-    while True:
-        halves: list[int | None] = [0, 1] if order % 2 == 0 else [1, 0]
-        order += 1
+    def take_round(order: int, clocks: dict[int, GpuClocks]) -> Records:
+        halves: list[int | None] = [0, 1] if order % 2 == 1 else [1, 0]
         if args.null_every and order % args.null_every == 0:
             halves.append(None)
-        done, pending = pending, []
+        records: Records = []
         for half in halves:
             go(half)
             lane_modes = [NONE_TRACED if half is None else "full" if i % 2 == half
                           else "untraced" for i in range(len(lanes))]
-            records = time_slice(lane_modes, order, agents, lanes, args.slice_s,
-                                 clocks=clocks)
-            slices += records
-            pending += records
-        fill(done)
-        elapsed = time.monotonic() - t_start
-        if args.partial:
-            Path(args.partial).write_text(json.dumps({"server": kind, "slices": slices,
-                                                      "switches": switches}) + "\n")
-        complete = [w for w in slices if "tokens" in w]
-        if complete:
-            stats = summarise(complete, modes)
-            progress(kind, order - 1, elapsed, stats)
-            hw = stats["tokens_per_s"].get("half_width")
-            if order - 1 >= args.min_pairs and hw is not None and hw <= args.target:
-                break
-        if order >= args.max_pairs or elapsed + elapsed / order > args.budget_s:
-            break
-    fill(pending)
-    for clock in clocks.values():
-        clock.running = False
-    now = time.monotonic()
-    book(now)
+            records += time_slice(lane_modes, order, agents, lanes, args.slice_s,
+                                  clocks=clocks)
+        return records
+
+    slices, t_start, end = run_rounds(kind, lanes, args, modes, switches, take_round)
+    book(end)
     for g in (0, 1):  # both traced, as they began
         if g != traced[0]:
             switch_time(agents[g].ctl("resume"), "resume", switches)
-    t0 = slices[0]["t0"] if slices else t_start
-    for w in slices:
-        w["t0"] = round(w["t0"] - t0, 3)
-    return slices, switches, now - t_start, mode_s
+    return slices, switches, end - t_start, mode_s
 
 
 def switch_effects(slices: list[dict[str, Any]]) -> dict[str, Any]:
