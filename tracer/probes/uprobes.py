@@ -256,8 +256,14 @@ class Uprobes:
         process or its file is out of the scope, else one per traced process mapping
         its file that ``got`` has not reached yet (``only``: that process's alone)."""
         out = []
+        scopes: dict[str, dict[int, str] | None] = {}  # each file's, asked once
         for s in sites:
-            where = None if s.pid or self.scope is None else self.scope(s.path)
+            if s.pid or self.scope is None:
+                where = None
+            else:
+                if s.path not in scopes:
+                    scopes[s.path] = self.scope(s.path)
+                where = scopes[s.path]
             if where is None:
                 if only is None:
                     out.append((s, s))
