@@ -925,6 +925,10 @@ MODES = {  # name -> control commands that set it up from "full" (the default tr
     # "sampled" with the sampled copies' probes switched with the launch probes
     # (as --gpu-sample auto does where a thread's steps are told apart without them)
     "sampled-copies": ["gpu-sample 0.1 copies"],
+    # "sampled-copies" with the memsets' probes switched too (--gpu-sample auto keeps
+    # them counted where their bytes are not predicted to 1% of the bytes moved): what
+    # the memsets' traps cost, against "sampled-copies" in the same rounds
+    "sampled-memsets": ["gpu-sample 0.1 copies memsets"],
     # no probe of ours, only a do-nothing syscall tracepoint held by the bench: what the
     # kernel's syscall slow path (on while any syscall tracepoint is) costs the server
     "slow-path": ["pause", "bench:slow-path on"],
@@ -939,6 +943,7 @@ UNDO = {"untraced": ["resume"], "full": [], "no-payload": ["capture-limit 262144
         "alias-lookups-open": ["alias-lookups off"],
         "census": ["probe-stats off"], "sampled": ["gpu-sample 1"],
         "sampled-p5": ["gpu-sample 1"], "sampled-copies": ["gpu-sample 1"],
+        "sampled-memsets": ["gpu-sample 1"],
         "slow-path": ["bench:slow-path off", "resume"],
         "agent-load": ["bench:agent-load off", "resume"]}
 # the bench's own switches ("bench:NAME on|off": slow-path, agent-load), set up by
@@ -1163,11 +1168,13 @@ def choose_modes(args: argparse.Namespace, gpu: bool) -> list[str]:
         parts = ["no-payload", "no-analysis", "census", "slow-path", "agent-load"]
         if gpu:
             parts += ["no-launch-probes", "sockets-only", "burst-min-1ms", "stub-naming-open",
-                      "alias-lookups-open", "sampled", "sampled-p5", "sampled-copies"]
+                      "alias-lookups-open", "sampled", "sampled-p5", "sampled-copies",
+                      "sampled-memsets"]
             MODES["sampled"] = [f"gpu-sample {args.sample_fraction:g}"
                                 + (f" {args.sample_period:g}" if args.sample_period else "")]
             MODES["sampled-p5"] = [f"gpu-sample {args.sample_fraction:g} 5"]
             MODES["sampled-copies"] = [MODES["sampled"][0] + " copies"]
+            MODES["sampled-memsets"] = [MODES["sampled"][0] + " copies memsets"]
         wanted = args.breakdown_modes.split(",") if args.breakdown_modes else parts
         modes += [m for m in parts if m in wanted]
     return modes
