@@ -154,10 +154,12 @@ class StampedSocket:
         self.sock.close()
 
 
-def drive(clients: list, begin: Callable[[int, int, Any], None], per_client: int) -> list[dict]:
+def drive(clients: list, begin: Callable[[int, int, Any], None], per_client: int,
+          finished: Callable[[Any], None] | None = None) -> list[dict]:
     """Run ``per_client`` calls on each client, all clients at once, from this one
     thread: ``begin(i, k, client)`` starts client i's k-th call, and ``client.step()``
-    handles its socket when readable, returning the call's result once it ends. One
+    handles its socket when readable, returning the call's result once it ends;
+    ``finished(client)`` is called once a client's last call has ended. One
     thread reads each socket as soon as it is readable: many client threads would make
     each other wait for the GIL, and a late read lets TCP merge a token's segment into
     a later one's buffer, whose stamp is then the later one's."""
@@ -180,6 +182,8 @@ def drive(clients: list, begin: Callable[[int, int, Any], None], per_client: int
                 left[c] -= 1
             else:
                 sel.unregister(c.sock)
+                if finished is not None:
+                    finished(c)
     sel.close()
     return done
 

@@ -20,7 +20,6 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -267,27 +266,25 @@ def test_an_agent_late_after_its_drain_keeps_the_holds_it_has_not_read_yet(
 
 
 def test_single_threaded_server_backlog_is_socket_wait(tmp_path, no_gc):
+    """Six new connections at once to a server that serves one at a time, three waves.
+    One real-time thread drives the six (``drive``): with a thread each, a client that
+    waited for a CPU read its first token late, TCP had merged the next token's segment
+    into the first's by then, and the stamp was the next token's (on the loaded VM: a
+    client's TTFT one or two tokens, 2.1-4.5 ms, later than the span's)."""
     with SampleServer("samples.stdlib_server", port=free_port(), log=tmp_path / "s.log",
                       args=["--single", "--prefill-ms", "40", "--token-ms", "2"]) as srv:
         results: list[dict] = []
-        lock = threading.Lock()
 
-        def one(start: threading.Barrier) -> None:
-            start.wait()
-            c = RawClient(srv.port)  # a new connection each: the listen backlog counts
-            r = c.chat(stream=True, max_tokens=4)
-            c.close()
-            with lock:
-                results.append(r)
+        def begin(i: int, k: int, c: RawClient) -> None:
+            c.begin(stream=True, max_tokens=4)
 
         with traced_cli(["--pid", str(srv.pid)], str(tmp_path / "spans.jsonl")) as got:
             for _ in range(3):
-                start = threading.Barrier(6)
-                threads = [threading.Thread(target=one, args=(start,)) for _ in range(6)]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
+                # a new connection each: the listen backlog counts; each closed once
+                # answered (the server serves a keep-alive connection until it closes)
+                clients = [RawClient(srv.port) for _ in range(6)]
+                with realtime_thread():
+                    results += drive(clients, begin, per_client=1, finished=RawClient.close)
     spans = spans_by_response_id(got.spans)
     assert len(results) == 18 and len(spans) == 18, got.stderr
     ttft, _ = _compare(results, spans)
