@@ -33,7 +33,7 @@ demo: setup
 	$(BIN)/tokentrace demo
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 bench: setup
 	$(BIN)/python bench/overhead.py

@@ -149,6 +149,20 @@ def test_the_memsets_go_with_the_launches_only_where_every_deciding_thread_allow
                           needed) == auto.fraction
         assert auto.memsets is memsets and not auto.copies, (needed, auto.reason)
         assert ("and the memsets" in auto.reason) is memsets, auto.reason
+        assert ("too few steps" in auto.reason) is (needed.get(ENGINE, None) is None)
+
+
+def test_memsets_kept_counted_say_how_far_off_their_estimate_was():
+    auto = AutoSample()
+    auto.check(0.0, {}, set())
+    both = {ENGINE: (40000, 1000), OTHER: (40000, 1000)}
+    assert auto.check(5.0, both, set(), {ENGINE: False, OTHER: False},
+                      {ENGINE: True, OTHER: True},
+                      {ENGINE: (0.38, 0.024), OTHER: (0.9, 0.011)}) == auto.fraction
+    assert not auto.memsets
+    # the worst against all the bytes moved is what the policy weighed
+    assert f"thread {ENGINE[1]}: its memset bytes estimated off by 38% of them, 2.40% of " \
+        "all the bytes" in auto.reason, auto.reason
 
 
 def test_the_sampling_period_follows_how_fast_the_launch_probes_detach():

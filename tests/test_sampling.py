@@ -424,6 +424,10 @@ def test_memsets_are_sampled_only_where_each_step_makes_what_its_shape_does():
                             h2d_bytes=100_000), prev_end=t - 1_000)
     assert small.blind_memset_error(PID, TID) > 0.5
     assert small.memsets_tell_steps_apart(PID, TID) is False
+    own, moved = small.blind_memset_shares(PID, TID)
+    assert own == small.blind_memset_error(PID, TID) and 0 < moved < 0.01
+    assert est.blind_memset_shares(PID, TID)[1] > 0.01  # "in runs", no copies to dilute it
+    assert StepEstimates().blind_memset_shares(PID, TID) is None
     st = step_of(900_000, 905_000, 0, 2, {}, memsets=0)  # none seen: probes were off
     assert est.fill(st, prev_end=899_000, copies_sampled=True, memsets_sampled=True)
     # the shape's mean: half the steps made 9 (of 32 bytes each)

@@ -100,9 +100,12 @@ class AutoSample:
     def check(self, now: float, threads: Mapping[ThreadKey, tuple[int, int]],
               same_thread: AbstractSet[ThreadKey],
               copies_needed: Mapping[ThreadKey, bool | None] | None = None,
-              memsets_needed: Mapping[ThreadKey, bool | None] | None = None
+              memsets_needed: Mapping[ThreadKey, bool | None] | None = None,
+              memset_errors: Mapping[ThreadKey, tuple[float, float] | None] | None = None
               ) -> float | None:
-        """The fraction to switch to now, or None to stay as it is."""
+        """The fraction to switch to now, or None to stay as it is. ``memset_errors``:
+        per thread, how far its memset bytes were off their estimate, as shares of its
+        memset bytes and of all the bytes its steps moved (for ``reason``)."""
         last, last_ts = self._last, self._last_ts
         self._last, self._last_ts = dict(threads), now
         if self.state == "off" or last_ts is None or now <= last_ts:
@@ -143,5 +146,21 @@ class AutoSample:
                                    f"; {COPIES} all counted (too few steps to "
                                    "tell whether they are needed)")
                        + (", and the memsets" if self.memsets else
-                          "; memsets all counted"))
+                          "; memsets all counted" + _why_memsets(deciding, memsets,
+                                                                 memset_errors or {})))
         return self.fraction
+
+
+def _why_memsets(deciding: list[ThreadKey], needed: list[bool | None],
+                 errors: Mapping[ThreadKey, tuple[float, float] | None]) -> str:
+    """Why the memsets stay probed, in words: the deciding thread whose estimate was
+    worst against all the bytes its steps moved, else that some could not be judged."""
+    shares = [(e[1], e[0], k) for k, n in zip(deciding, needed)
+              if n and (e := errors.get(k)) is not None]
+    if shares:
+        moved, own, k = max(shares)
+        return (f" (thread {k[1]}: its memset bytes estimated off by {own:.0%} of them, "
+                f"{moved:.2%} of all the bytes its steps moved)")
+    if any(n is None for n in needed) or not needed:
+        return " (too few steps counted whole to tell)"
+    return ""

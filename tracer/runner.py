@@ -109,7 +109,8 @@ class TraceRun:
         estimates = self.pipeline.attribution.estimates
         fraction = auto.check(now, threads, self.pipeline.attribution.same_thread,
                               {k: estimates.copies_tell_steps_apart(*k) for k in threads},
-                              {k: estimates.memsets_tell_steps_apart(*k) for k in threads})
+                              {k: estimates.memsets_tell_steps_apart(*k) for k in threads},
+                              {k: estimates.blind_memset_shares(*k) for k in threads})
         if fraction is not None:
             session.set_gpu_sample(fraction, auto.reason, copies=auto.copies,
                                    memsets=auto.memsets)

@@ -474,6 +474,16 @@ class StepEstimates:
         m = self.blind_memsets.get((pid, tid))
         return m[0] / m[1] if m and m[1] else None
 
+    def blind_memset_shares(self, pid: int, tid: int) -> tuple[float, float] | None:
+        """How far the steps counted whole made memset bytes off their shape's mean, as
+        shares of their memset bytes and of all the bytes they moved (what
+        ``memsets_tell_steps_apart`` weighs against ``BLIND_MEMSET_ERROR`` and
+        ``BLIND_MEMSET_MOVED``); None before any was compared."""
+        m = self.blind_memsets.get((pid, tid))
+        if not m or not m[2]:
+            return None
+        return m[0] / max(1.0, m[1]), m[0] / m[2]
+
     def blind_error(self, pid: int, tid: int) -> float | None:
         """The share by which launches estimated without the sampled copies were off."""
         err = self.blind.get((pid, tid))
