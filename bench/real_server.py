@@ -1231,6 +1231,8 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
         if gpu:  # the window kernel naming opens at attach closes by itself once naming
             for a in agents:  # is quiet: closed now, "full" is the steady state, and the
                 a.ctl("stub-naming off")  # window's cost a mode of its own
+        # --agent-ctl: the agents set as asked before the first slice (both still tracing)
+        out["agent_ctl"] = [[a.ctl(cmd).strip() for a in agents] for cmd in args.agent_ctl]
         modes = choose_modes(args, gpu) + ([NONE_TRACED] if crossover and args.null_every
                                            else [])
         if args.speed_meter:
@@ -2083,6 +2085,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="serve the tiny Llama as built (sampled EOS, byte-level decoding): "
                          "requests of varying length, chunks of one or more tokens")
     ap.add_argument("--agent-args", default="", help="more `tokentrace run` options")
+    ap.add_argument("--agent-ctl", action="append", default=[], metavar="CMD",
+                    help="a `tokentrace ctl` command sent to every agent once attached, "
+                         "before the first slice, e.g. 'gpu-sample 0.03 1 copies memsets' "
+                         "(the memsets sampled, which auto may keep counted); repeatable")
     ap.add_argument("--pool", nargs="+", metavar="JSON",
                     help="no run: the pairs of these result files (the same server and "
                          "design) taken together, printed as JSON")
