@@ -250,8 +250,8 @@ def test_an_agent_late_after_its_drain_keeps_the_holds_it_has_not_read_yet(
     from tracer.probes import ringbuf
 
     for cls in (ringbuf.RingReader, ringbuf.BccReader):
-        def late(self, _real=cls.consume):
-            n = _real(self)
+        def late(self, *budget, _real=cls.consume):
+            n = _real(self, *budget)
             time.sleep(0.3)
             return n
         monkeypatch.setattr(cls, "consume", late)

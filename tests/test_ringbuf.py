@@ -104,3 +104,43 @@ def test_a_handler_that_raises_is_counted_and_the_ring_goes_on(program):
 def test_a_size_that_is_no_ring_is_refused():
     with pytest.raises(ValueError, match="power-of-two"):
         ringbuf.RingReader(-1, 3 * 4096, lambda b: None)
+
+
+@pytest.fixture()
+def big_program():
+    loader.check_environment()
+    bcc = loader.import_bcc()
+    b = bcc.BPF(text=PROGRAM, cflags=[f"-DTARGET={os.getpid()}", "-DRING_PAGES=16"])
+    yield b
+    b.cleanup()
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the mapped reader is x86-64's")
+def test_a_read_with_a_budget_returns_while_the_producer_keeps_up(big_program):
+    """Each record read sends another (as a traced server keeps writing while the agent
+    reads): a read without a budget goes on while they come. With one it returns,
+    ``behind``, and the reads after it go on in order, losing nothing."""
+    import time
+
+    got: list[bytes] = []
+
+    def read_one(record: bytes) -> None:
+        got.append(record)
+        time.sleep(0.0002)
+        if len(got) < 2000:
+            os.getppid()  # the next record, sent while this read goes on
+
+    reader = ringbuf.open_reader(big_program, b"events", read_one)
+    for _ in range(60):
+        os.getppid()
+    reader.consume(0.02)
+    assert reader.behind and 0 < len(got) < 2000
+    reads = 1
+    while reader.behind and reads < 1000:
+        reader.consume(0.02)
+        reads += 1
+    assert not reader.behind and reads > 2
+    reader.consume()
+    assert big_program[b"full"][0].value == 0
+    check(got, int.from_bytes(got[-1][:8], "little") + 1)
+    reader.close()

@@ -26,6 +26,7 @@ import mmap
 import platform
 import select
 import struct
+import time
 from typing import Any, Callable
 
 BUSY = 1 << 31
@@ -34,6 +35,7 @@ HEADER = 8  # u32 length and flags, u32 page offset (the kernel's)
 _POS = struct.Struct("<Q")
 _LEN = struct.Struct("<I")
 PUBLISH_EVERY = 256  # records between updates of the consumer position in a long read
+CLOCK_EVERY = 32  # records between looks at the clock in a read with a time budget
 
 
 class RingReader:
@@ -47,6 +49,7 @@ class RingReader:
         self.size = size
         self.on_record = on_record
         self.errors = 0  # records whose handler raised (BCC's callback prints and goes on)
+        self.behind = False  # the last read stopped at its budget with records unread
         self._cons = mmap.mmap(map_fd, page, mmap.MAP_SHARED,
                                mmap.PROT_READ | mmap.PROT_WRITE, offset=0)
         try:
@@ -62,16 +65,25 @@ class RingReader:
         """Sleep until the producer wakes the ring or ``timeout_ms`` passes."""
         self._epoll.poll(timeout_ms / 1000.0)
 
-    def consume(self) -> int:
-        """Every committed record now in the ring, in order; returns how many."""
+    def consume(self, budget_s: float | None = None) -> int:
+        """Every committed record now in the ring, in order; returns how many. With
+        ``budget_s``, stops once that long has passed with records still unread
+        (``behind`` says so): a producer that writes as fast as this reads would
+        otherwise keep it here for good, records committed meanwhile included."""
         cons, prod, on_record = self._cons, self._prod, self.on_record
         mask = self.size - 1
         base = mmap.PAGESIZE  # the data pages follow the producer position's page
         c = _POS.unpack_from(cons, 0)[0]
         p = _POS.unpack_from(prod, 0)[0]
         n = 0
+        self.behind = False
+        deadline = None if budget_s is None else time.monotonic() + budget_s
         try:
             while c < p:
+                if (deadline is not None and n and not n % CLOCK_EVERY
+                        and time.monotonic() > deadline):
+                    self.behind = True
+                    break
                 at = base + (c & mask)
                 word = _LEN.unpack_from(prod, at)[0]
                 if word & BUSY:
@@ -103,12 +115,14 @@ class BccReader:
 
     def __init__(self, bpf: Any, table: Any, on_record: Callable[[bytes], None]) -> None:
         self.bpf = bpf
+        self.behind = False
         table.open_ring_buffer(lambda _ctx, data, size: on_record(ctypes.string_at(data, size)))
 
     def wait(self, timeout_ms: int) -> None:
         self.bpf.ring_buffer_poll(timeout_ms)
 
-    def consume(self) -> int:
+    def consume(self, budget_s: float | None = None) -> int:
+        """Everything in the ring (BCC's reader takes no budget: never ``behind``)."""
         self.bpf.ring_buffer_consume()
         return 0  # BCC does not say
 

@@ -28,6 +28,12 @@ from tracer.probes.gpu import GpuProbes
 C = wire.CONSTANTS
 CaptureItem = bytes | schema.Event
 POLL_MS = 20  # see poll()
+# The longest a poll reads the ring before its periodic work (the --gpu-sample duty
+# cycle, the control socket, counters). A read used to go on while records kept coming:
+# an agent behind its ring (two loaded benches on the dev VM) read for minutes, left a
+# sampling window open all along and answered no `ctl` (120-s timeouts). The next poll
+# then reads again at once.
+DRAIN_BUDGET_S = 0.01
 STACK_SCAN_WAIT_S = 10.0  # at start: the traced interpreters found before polling begins
 PARALLEL_DETACH = 32  # tracepoints detached at once by pause: all of them (see there)
 Sink = Callable[[CaptureItem], None]
@@ -112,6 +118,7 @@ class CaptureSession:
         self._listen_cache: dict[tuple[int, int], tuple[int, str, int]] = {}
         self._next_rescan = 0.0
         self._next_counters = 0.0
+        self._drained_to = time.monotonic_ns()  # the last drain that read all (_drain)
         self._exclude = set(config.exclude_pids) | {os.getpid()}
         self.user_counters: Counter[str] = Counter({"undecodable_records": 0})
         self.gpu: GpuProbes | None = None
@@ -192,7 +199,7 @@ class CaptureSession:
         """Deliver what the ring buffer holds, and run the periodic work. Records do
         not wake the poller one by one (see submit() in bpf/common.h), so this sleeps
         up to ``timeout_ms`` and then takes everything that arrived."""
-        self.ring.wait(timeout_ms)
+        self.ring.wait(0 if self.ring.behind else timeout_ms)
         # Records sent without a wake-up do not make epoll report the ring ready, so
         # waiting alone would leave them until a forced wake-up: take them now.
         drained_to = self._drain()
@@ -241,14 +248,19 @@ class CaptureSession:
             self.report_counters(drained_to)
 
     def _drain(self) -> int:
-        """Read every record the ring holds; returns a time no later than any record
-        still unread: stamped before the drain, every record stamped earlier is read
-        now. The counters report carries it as the stream's clock for an idle server:
+        """Read the records the ring holds, for ``DRAIN_BUDGET_S`` at most; returns a
+        time no later than any record still unread: stamped before a drain that read
+        all, every record stamped earlier was read (a drain cut short returns the last
+        such time). The counters report carries it as the stream's clock for an idle server:
         a stamp taken after the drain could run ahead of records sent meanwhile (an
         agent held off the CPU after its drain), and a request would be timed before
         the hold of its bytes was read."""
         drained_to = time.monotonic_ns()
-        self.ring.consume()
+        self.ring.consume(DRAIN_BUDGET_S)
+        if self.ring.behind:  # cut at its budget: records stamped before now still unread
+            self.user_counters["drains_cut"] += 1
+            return self._drained_to
+        self._drained_to = drained_to
         return drained_to
 
     def _toggle_launch_probes(self, now: float) -> None:
