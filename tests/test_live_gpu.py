@@ -191,7 +191,11 @@ def test_sampled_launch_probes_give_marked_estimates_close_to_the_truth(gpu_buil
         kernel_ns=100_000)
     s = doc["gpu"]["launch_sampling"]
     assert s["estimated"] and s["fraction"] == 0.5 and s["switches"] >= 4
-    assert s["detach_ms"]["max"] > 0 and 0.05 < s["measured_on_share"] < 0.7
+    # the share the gate was open, over a few switches: through perf events a detach
+    # (~0.75 s here) fills the off span, and the share came out at 0.71-0.72 in 4 of 8
+    # runs on the dev VM (before and after the ring reads got a time budget). That the
+    # probes really go off is the launches seen, below
+    assert s["detach_ms"]["max"] > 0 and 0.05 < s["measured_on_share"] < 0.85
     if links == "multi":
         # one grace period per link, closed together (perf events: ~0.1 s per probe,
         # one after the other, 0.9 s for these 8 on the dev VM; links: ~80 ms)
