@@ -17,13 +17,18 @@ from bench.ringbuf import PROGRAM
 from tracer.probes import loader, ringbuf
 
 
-@pytest.fixture()
-def program():
+def _loaded(pages: int):
+    """The bench's ring program, sending for this process into a ring of ``pages``."""
     loader.check_environment()
     bcc = loader.import_bcc()
-    b = bcc.BPF(text=PROGRAM, cflags=[f"-DTARGET={os.getpid()}", "-DRING_PAGES=1"])
+    b = bcc.BPF(text=PROGRAM, cflags=[f"-DTARGET={os.getpid()}", f"-DRING_PAGES={pages}"])
     yield b
     b.cleanup()
+
+
+@pytest.fixture()
+def program():
+    yield from _loaded(1)
 
 
 def expected_record(n: int) -> bytes:
@@ -108,11 +113,7 @@ def test_a_size_that_is_no_ring_is_refused():
 
 @pytest.fixture()
 def big_program():
-    loader.check_environment()
-    bcc = loader.import_bcc()
-    b = bcc.BPF(text=PROGRAM, cflags=[f"-DTARGET={os.getpid()}", "-DRING_PAGES=16"])
-    yield b
-    b.cleanup()
+    yield from _loaded(16)
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the mapped reader is x86-64's")
