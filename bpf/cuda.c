@@ -203,8 +203,10 @@ static __always_inline int on_launch(struct pt_regs *ctx, u64 handle, int graph)
 {
     /* --gpu-sample: the gate closes at once, before the (slow) detach, and opens
      * after the attach, so that what is counted is exactly the open span */
-    if (config_get(TT_CFG_LAUNCH_GATE_CLOSED, 0))
+    if (config_get(TT_CFG_LAUNCH_GATE_CLOSED, 0)) {
+        count(TT_CNT_GATED_CALLS);
         return 0;
+    }
     u64 id = bpf_get_current_pid_tgid();
     u64 now = bpf_ktime_get_ns();
     struct tt_kburst *b = begin_call(id, now);
@@ -268,8 +270,10 @@ static __always_inline int on_copy(struct pt_regs *ctx, u32 kind, u64 bytes)
      * (--gpu-sample, where the other probes tell a thread's steps apart without them:
      * SAMPLED_COPY_KINDS in tracer/events/gpu.py); then a gate of their own, a bit per
      * kind, stops their count before the detach, as the launches' does. */
-    if ((config_get(TT_CFG_COPY_GATE_CLOSED, 0) >> (kind & 63)) & 1)
+    if ((config_get(TT_CFG_COPY_GATE_CLOSED, 0) >> (kind & 63)) & 1) {
+        count(TT_CNT_GATED_CALLS);
         return 0;
+    }
     u64 id = bpf_get_current_pid_tgid();
     u64 now = bpf_ktime_get_ns();
     struct tt_kburst *b = begin_call(id, now);
@@ -315,8 +319,10 @@ static __always_inline int on_memset(u64 elems, u64 elem_size)
 {
     /* memsets can be sampled with the launches too, on their own (MEMSET_GATE in
      * tracer/events/gpu.py): the gate's bit after the copy kinds' */
-    if ((config_get(TT_CFG_COPY_GATE_CLOSED, 0) >> TT_COPY_KINDS) & 1)
+    if ((config_get(TT_CFG_COPY_GATE_CLOSED, 0) >> TT_COPY_KINDS) & 1) {
+        count(TT_CNT_GATED_CALLS);
         return 0;
+    }
     u64 id = bpf_get_current_pid_tgid();
     u64 now = bpf_ktime_get_ns();
     struct tt_kburst *b = begin_call(id, now);
@@ -380,6 +386,7 @@ static __always_inline int sync_enter(u32 api)
          * left its entry, which the return probe attached again before the gate opens
          * must not take for this sync's. */
         sync_inflight.delete(&id);
+        count(TT_CNT_GATED_CALLS);
         return 0;
     }
     return sync_begin(id, api, 0);
@@ -441,6 +448,7 @@ static __always_inline int sync_session(struct pt_regs *ctx, u32 api)
     if (sync_gate_closed()) {
         if (a)
             sync_inflight.delete(&id); /* a return that never came (see sync_enter) */
+        count(TT_CNT_GATED_CALLS);
         return 1;
     }
     u32 tid = (u32)id;

@@ -265,7 +265,11 @@ CONSTANTS: dict[str, int] = {
     "CNT_LOST_RUN": 16,  # RUN records lost to a full ring buffer (each up to RUN_MAX writes)
     "CNT_RUN_WRITES": 17,  # token writes staged into RUN records
     "CNT_RUNS_FULL": 18,  # run_stages full: a token write sent as its own DATA record
-    "N_COUNTERS": 19,
+    # --gpu-sample: a switched probe (launch, sampled copy, memset, sync) that ran while
+    # its gate was closed: a trap that counted nothing, the price of the switches (the
+    # probes are in place through each attach and detach, not only the open window)
+    "CNT_GATED_CALLS": 19,
+    "N_COUNTERS": 20,
 }
 
 COUNTER_NAMES: dict[int, str] = {

@@ -378,11 +378,14 @@ class GpuProbes:
         if self.detaching:
             raise RuntimeError("the launch probes are still being detached")
         t0 = time.perf_counter()
-        self._launch_attached = [self.uprobes.attach(self.launch_sites, self.errors)]
+        # The launch sites last: every site traps from the moment it is in, and the
+        # gate opens only after the whole attach, so a trap before that counts nothing
+        # (capture.gated_calls). Launches are the most frequent of these calls.
         for g, on in self.switched.items():
             if on:
                 self._group_attached[g] = [self.uprobes.attach(self.group_sites[g],
                                                                self.errors)]
+        self._launch_attached = [self.uprobes.attach(self.launch_sites, self.errors)]
         self.launches_on = True
         return time.perf_counter() - t0
 
