@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from tracer.correlate.connections import TrackerOptions  # noqa: E402
 from tracer.correlate.records import RequestRecord  # noqa: E402
+from tracer.correlate.sampling import RUN_LENGTHS  # noqa: E402
 from tracer.events import capture, schema  # noqa: E402
 from tracer.events.gpu import SAMPLED_COPY_KINDS, GpuSampling, KernelBurst  # noqa: E402
 from tracer.pipeline import Pipeline  # noqa: E402
@@ -223,6 +224,7 @@ def measure(path: Path, fraction: float, period_s: float, phases: int,
             "memset_bytes": errors(truth, sampled, "gpu.memset_bytes"),
         })
     est = tp.attribution.estimates
+    steps = tp.attribution.typical_request_steps()
     return {"capture": path.name, "requests": len(truth.gpu), "fraction": fraction,
             "period_s": period_s, "exact_s": exact_s, "copies": copies, "memsets": memsets,
             # how far launches estimated without the sampled copies were off,
@@ -236,6 +238,15 @@ def measure(path: Path, fraction: float, period_s: float, phases: int,
             "memsets_blind_bytes_error": {
                 f"{pid}/{tid}": round(e, 4) for (pid, tid) in est.blind
                 if (e := est.blind_memset_error(pid, tid)) is not None},
+            # ... the same summed over runs of each RUN_LENGTHS steps, the steps the
+            # median request was in, and whether auto would keep the memsets probed
+            "memsets_blind_runs_error": {
+                f"{pid}/{tid}": {n: round(off / nbytes, 4) for n, (off, nbytes)
+                                 in zip(RUN_LENGTHS, runs) if nbytes}
+                for (pid, tid), runs in est.blind_memset_runs.items()},
+            "request_steps_median": steps,
+            "memsets_kept_probed": {f"{pid}/{tid}": est.memsets_tell_steps_apart(pid, tid, steps)
+                                    for (pid, tid) in est.blind},
             "runs": runs}
 
 

@@ -158,11 +158,18 @@ def test_memsets_kept_counted_say_how_far_off_their_estimate_was():
     both = {ENGINE: (40000, 1000), OTHER: (40000, 1000)}
     assert auto.check(5.0, both, set(), {ENGINE: False, OTHER: False},
                       {ENGINE: True, OTHER: True},
-                      {ENGINE: (0.38, 0.024), OTHER: (0.9, 0.011)}) == auto.fraction
+                      {ENGINE: (0.38, 0.024, (32, 0.12)), OTHER: (0.9, 0.011, None)}
+                      ) == auto.fraction
     assert not auto.memsets
     # the worst against all the bytes moved is what the policy weighed
-    assert f"thread {ENGINE[1]}: its memset bytes estimated off by 38% of them, 2.40% of " \
-        "all the bytes" in auto.reason, auto.reason
+    assert f"thread {ENGINE[1]}: its memset bytes estimated off by 38% of them a step, " \
+        "12% over runs of 32 steps, as a request's, 2.40% of all the bytes" in auto.reason, \
+        auto.reason
+    auto = AutoSample()
+    auto.check(0.0, {}, set())
+    auto.check(5.0, both, set(), {ENGINE: False, OTHER: False}, {ENGINE: True, OTHER: True},
+               {OTHER: (0.9, 0.011, None)})
+    assert "off by 90% of them a step, 1.10% of all" in auto.reason, auto.reason
 
 
 def test_the_sampling_period_follows_how_fast_the_launch_probes_detach():

@@ -377,6 +377,41 @@ def test_copies_are_sampled_only_where_they_do_not_tell_steps_apart():
         assert lo <= est.blind_error(*engine) <= hi, name
         assert est.copies_tell_steps_apart(*engine) is needed, name
         assert est.memsets_tell_steps_apart(*engine) is memsets, name
+        # and told how many steps a request is in (the median of those released): the
+        # CB capture's memsets, made in the batch's last steps, do not cancel over them
+        steps = p.attribution.typical_request_steps()
+        assert steps is not None and 20 < steps < 300, name
+        assert est.memsets_tell_steps_apart(*engine, steps) is memsets, name
+        if name.startswith("hf-cb"):
+            assert est.memset_runs_error(*engine, steps)[1] > 0.2
+
+
+def test_memsets_off_a_step_but_even_over_a_requests_steps_are_sampled():
+    """Memsets that alternate between twice the shape's mean and none are 100% off a
+    step, but a request in 16 steps is charged about its share either way: over runs
+    of 16 steps their error is ~5%, so where requests are in 16 steps or more they go
+    with the launches; where requests are in fewer than the shortest run (4), or it is
+    not known, they stay probed. Memsets in one run of steps and none after do not
+    cancel over 16 steps (~45%): probed whatever the requests' length."""
+    from tracer.correlate.sampling import RUN_LENGTHS, StepEstimates
+
+    n = 4 * 16
+    for name, pattern, runs_off, at_16 in (
+            ("alternating", lambda i: 18 * (i % 2), (0.03, 0.08), False),
+            ("in runs", lambda i: 9 * (i < n // 2), (0.3, 0.6), True)):
+        est = StepEstimates()
+        for i in range(n):
+            t = 10_000 * (i + 1)
+            est.learn(step_of(t, t + 5_000, 40, 2, {7: 40}, memsets=pattern(i)),
+                      prev_end=t - 1_000)
+        own, moved, runs = est.blind_memset_shares(PID, TID, 20)
+        assert own > 0.5 and moved > 0.01, name  # one step at a time: far off
+        assert runs is not None and runs[0] == 16 and runs_off[0] < runs[1] < runs_off[1], name
+        assert est.memsets_tell_steps_apart(PID, TID, 20) is at_16, name
+        assert est.memsets_tell_steps_apart(PID, TID) is True, name
+        assert est.memsets_tell_steps_apart(PID, TID, RUN_LENGTHS[0] - 1) is True, name
+        # 63 steps compared (the first had no mean yet): no whole run of 64, the 32s'
+        assert est.memset_runs_error(PID, TID, 1000)[0] == 32, name
 
 
 def test_copies_made_in_a_few_steps_stay_probed_even_where_launches_are_told_apart():
@@ -424,8 +459,9 @@ def test_memsets_are_sampled_only_where_each_step_makes_what_its_shape_does():
                             h2d_bytes=100_000), prev_end=t - 1_000)
     assert small.blind_memset_error(PID, TID) > 0.5
     assert small.memsets_tell_steps_apart(PID, TID) is False
-    own, moved = small.blind_memset_shares(PID, TID)
+    own, moved, runs = small.blind_memset_shares(PID, TID)
     assert own == small.blind_memset_error(PID, TID) and 0 < moved < 0.01
+    assert runs is None  # how many steps a request is in: not said
     assert est.blind_memset_shares(PID, TID)[1] > 0.01  # "in runs", no copies to dilute it
     assert StepEstimates().blind_memset_shares(PID, TID) is None
     st = step_of(900_000, 905_000, 0, 2, {}, memsets=0)  # none seen: probes were off

@@ -107,10 +107,13 @@ class TraceRun:
             return
         threads = self.pipeline.gpu_threads()
         estimates = self.pipeline.attribution.estimates
+        request_steps = self.pipeline.attribution.typical_request_steps()
         fraction = auto.check(now, threads, self.pipeline.attribution.same_thread,
                               {k: estimates.copies_tell_steps_apart(*k) for k in threads},
-                              {k: estimates.memsets_tell_steps_apart(*k) for k in threads},
-                              {k: estimates.blind_memset_shares(*k) for k in threads})
+                              {k: estimates.memsets_tell_steps_apart(*k, request_steps)
+                               for k in threads},
+                              {k: estimates.blind_memset_shares(*k, request_steps)
+                               for k in threads})
         if fraction is not None:
             session.set_gpu_sample(fraction, auto.reason, copies=auto.copies,
                                    memsets=auto.memsets)

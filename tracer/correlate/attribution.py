@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
+from statistics import median
 from typing import Any, Callable, Iterable, Protocol
 
 from tracer.correlate.arrivals import Arrivals
@@ -67,6 +68,11 @@ MAX_PENDING_NS = 10 * 10**9  # decided steps wait this long for a usable model..
 # ...then take a provisional one (fitted on fewer steps), or wait for one up to this
 MAX_PENDING_HARD_NS = 60 * 10**9
 TOP_KERNELS = 5  # kernels named on a span, by its share of their launches
+# requests whose steps tell --gpu-sample auto how many steps a request is in (the
+# memsets' error over runs that long: tracer/correlate/sampling.py RUN_LENGTHS), and
+# how many must have been released before it is told
+REQUEST_STEPS_HISTORY = 256
+REQUEST_STEPS_MIN = 8
 
 
 class Pricing(Protocol):
@@ -293,6 +299,8 @@ class GpuAttribution:
         self.tallies: dict[LogKey, Tally] = {}  # decoding members' running sums per log
         self.released_end: dict[int, int] = {}  # pid -> latest end_ns released
         self.gpu_pids: set[int] = set()  # processes seen on the GPU
+        # the engine steps each of the latest requests released was in
+        self.request_steps: deque[int] = deque(maxlen=REQUEST_STEPS_HISTORY)
         self.request_pids: set[int] = set()  # processes that answered requests
         self.logs: dict[LogKey, StepLog] = {}
         self.members: dict[LogKey, Membership] = {}
@@ -404,6 +412,13 @@ class GpuAttribution:
         heapq.heappush(self._held_due, (due, next(self._held_seq), rec))
         self._held_arrivals.add(rec)
         self._next_scan = min(self._next_scan, due)
+
+    def typical_request_steps(self) -> float | None:
+        """The median of the engine steps the latest requests released were each in
+        (None before ``REQUEST_STEPS_MIN`` of them)."""
+        if len(self.request_steps) < REQUEST_STEPS_MIN:
+            return None
+        return float(median(self.request_steps))
 
     @property
     def wake_ns(self) -> int:
@@ -942,6 +957,8 @@ class GpuAttribution:
         if share is not None:
             rec.gpu.update(share.attributes(self.pricing, self.kernel_name))
             rec.flame = share.flame
+            if share.steps:
+                self.request_steps.append(share.steps)
             if primary is not None:
                 self._phases(rec, *primary, share)
         self.released_end[rec.pid] = max(self.released_end.get(rec.pid, 0), rec.end_ns)

@@ -313,6 +313,18 @@ BLIND_MEMSET_ERROR = BLIND_COPY_ERROR
 # 0.1-0.3% of its steps' bytes on the H100 captures, so estimated they cost a request's
 # bytes moved little, and probed they were ~30% of the GPU traps left (4xH100, c8)
 BLIND_MEMSET_MOVED = 0.01
+# ... or where the error of runs of consecutive steps counted whole, as many as the
+# typical request is in (the longest of RUN_LENGTHS within the median of the requests
+# released so far), each run's memset bytes against its steps' shape means summed, is
+# within BLIND_MEMSET_ERROR of their memset bytes: a request's memset bytes are its
+# shares of the steps it is in, so a step's memsets above its shape's mean and the
+# next one's below cancel in what it is charged. HF serve CB, an exact c8 capture on
+# 4 H200s (bench/sampling_error.py): its memsets ~1/3 of the bytes its steps moved, a
+# step's 15.7% off its shape's mean, runs of 4/8/16/32/64 steps 11.8/8.2/5.5/3.3/2.3%,
+# and each request's memset bytes imposed sampled 1.3% off at the median, 5% at p90.
+# Where memsets come in one run of steps (the H100 captures' batch draining), runs of
+# 16 are as far off as single steps (42% and 24%)
+RUN_LENGTHS = (4, 8, 16, 32, 64)
 MAX_MEMSET_SHAPES = 4096  # (thread, shape) means kept; all forgotten past this
 
 
@@ -343,6 +355,10 @@ class StepEstimates:
         # thread -> [|its shape's mean memset bytes so far - counted|, memset bytes
         # counted, all bytes moved (copies and memsets)]
         self.blind_memsets: dict[ThreadKey, list[float]] = {}
+        # thread -> per RUN_LENGTHS, over its whole runs: [|the sum of (mean -
+        # counted)|, memset bytes counted], and the run under way: [steps, sum, bytes]
+        self.blind_memset_runs: dict[ThreadKey, list[list[float]]] = {}
+        self._memset_runs: dict[ThreadKey, list[list[float]]] = {}
         # (thread, shape without the sampled copies[, the bytes of the copies still
         # probed]) -> [steps, memset bytes, calls]
         self._memset_means: dict[tuple[Any, ...], list[int]] = {}
@@ -415,9 +431,20 @@ class StepEstimates:
         mean = self._memset_mean(step)
         if mean is not None:
             m = self.blind_memsets.setdefault(key, [0.0, 0.0, 0.0])
-            m[0] += abs(mean[1] / mean[0] - nbytes)
+            off = mean[1] / mean[0] - nbytes
+            m[0] += abs(off)
             m[1] += nbytes
             m[2] += nbytes + sum(_copy_sizes(step, False))
+            done = self.blind_memset_runs.setdefault(key, [[0.0, 0.0] for _ in RUN_LENGTHS])
+            runs = self._memset_runs.setdefault(key, [[0, 0.0, 0.0] for _ in RUN_LENGTHS])
+            for n, run, whole in zip(RUN_LENGTHS, runs, done):
+                run[0] += 1
+                run[1] += off
+                run[2] += nbytes
+                if run[0] == n:
+                    whole[0] += abs(run[1])
+                    whole[1] += run[2]
+                    run[:] = [0, 0.0, 0.0]
         for k in ((key, shape), (key, shape, _copy_sizes(step, True))):
             mean = self._memset_means.setdefault(k, [0, 0, 0])
             mean[0] += 1
@@ -458,31 +485,51 @@ class StepEstimates:
         return (err[1] > BLIND_ERROR * max(1, err[2])
                 or any(e > BLIND_COPY_ERROR * max(1, b) for e, b in _kind_errors(err)))
 
-    def memsets_tell_steps_apart(self, pid: int, tid: int) -> bool | None:
+    def memsets_tell_steps_apart(self, pid: int, tid: int,
+                                 request_steps: float | None = None) -> bool | None:
         """Whether this thread's memsets must stay probed: the steps counted whole
         made memset bytes off their shape's mean by more than ``BLIND_MEMSET_ERROR``
-        of their memset bytes and by more than ``BLIND_MEMSET_MOVED`` of all the
-        bytes they moved, in all (None: too few steps counted whole to say)."""
+        of their memset bytes, one by one and in runs as long as a request's
+        ``request_steps`` (``memset_runs_error``), and by more than
+        ``BLIND_MEMSET_MOVED`` of all the bytes they moved, in all (None: too few
+        steps counted whole to say)."""
         err, m = self.blind.get((pid, tid)), self.blind_memsets.get((pid, tid))
         if err is None or m is None or err[0] < BLIND_MIN_STEPS:
             return None
+        runs = self.memset_runs_error(pid, tid, request_steps)
         return (m[0] > BLIND_MEMSET_ERROR * max(1, m[1])
-                and m[0] > BLIND_MEMSET_MOVED * max(1, m[2]))
+                and m[0] > BLIND_MEMSET_MOVED * max(1, m[2])
+                and (runs is None or runs[1] > BLIND_MEMSET_ERROR))
+
+    def memset_runs_error(self, pid: int, tid: int, request_steps: float | None
+                          ) -> tuple[int, float] | None:
+        """The longest of ``RUN_LENGTHS`` within ``request_steps`` of which the thread
+        has a whole run of steps counted whole, and how far the memset bytes of those
+        runs were off their shape means summed, as a share of theirs; None where
+        requests are in fewer steps, or no such run was whole yet."""
+        done = self.blind_memset_runs.get((pid, tid)) or []
+        for n, (off, nbytes) in reversed(list(zip(RUN_LENGTHS, done))):
+            if request_steps and n <= request_steps and nbytes:
+                return n, off / nbytes
+        return None
 
     def blind_memset_error(self, pid: int, tid: int) -> float | None:
         """The share by which steps' memset bytes were off their shape's mean."""
         m = self.blind_memsets.get((pid, tid))
         return m[0] / m[1] if m and m[1] else None
 
-    def blind_memset_shares(self, pid: int, tid: int) -> tuple[float, float] | None:
+    def blind_memset_shares(self, pid: int, tid: int, request_steps: float | None = None
+                            ) -> tuple[float, float, tuple[int, float] | None] | None:
         """How far the steps counted whole made memset bytes off their shape's mean, as
-        shares of their memset bytes and of all the bytes they moved (what
-        ``memsets_tell_steps_apart`` weighs against ``BLIND_MEMSET_ERROR`` and
-        ``BLIND_MEMSET_MOVED``); None before any was compared."""
+        shares of their memset bytes and of all the bytes they moved, and in runs as
+        long as a request's (``memset_runs_error``): what ``memsets_tell_steps_apart``
+        weighs against ``BLIND_MEMSET_ERROR`` and ``BLIND_MEMSET_MOVED``; None before
+        any step was compared."""
         m = self.blind_memsets.get((pid, tid))
         if not m or not m[2]:
             return None
-        return m[0] / max(1.0, m[1]), m[0] / m[2]
+        return (m[0] / max(1.0, m[1]), m[0] / m[2],
+                self.memset_runs_error(pid, tid, request_steps))
 
     def blind_error(self, pid: int, tid: int) -> float | None:
         """The share by which launches estimated without the sampled copies were off."""
