@@ -319,9 +319,10 @@ BLIND_MEMSET_MOVED = 0.01
 # within BLIND_MEMSET_ERROR of their memset bytes: a request's memset bytes are its
 # shares of the steps it is in, so a step's memsets above its shape's mean and the
 # next one's below cancel in what it is charged. HF serve CB, an exact c8 capture on
-# 4 H200s (bench/sampling_error.py): its memsets ~1/3 of the bytes its steps moved, a
-# step's 15.7% off its shape's mean, runs of 4/8/16/32/64 steps 11.8/8.2/5.5/3.3/2.3%,
-# and each request's memset bytes imposed sampled 1.3% off at the median, 5% at p90.
+# 4 H200s (bench/sampling_error.py): its memsets 14% of the bytes its steps moved, a
+# step's 15.7% off its shape's mean (2.2% of the bytes moved), runs of 4/8/16/32/64
+# steps 11.8/8.2/5.5/3.3/2.3%, and each request's memset bytes imposed sampled 1.3%
+# off at the median, 5% at p90.
 # Where memsets come in one run of steps (the H100 captures' batch draining), runs of
 # 16 are as far off as single steps (42% and 24%)
 RUN_LENGTHS = (4, 8, 16, 32, 64)
