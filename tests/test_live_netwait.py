@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import re
 import socket
 import subprocess
@@ -28,7 +27,7 @@ from samples.launch import SampleServer
 from tests.conftest import free_port
 from tests.kstamps import StampedSocket, drive, realtime_thread
 from tests.live import off_by, spans_by_response_id, traced, traced_cli
-from tracer.probes.bpfstats import fdinfo
+from tracer.control import send as ctl_send
 
 pytestmark = pytest.mark.bpf
 
@@ -204,16 +203,18 @@ def test_acks_the_kernel_did_not_probe_are_found_counted_and_bound_the_times(tmp
     storm = [subprocess.Popen(["nice", "-n", "19", "dd", "if=/dev/zero", "of=/dev/null", "bs=1"],
                               stderr=subprocess.DEVNULL)
              for _ in range(2)]
-    summary = tmp_path / "summary.json"
+    summary, sock = tmp_path / "summary.json", str(tmp_path / "ctl.sock")
     try:
         with SampleServer("samples.stdlib_server", port=free_port(),
                           log=tmp_path / "s.log") as srv:
-            with traced_cli(["--pid", str(srv.pid), "--summary", str(summary)],
-                            str(tmp_path / "spans.jsonl")) as got:
+            with traced_cli(["--pid", str(srv.pid), "--summary", str(summary),
+                             "--control", sock], str(tmp_path / "spans.jsonl")) as got:
                 calls: list[dict] = []
                 # a skipped run needs the timer to land in a BPF program: batches until
-                # the kernel has skipped a few of the agent's runs (at most 8)
-                while len(calls) < 96 and (len(calls) < 24 or _skipped(got.pid) < 4):
+                # the kernel has skipped tcp_probe's (the agent's counters, asked while
+                # it runs: other programs' skipped runs stopped it early once, with
+                # none of tcp_probe's), at most 8 batches
+                while len(calls) < 96 and (len(calls) < 24 or _skipped(sock) < 1):
                     calls += _plain_and_streamed(srv.port, 12)
     finally:
         for p in storm:
@@ -233,10 +234,12 @@ def test_acks_the_kernel_did_not_probe_are_found_counted_and_bound_the_times(tmp
     assert max(ttft) < 0.003 and max(dur) < 0.003, (sorted(ttft)[-3:], sorted(dur)[-3:])
 
 
-def _skipped(pid: int) -> int:
-    """The runs the kernel skipped so far of process ``pid``'s BPF programs."""
-    infos = (fdinfo(fd, pid) for fd in os.listdir(f"/proc/{pid}/fdinfo"))
-    return sum(int(i.get("recursion_misses", 0)) for i in infos if "prog_type" in i)
+def _skipped(sock: str) -> int:
+    """The runs of tcp_probe's program the kernel skipped so far, as the agent at
+    control socket ``sock`` counts them (``tokentrace ctl SOCK counters``)."""
+    reply = ctl_send(sock, "counters")
+    assert reply.startswith("ok {"), reply
+    return json.loads(reply[3:]).get("probe_runs_missed.tcp:tcp_probe", 0)
 
 
 def test_an_agent_late_after_its_drain_keeps_the_holds_it_has_not_read_yet(
@@ -265,12 +268,17 @@ def test_an_agent_late_after_its_drain_keeps_the_holds_it_has_not_read_yet(
     assert sum(h > 0.020 for h in held) >= 4, held
 
 
+WAVES = 9
+
+
 def test_single_threaded_server_backlog_is_socket_wait(tmp_path, no_gc):
-    """Six new connections at once to a server that serves one at a time, three waves.
+    """Six new connections at once to a server that serves one at a time, nine waves.
     One real-time thread drives the six (``drive``): with a thread each, a client that
     waited for a CPU read its first token late, TCP had merged the next token's segment
     into the first's by then, and the stamp was the next token's (on the loaded VM: a
-    client's TTFT one or two tokens, 2.1-4.5 ms, later than the span's)."""
+    client's TTFT one or two tokens, 2.1-4.5 ms, later than the span's). It still
+    happens, rarely (CI: 1 of 18, 2.49 ms): nine waves, so that the bar's 98% allows
+    one such request, as it says, rather than none (three waves of 18 did)."""
     with SampleServer("samples.stdlib_server", port=free_port(), log=tmp_path / "s.log",
                       args=["--single", "--prefill-ms", "40", "--token-ms", "2"]) as srv:
         results: list[dict] = []
@@ -279,14 +287,14 @@ def test_single_threaded_server_backlog_is_socket_wait(tmp_path, no_gc):
             c.begin(stream=True, max_tokens=4)
 
         with traced_cli(["--pid", str(srv.pid)], str(tmp_path / "spans.jsonl")) as got:
-            for _ in range(3):
+            for _ in range(WAVES):
                 # a new connection each: the listen backlog counts; each closed once
                 # answered (the server serves a keep-alive connection until it closes)
                 clients = [RawClient(srv.port) for _ in range(6)]
                 with realtime_thread():
                     results += drive(clients, begin, per_client=1, finished=RawClient.close)
     spans = spans_by_response_id(got.spans)
-    assert len(results) == 18 and len(spans) == 18, got.stderr
+    assert len(results) == 6 * WAVES and len(spans) == 6 * WAVES, got.stderr
     ttft, _ = _compare(results, spans)
     _client_waits(results)
     _bar("TTFT", ttft)

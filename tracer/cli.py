@@ -160,7 +160,7 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                          "docs/tls.md)")
     g2.add_argument("--control", metavar="PATH",
                     help="listen on unix socket PATH (0600) for commands, one per "
-                         "connection: pause, resume, status, and the toggles "
+                         "connection: pause, resume, status, counters, and the toggles "
                          "bench/real_server.py measures each part's cost with "
                          "(capture-limit, burst-min-us, gpu-launch, uprobes, stub-naming, "
                          "alias-lookups, analysis); "
@@ -293,7 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
         "ctl", help="send a command to a running `tokentrace run --control PATH`",
         description="Send one command to the control socket of a running `tokentrace run` "
                     "or `record` and print its answer. Commands: pause, resume, status, "
-                    "capture-limit BYTES, burst-min-us US, gpu-launch on|off, "
+                    "counters (the loss and event counters so far, as JSON: what the "
+                    "report at exit says), capture-limit BYTES, burst-min-us US, gpu-launch on|off, "
                     "uprobes on|off (every uprobe out: the socket and TCP probes alone), "
                     "stub-naming on|off, alias-lookups on|off, analysis on|off, "
                     "gpu-sample F [PERIOD] [copies] [memsets] (--gpu-sample and "

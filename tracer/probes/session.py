@@ -9,6 +9,7 @@ event read from /proc (``ProcessInfo``, ``SocketInfo``) or from the loss counter
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import socket
 import time
@@ -514,7 +515,8 @@ class CaptureSession:
     def control(self, command: str) -> str:
         """One ``--control`` command; the reply (``ok ...`` or ``error: ...``).
 
-        ``pause`` / ``resume``: all probes out / back; ``status``; and, to measure
+        ``pause`` / ``resume``: all probes out / back; ``status``; ``counters`` (the
+        loss counters so far, as the report at exit names them, one JSON object); and, to measure
         what each part costs (bench/real_server.py): ``capture-limit BYTES`` (payload
         bytes copied per syscall), ``burst-min-us US``, ``gpu-launch off|on`` (the
         kernel-launch uprobes), ``uprobes off|on`` (every uprobe: the socket and TCP
@@ -537,6 +539,8 @@ class CaptureSession:
                         f"{'on' if self.analysis else 'off'} dropped={self.dropped_unanalysed} "
                         f"records={self.records_read} "
                         f"gpu_libs={len(self.gpu.attached) if self.gpu is not None else 0}")
+            if cmd == "counters" and not args and self.bpf is not None:
+                return "ok " + json.dumps(self.counters(), sort_keys=True)
             if cmd == "capture-limit" and len(args) == 1 and cfg is not None:
                 n = int(args[0])
                 # 0 in the map means "default": one byte is the least that can be asked
@@ -921,6 +925,11 @@ class CaptureSession:
 
     def report_counters(self, ts: int) -> None:
         """Send the loss counters, stamped ``ts``: the last drain's time (``_drain``)."""
+        self.sink(schema.DropReport(ts=ts, counters=self.counters()))
+
+    def counters(self) -> dict[str, int]:
+        """The loss counters (and the kernel's and agent's other counts) as they stand:
+        cumulative, as ``report_counters`` sends them and ``control("counters")`` says."""
         counters = self.kernel_counters()
         counters.update(self.user_counters)
         if self.dropped_unanalysed:
@@ -938,6 +947,6 @@ class CaptureSession:
             counters.update(self.tls.counters())
         if self.stacks is not None:
             counters.update(self.stacks.counters())
-        self.sink(schema.DropReport(ts=ts, counters=counters))
+        return counters
 
 
