@@ -32,8 +32,9 @@ Why these numbers (docs/overhead.md, "the default"):
   bytes a step, or over runs of as many steps as a request is in, or to within 1% of
   all the bytes the steps moved (``StepEstimates.memsets_tell_steps_apart``): HF serve CB's H100
   captures make them in a few steps (~100% off, but 0.1-0.3% of the bytes moved:
-  switched); at the bench's load they are ~36% of the bytes, a step's 33% off but
-  cancelling over a request's steps (per request 1.3% off at the median, 5% at p90).
+  switched); on an exact c8 capture on H200s they are 14% of the bytes, a step's 15.7%
+  off but 2.3% over runs of 64 steps, as its requests' (each request's memset bytes
+  1.3% off at the median, 5% at p90: switched).
 - A thread that serves its one request itself (a burst charged whole to it,
   "same-thread") has no steps: sampled, its launches would only be scaled by the share
   of time the probes were on, once 90% low on a real GPU. So sampling is chosen only
