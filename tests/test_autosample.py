@@ -184,3 +184,24 @@ def test_the_sampling_period_follows_how_fast_the_launch_probes_detach():
     assert s.sample_period_s() == 5.0  # perf events: ~1 s
     s.config.gpu_sample_period_s = 2.5
     assert s.sample_period_s() == 2.5
+
+
+def test_memsets_switched_say_how_far_off_their_estimate_was():
+    """The operator sees why auto let them go, as why it kept them: the worst error of
+    the deciding threads' estimates."""
+    auto = AutoSample()
+    auto.check(0.0, {}, set())
+    both = {ENGINE: (40000, 1000), OTHER: (40000, 1000)}
+    assert auto.check(5.0, both, set(), {ENGINE: False, OTHER: False},
+                      {ENGINE: False, OTHER: False},
+                      {ENGINE: (0.33, 0.12, (32, 0.07)), OTHER: (0.2, 0.001, None)}
+                      ) == auto.fraction
+    assert auto.memsets
+    assert auto.reason.endswith(
+        f", and the memsets (thread {ENGINE[1]}: its memset bytes estimated off by 33% of "
+        "them a step, 7% over runs of 32 steps, as a request's, 12.00% of all the bytes its "
+        "steps moved)"), auto.reason
+    auto = AutoSample()  # no estimate to quote: nothing invented
+    auto.check(0.0, {}, set())
+    auto.check(5.0, both, set(), {ENGINE: False, OTHER: False}, {ENGINE: False, OTHER: False})
+    assert auto.reason.endswith(", and the memsets"), auto.reason

@@ -153,23 +153,25 @@ class AutoSample:
                                    f"; {COPIES} all counted (too few steps to "
                                    "tell whether they are needed)")
                        + (", and the memsets" if self.memsets else
-                          "; memsets all counted" + _why_memsets(deciding, memsets,
-                                                                 memset_errors or {})))
+                          "; memsets all counted")
+                       + _why_memsets(deciding, memsets, memset_errors or {}))
         return self.fraction
 
 
 def _why_memsets(deciding: list[ThreadKey], needed: list[bool | None],
                  errors: Mapping[ThreadKey, MemsetShares | None]) -> str:
-    """Why the memsets stay probed, in words: the deciding thread whose estimate was
-    worst against all the bytes its steps moved, else that some could not be judged."""
+    """Why the memsets are switched or stay probed, in words: the deciding thread whose
+    estimate was worst against all the bytes its steps moved (of those that keep them
+    probed, if any do), else that some could not be judged."""
+    switched = bool(needed) and all(n is False for n in needed)
     shares = [(e[1], e[0], e[2], k) for k, n in zip(deciding, needed)
-              if n and (e := errors.get(k)) is not None]
+              if (n or switched) and (e := errors.get(k)) is not None]
     if shares:
         moved, own, runs, k = max(shares, key=lambda x: x[:2])
         over_runs = (f", {runs[1]:.0%} over runs of {runs[0]} steps, as a request's"
                      if runs is not None else "")
         return (f" (thread {k[1]}: its memset bytes estimated off by {own:.0%} of them "
                 f"a step{over_runs}, {moved:.2%} of all the bytes its steps moved)")
-    if any(n is None for n in needed) or not needed:
+    if not switched and (any(n is None for n in needed) or not needed):
         return " (too few steps counted whole to tell)"
     return ""
