@@ -53,6 +53,7 @@ struct nw_sock {
     u64 rx_bytes;    /* payload bytes that arrived (tcp_probe data_len) */
     u64 rx_read;     /* bytes the owner read */
     u64 rx_last_ts;  /* arrival of the latest data segment */
+    u64 rx_last_from;/* rx_bytes before it: where its bytes start in the count */
     u64 tx_end;      /* stream offset after the owner's last written byte */
     u64 tx_end_ts;   /* exit of that write */
     u64 tx_held_ts;  /* last ACK that found written bytes unsent; 0: no hold open */
@@ -195,7 +196,7 @@ TRACEPOINT_PROBE(tcp, tcp_probe)
             s->rx_since = now;
             s->rx_reported = 0;
         }
-        __sync_fetch_and_add(&s->rx_bytes, args->data_len);
+        s->rx_last_from = __sync_fetch_and_add(&s->rx_bytes, args->data_len);
         s->rx_last_ts = now;
     }
     u32 snd_nxt = args->snd_nxt, snd_una = args->snd_una;
@@ -322,7 +323,8 @@ static __always_inline void nw_io_exit(struct io_args *a, struct tt_data *d, lon
         s->tx_end_ts = d->ts_exit;
         return;
     }
-    __sync_fetch_and_add(&s->rx_read, (u64)ret);
+    u64 before = __sync_fetch_and_add(&s->rx_read, (u64)ret);
+    u64 oldest = s->rx_reported ? 0 : s->rx_since;
     if (!s->rx_reported) {
         /* The first read of an arrival burst (or of the owner): when the oldest bytes
          * it returned reached the socket. 0: not seen (arrived before attach, or with
@@ -334,6 +336,17 @@ static __always_inline void nw_io_exit(struct io_args *a, struct tt_data *d, lon
                 (flags & TT_NW_FLAG_FIRST) ? s->estab_ts : 0, flags);
         s->rx_reported = 1;
     }
+    /* The latest data segment began inside this read, after its first byte, and came
+     * later than the burst: its bytes did not wait as long as the oldest. A request
+     * read together with bytes sent before it (an HTTP/2 WINDOW_UPDATE or PING that
+     * waited unread) starts there; the agent takes this arrival for a request that
+     * starts at or after it. One record per such read: single-segment bursts, most
+     * of them, send none. */
+    u64 from = s->rx_last_from;
+    if (from > before && from < before + (u64)ret && s->rx_last_ts > oldest
+        && s->rx_last_ts <= d->ts_exit)
+        nw_emit(s, TT_NW_LATER, 0, s->rx_last_ts, d->ts_exit, d->stream_off + (from - before),
+                0, flags);
     /* Drained: the reader took every byte that arrived, or asked for more than it got
      * (sockets.c keeps a plain read's size in iovcnt; an iovec reader's room is summed
      * only when the byte counts disagree). The next arrival starts a new burst.

@@ -82,6 +82,7 @@ class Call:
     start_ns: int
     request_headers: dict[str, str]
     unknown_header_fields: int = 0
+    start_off: int | None = None  # its HEADERS frame's stream offset, where given
     request_end_ns: int | None = None
     response_start_ns: int | None = None
     end_ns: int | None = None
@@ -241,8 +242,11 @@ class GrpcConnection:
         return self.h2.buffered + sum(len(r.buf) for st in self.streams.values()
                                       for r in st.readers.values())
 
-    def receive(self, data: bytes, ts: int, from_client: bool) -> list[CallEvent]:
-        return self._events(self.h2.receive(data, ts, from_client))
+    def receive(self, data: bytes, ts: int, from_client: bool,
+                offset: int | None = None) -> list[CallEvent]:
+        """Bytes one endpoint sent; ``offset``: where they begin in its byte stream,
+        if known (then ``Call.start_off`` is where each call's HEADERS began)."""
+        return self._events(self.h2.receive(data, ts, from_client, offset))
 
     def lost(self, nbytes: int, ts: int, from_client: bool) -> list[CallEvent]:
         return self._events(self.h2.lost(nbytes, ts, from_client))
@@ -310,7 +314,7 @@ class GrpcConnection:
                     self.stats["grpc_streams_evicted"] += 1
                     out.append(self._end(oldest, e.ts, "too many open streams on this "
                                                        "connection to follow them all"))
-                call = Call(e.stream_id, e.ts, hdrs, e.unknown_fields)
+                call = Call(e.stream_id, e.ts, hdrs, e.unknown_fields, start_off=e.offset)
                 self.streams[e.stream_id] = _Stream(call)
                 self.stats["http2_streams"] += 1
                 out.append(CallStarted(call))

@@ -100,6 +100,9 @@ class Headers:
     headers: Headers_
     end_stream: bool
     unknown_fields: int = 0
+    # the stream offset of the block's first frame header, where the caller gave
+    # offsets (``H2Observer.receive``); None if it did not
+    offset: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,6 +353,9 @@ class _Side:
         self.block_end_stream = False
         self.block_promised: int | None = None
         self.block_too_big = False
+        self.block_offset: int | None = None  # where the block's HEADERS frame began
+        # stream offset just past the last byte received, once the caller gave one
+        self.end: int | None = None
         # the largest frame this side may send: SETTINGS_MAX_FRAME_SIZE of its peer,
         # enforced (a longer frame is a protocol error, never buffered)
         self.max_frame = DEFAULT_MAX_FRAME if synced else UNKNOWN_MAX_FRAME
@@ -380,10 +386,17 @@ class H2Observer:
 
     # ---- input --------------------------------------------------------------------
 
-    def receive(self, data: bytes, ts: int, from_client: bool) -> list[Event]:
-        """Bytes one endpoint sent (``from_client``), in order, stamped ``ts``."""
+    def receive(self, data: bytes, ts: int, from_client: bool,
+                offset: int | None = None) -> list[Event]:
+        """Bytes one endpoint sent (``from_client``), in order, stamped ``ts``.
+        ``offset``: where ``data`` begins in that direction's byte stream, if the
+        caller knows (then header blocks say where they began: ``Headers.offset``)."""
         side = self.sides[from_client]
         out: list[Event] = []
+        if offset is not None:
+            side.end = offset + len(data)
+        elif side.end is not None:
+            side.end += len(data)
         if side.skip:
             n = min(side.skip, len(data))
             side.skip -= n
@@ -407,6 +420,8 @@ class H2Observer:
         """``nbytes`` of this direction were never captured (a capture gap)."""
         side = self.sides[from_client]
         self.stats["http2_bytes_lost"] += nbytes
+        if side.end is not None:
+            side.end += nbytes
         if side.skip:  # already inside a damaged frame
             if nbytes <= side.skip:
                 side.skip -= nbytes
@@ -444,6 +459,7 @@ class H2Observer:
 
     def _frames(self, side: _Side, ts: int, fc: bool, out: list[Event]) -> None:
         buf = side.buf
+        base = None if side.end is None else side.end - len(buf)  # buf[0]'s offset
         pos = 0
         while True:
             if not side.synced:
@@ -477,6 +493,8 @@ class H2Observer:
             if len(buf) - pos < 9 + length:
                 break
             payload = bytes(buf[pos + 9: pos + 9 + length])
+            if ftype in (HEADERS, PUSH_PROMISE):
+                side.block_offset = None if base is None else base + pos
             pos += 9 + length
             self.stats["http2_frames"] += 1
             self._frame(side, ts, fc, ftype, flags, sid, payload, out)
@@ -602,7 +620,7 @@ class H2Observer:
                                    unknown))
         else:
             out.append(Headers(ts, fc, side.block_stream, headers, side.block_end_stream,
-                               unknown))
+                               unknown, side.block_offset))
 
 
 def _unpad(payload: bytes, flags: int) -> bytes | None:

@@ -272,10 +272,15 @@ VALID = _W.chunks
        st.booleans())
 def test_random_bytes_never_crash(chunks, synced):
     obs = http2.H2Observer(synced)
+    fed = {True: 0, False: 0}
     for i, (fc, data) in enumerate(chunks):
-        obs.receive(data, i, fc)
+        for e in obs.receive(data, i, fc, fed[fc] if i % 3 else None):
+            if isinstance(e, http2.Headers) and e.offset is not None:
+                assert 0 <= e.offset <= fed[fc] + len(data) - 9
+        fed[fc] += len(data)
         if i % 7 == 3:
             obs.lost(len(data) + 1, i, fc)
+            fed[fc] += len(data) + 1
 
 
 @settings(max_examples=200, deadline=None)
@@ -317,9 +322,16 @@ def test_real_capture_of_the_sample_grpc_server():
     assert h2conns, "the capture holds an HTTP/2 connection from its preface"
     paths = []
     for key in h2conns:
-        obs, ev = observe([(inb, data) for inb, _, data in streams[key]])
+        obs, ev, raw, fed = http2.H2Observer(True), [], b"", 0
+        for inb, _, data in streams[key]:  # with offsets: where each block began
+            ev += obs.receive(data, 0, inb, fed if inb else None)
+            if inb:
+                raw, fed = raw + data, fed + len(data)
         paths += [dict(h.headers)[":path"] for h in headers_of(ev, True)]
         assert obs.stats["http2_header_blocks_undecodable"] == 0
+        for h in headers_of(ev, True):
+            length, ftype, _, sid = http2.parse_frame_header(raw, h.offset)
+            assert ftype == http2.HEADERS and sid == h.stream_id
     assert paths == [e["path"] for e in expected]
     records = []
     tracker = ConnectionTracker(records.append)
@@ -342,3 +354,43 @@ def test_real_capture_of_the_sample_grpc_server():
             assert rec.llm_request.model == exp["model"]
             assert rec.llm_response.response_id == exp["request_id"]
             assert 0 < rec.ttft_ns <= rec.end_ns - rec.start_ns
+
+
+def test_header_blocks_say_where_they_began_in_the_stream_when_given_offsets():
+    """``Headers.offset``: the stream offset of the block's HEADERS frame (the socket
+    timing takes a request's arrival from the segment that held it). Split at random
+    sizes, across CONTINUATIONs and a hole, from an offset not 0 (the agent attached
+    after the connection's first bytes)."""
+    rng = random.Random(7)
+    w = Wire()
+    sids = [w.request(f"/pkg.Svc/Call{i}", [(f"x-{i}", "v" * (300 * i))],
+                      body=grpc_message(b"m" * i)) for i in range(3)]
+    big = w.request("/pkg.Svc/Big", [(f"x-big-{i}", "z" * 1000) for i in range(40)])
+    for sid in sids + [big]:
+        w.respond(sid, [grpc_message(b"r")], status=0)
+    raw = w.client_bytes()
+    want = [j for j in _frame_offsets(raw[24:], 24) if raw[j + 3] == http2.HEADERS]
+    assert len(want) == 4
+    base = 5000
+    for trial in range(20):
+        obs = http2.H2Observer(True)
+        got, pos = [], 0
+        while pos < len(raw):
+            n = rng.randint(1, 400)
+            got += obs.receive(raw[pos:pos + n], pos, True,
+                               base + pos if rng.random() < 0.5 or pos == 0 else None)
+            pos += n
+        assert [e.offset for e in headers_of(got, True)] == [base + j for j in want]
+    # no offsets given: none said
+    _, ev = observe(w.chunks)
+    assert {e.offset for e in headers_of(ev)} == {None}
+    # bytes lost inside a DATA frame: the next block's offset still counts them
+    at = max((j for j in _frame_offsets(raw[24:], 24) if raw[j + 3] == http2.DATA),
+             key=lambda j: http2.parse_frame_header(raw, j)[0])
+    assert http2.parse_frame_header(raw, at)[0] >= 6 and want[0] < at < want[-1]
+    obs = http2.H2Observer(True)
+    got = obs.receive(raw[:at + 10], 0, True, base)
+    got += obs.lost(3, 1, True)
+    got += obs.receive(raw[at + 13:], 2, True)
+    assert [e.offset for e in headers_of(got, True)] == [base + j for j in want]
+    assert obs.stats["http2_resyncs"] == 0  # the hole was inside the frame

@@ -8,6 +8,8 @@ last byte); the clients' own waits for a CPU are measured and reported apart.
 - a single-threaded server with 6 clients at once: the connections wait in the listen
   backlog and receive queue; ``socket_wait`` is that wait.
 - gRPC (HTTP/2) on the KServe sample, over a connection opened before attach.
+- a server busy while its client sends twice: one read of both tells when the second
+  send came (LATER), for a request sent after bytes that waited unread.
 - forced off: the spans keep syscall times and say so.
 """
 
@@ -309,6 +311,82 @@ def test_single_threaded_server_backlog_is_socket_wait(tmp_path, no_gc):
     assert max(waits) > 0.150 and max(r["ttft"] for r in results) > 0.200
     _bar("socket_wait vs client queueing", errs)
     assert got.returncode == 0 and "no events lost" in got.stderr, got.stderr
+
+
+SLOW_READER = """
+import socket, sys, time
+srv = socket.socket()
+srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("127.0.0.1", 0))
+srv.listen(8)
+print(srv.getsockname()[1], flush=True)
+while True:
+    c, _ = srv.accept()
+    want = int(c.recv(1))  # a first read: the owner's, its own burst
+    time.sleep(0.3)  # busy: the client's next two sends wait unread
+    got = b""
+    while len(got) < want:
+        got += c.recv(4096)
+    c.sendall(b"k")
+    c.close()
+"""
+
+
+def test_a_read_of_two_sends_tells_when_the_later_one_came(tmp_path):
+    """A server busy while its client sends twice, 40 ms apart, then one read takes
+    both: the ARRIVAL is the first send's (the burst's oldest byte), and a LATER record
+    says where the second began in the stream and when it came (bpf/netwait.c), so
+    that a request sent after bytes that waited unread (an HTTP/2 WINDOW_UPDATE) is
+    timed from its own arrival. Against the client's own send stamps, on loopback."""
+    from tracer.events import capture, wire
+    from tracer.events.netwait import DECODERS
+
+    srv = subprocess.Popen([sys.executable, "-c", SLOW_READER], stdout=subprocess.PIPE,
+                           text=True)
+    try:
+        port = int(srv.stdout.readline())
+        cap = tmp_path / "cap.ttcap"
+        sends = []
+        with traced_cli(["--pid", str(srv.pid), "--record", str(cap)],
+                        str(tmp_path / "spans.jsonl")) as got:
+            time.sleep(1.5)  # the listener scan: the port traced at its socket
+            for _ in range(4):  # the first may come before that scan: not compared
+                c = socket.create_connection(("127.0.0.1", port))
+                c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                c.sendall(b"9")  # 9 bytes to come; read at once
+                time.sleep(0.05)
+                t0 = time.monotonic_ns()
+                c.sendall(b"AAAA")
+                time.sleep(0.04)
+                t1 = time.monotonic_ns()
+                c.sendall(b"BBBBB")
+                assert c.recv(1) == b"k"
+                c.close()
+                sends.append((t0, t1))
+        assert got.returncode == 0, got.stderr
+    finally:
+        srv.kill()
+        srv.wait()
+    recs = [DECODERS[wire.kind_of(b)](b) for b in capture.CaptureReader(cap)
+            if isinstance(b, bytes) and wire.kind_of(b) == wire.CONSTANTS["KIND_NETWAIT"]]
+    recs = [r for r in recs if r.pid == srv.pid and r.op in ("arrival", "later")]
+    per_conn: list[list] = []
+    for r in recs:  # in capture order; a connection's first read is flagged
+        if r.first:
+            per_conn.append([])
+        assert per_conn, r
+        per_conn[-1].append(r)
+    assert len(per_conn) >= 3, recs
+    for (t0, t1), rs in zip(sends[-3:], per_conn[-3:]):
+        ops = [(r.op, r.stream_off) for r in rs]
+        # the 1-byte read alone; then one read of both sends: its oldest byte at 1,
+        # the second send's first at 5
+        assert ops == [("arrival", 0), ("arrival", 1), ("later", 5)], ops
+        _, first, later = rs
+        assert later.ref_ts == first.ref_ts  # the same read
+        assert 0 <= first.ts - t0 < 2_000_000 and 0 <= later.ts - t1 < 2_000_000, \
+            (first.ts - t0, later.ts - t1)
+        assert later.ts - first.ts > 30_000_000
 
 
 def test_forced_off_spans_keep_syscall_times_and_say_so(tmp_path, monkeypatch):

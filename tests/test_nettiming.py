@@ -118,6 +118,37 @@ def test_no_hold_releases_after_the_wait_and_reads_share_their_burst():
     assert out[1].net.arrival_ns == 10 * MS and out[1].socket_wait_ns == 20 * MS
 
 
+def test_a_request_read_with_older_bytes_arrives_with_its_own_segment():
+    """An HTTP/2 client's WINDOW_UPDATE (13 bytes) waited unread from 100 ms; its next
+    request came at 103 ms in a segment of its own; one read at 104 ms took both. The
+    burst's oldest byte is the WINDOW_UPDATE's: the request's arrival is its segment's
+    (LATER), where the parser says where it began; before that offset, or where no
+    offset is known, the oldest byte's as before."""
+    out: list[RequestRecord] = []
+    t = timer(out)
+    t.netwait(nw("arrival", 100 * MS, 104 * MS, 0, first=True))
+    t.netwait(nw("later", 103 * MS, 104 * MS, 13))
+    for off in (13, 40, 5, None):
+        r = rec(104 * MS, 105 * MS, 106 * MS)
+        r.start_off = off
+        t.finished(r)
+    t.close()
+    assert [r.net.arrival_ns for r in out] == [103 * MS, 103 * MS, 100 * MS, 100 * MS]
+    assert [r.socket_wait_ns for r in out] == [MS, MS, 4 * MS, 4 * MS]
+    assert t.stats["net_timing.arrival_later"] == 2
+    # a LATER out of order (an offset not past the last) is counted and left out
+    t.netwait(nw("later", 103 * MS, 104 * MS, 13))
+    assert t.stats["netwait_out_of_order"] == 1
+    # the next burst's own ARRIVAL bounds its requests as before; the old LATER, below
+    # it, changes nothing
+    t.netwait(nw("arrival", 200 * MS, 201 * MS, 500))
+    r = rec(201 * MS, 202 * MS, 203 * MS)
+    r.start_off = 500
+    t.finished(r)
+    t.close()
+    assert out[-1].net.arrival_ns == 200 * MS
+
+
 def test_syscall_timing_when_off_unseen_or_unanchored_and_it_says_why():
     out: list[RequestRecord] = []
     t = NetTimer(out.append, Counter())

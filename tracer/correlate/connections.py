@@ -582,7 +582,9 @@ class ConnectionTracker:
         if c.proto is None and not self._choose_protocol(c, ev.payload, inbound, ts, ev.tid):
             return
         if c.h2 is not None:
-            self._emit_h2(c.h2.receive(ev.payload, ts, c.from_client(inbound), ev.tid))
+            # TLS plaintext has offsets of its own, not the socket's
+            self._emit_h2(c.h2.receive(ev.payload, ts, c.from_client(inbound), ev.tid,
+                                       None if ev.tls_plain else ev.position))
             return
         if c.proto != "http1" or c.http is None:
             self.stats[f"bytes_{c.proto or 'unsniffed'}"] += len(ev.payload)

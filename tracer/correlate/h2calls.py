@@ -56,9 +56,11 @@ class H2Calls:
         self.records: dict[int, RequestRecord] = {}
         self.followers: dict[int, kserve.KServeFollower] = {}
 
-    def receive(self, data: bytes, ts: int, from_client: bool, tid: int
-                ) -> list[RequestRecord]:
-        return self._calls(self.grpc.receive(data, ts, from_client), tid)
+    def receive(self, data: bytes, ts: int, from_client: bool, tid: int,
+                offset: int | None = None) -> list[RequestRecord]:
+        """Bytes one endpoint sent; ``offset``: their place in its byte stream (the
+        DATA record's), where they are the socket's own bytes."""
+        return self._calls(self.grpc.receive(data, ts, from_client, offset), tid)
 
     def lost(self, nbytes: int, ts: int, from_client: bool, tid: int) -> list[RequestRecord]:
         return self._calls(self.grpc.lost(nbytes, ts, from_client), tid)
@@ -136,6 +138,8 @@ class H2Calls:
             role=c.role or "server", protocol="grpc" if call.is_grpc else "http/2",
             method=h.get(":method", ""), target=h.get(":path", ""), http_version="2",
             start_ns=call.start_ns,
+            # a server's inbound offsets are its socket's, as the arrivals' are
+            start_off=call.start_off if (c.role or "server") == "server" else None,
             request_headers={k: v for k, v in h.items() if k in SAFE_GRPC_HEADERS},
             tenant=tenant_of(h, self.options.tenant_salt, self.options.secrets_masked),
             family=c.family, local_addr=c.local_addr,

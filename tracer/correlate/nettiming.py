@@ -97,6 +97,9 @@ class ConnLog:
     first_read_ns: int = 0  # ref_ts of the owner's first ARRIVAL record
     arrival_refs: list[int] = field(default_factory=list)  # reads (ts_exit), ascending
     arrivals: list[int] = field(default_factory=list)  # their arrival (0: unseen)
+    # LATER records: bytes from this stream offset on (ascending) reached the socket at
+    later_offs: list[int] = field(default_factory=list)
+    later_ts: list[int] = field(default_factory=list)  # this time
     writes: dict[int, int] = field(default_factory=dict)  # write ts_exit -> end offset
     write_ts: list[int] = field(default_factory=list)  # the same ts_exit, ascending
     tls_writes: dict[int, int] = field(default_factory=dict)  # TLS plaintext: exit -> entry
@@ -226,6 +229,14 @@ class NetTimer:
             c.arrivals.append(ev.ts)
             if len(c.arrival_refs) > MAX_LOG + LOG_TRIM:
                 del c.arrival_refs[:LOG_TRIM], c.arrivals[:LOG_TRIM]
+        elif ev.op == "later":
+            if c.later_offs and ev.stream_off <= c.later_offs[-1]:
+                self.stats["netwait_out_of_order"] += 1
+                return
+            c.later_offs.append(ev.stream_off)
+            c.later_ts.append(ev.ts)
+            if len(c.later_offs) > MAX_LOG + LOG_TRIM:
+                del c.later_offs[:LOG_TRIM], c.later_ts[:LOG_TRIM]
         elif ev.op == "unseen":
             c.unseen.append(Unseen(ev.sent_from, ev.stream_off, ev.ref_ts, ev.ts))
             if len(c.unseen) > MAX_LOG + LOG_TRIM:
@@ -338,7 +349,12 @@ class NetTimer:
         arrival = _arrival(c, rec.start_ns)
         if not arrival:
             return NetTiming(timing="syscall", reason="arrival not seen")
+        later = _later(c, rec.start_off, rec.start_ns)
+        if later > arrival:
+            self.stats["net_timing.arrival_later"] += 1
+            arrival = later
         llm_arrival = _arrival(c, rec.llm_start_ns) if rec.llm_start_ns else arrival
+        llm_arrival = max(llm_arrival, arrival) if llm_arrival else llm_arrival
         n = NetTiming(timing="socket", arrival_ns=arrival, llm_arrival_ns=llm_arrival or arrival)
         i = bisect.bisect_right(c.arrival_refs, rec.start_ns) - 1
         if c.estab_ns and c.arrival_refs and c.arrival_refs[i] == c.first_read_ns:
@@ -392,6 +408,20 @@ def _arrival(c: ConnLog, read_ts: int) -> int:
         return 0
     ts = c.arrivals[i]
     return ts if 0 < ts <= read_ts else 0
+
+
+def _later(c: ConnLog, off: int | None, read_ts: int) -> int:
+    """When the segment that the byte at stream offset ``off`` came in, or one before
+    it, reached the socket, as LATER records tell (0: none does). A byte arrives no
+    earlier than any byte before it, so this bounds its arrival from below, as the
+    burst's oldest byte does: the later of the two is the nearer."""
+    if off is None or not c.later_offs:
+        return 0
+    i = bisect.bisect_right(c.later_offs, off) - 1
+    if i < 0:
+        return 0
+    ts = c.later_ts[i]
+    return ts if ts <= read_ts else 0
 
 
 def _tls_carrier(c: ConnLog, enter: int, exit_: int) -> int | None:

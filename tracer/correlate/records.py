@@ -117,6 +117,9 @@ class RequestRecord:
     peer_port: int = 0
     tids: list[int] = field(default_factory=list)
     start_ns: int = 0  # first request byte
+    # its stream offset in the connection's inbound bytes, where the parser knows it
+    # (HTTP/2: the stream's HEADERS frame): which of a read's arrivals is the request's
+    start_off: int | None = None
     request_end_ns: int | None = None
     response_start_ns: int | None = None
     end_ns: int = 0  # last response byte (or when the exchange was given up)

@@ -14,18 +14,22 @@ from tracer.events import wire
 
 C = wire.CONSTANTS
 OPS = {C["NW_ARRIVAL"]: "arrival", C["NW_HOLD"]: "hold", C["NW_DEPARTURE"]: "departure",
-       C["NW_UNSEEN"]: "unseen"}
+       C["NW_UNSEEN"]: "unseen", C["NW_LATER"]: "later"}
 CAUSES = {C["NW_CAUSE_NAGLE"]: "nagle", C["NW_CAUSE_CWND"]: "cwnd",
           C["NW_CAUSE_RWND"]: "rwnd", C["NW_CAUSE_CORK"]: "cork"}
 
 
 @dataclass(frozen=True, slots=True)
 class NetWait:
-    """One NETWAIT record. ``op``: ``arrival``, ``hold``, ``departure`` or ``unseen``.
+    """One NETWAIT record. ``op``: ``arrival``, ``later``, ``hold``, ``departure`` or
+    ``unseen``.
 
     arrival: the read that exited at ``ref_ts`` (its stream offset ``stream_off``)
     returned bytes that reached the socket at ``ts`` (0: not seen); ``estab_ts`` is the
     handshake's completion on the owner's first read of a new connection (else 0).
+    later: that read (or a later one of the same burst) also returned a data segment
+    that came after the burst's oldest bytes: bytes from ``stream_off`` on reached the
+    socket at ``ts``.
     hold/departure: written bytes ``[held_from, stream_off)`` were still unsent when an
     ACK came at ``ts`` (hold), or left at ``ts`` (departure); ``ref_ts`` is the exit of
     the write that ended at ``stream_off``; ``cause`` says why they waited.

@@ -116,6 +116,9 @@ CONSTANTS: dict[str, int] = {
     # seen (the kernel skips a tracepoint's program while another BPF program runs on
     # that CPU): bytes [aux, stream_off) left in between, when is not known
     "NW_UNSEEN": 4,
+    # a read that returned a burst's oldest bytes also returned a later data segment:
+    # bytes from stream_off on reached the socket at ts (the read exited at ref_ts)
+    "NW_LATER": 5,
     # NETWAIT.cause: why written bytes were held
     "NW_CAUSE_NAGLE": 1,  # small segments in flight, the rest waits for their ACK
     "NW_CAUSE_CWND": 2,  # congestion window full
@@ -664,12 +667,13 @@ NETWAIT = Record(
         Field("op", "u16", "TT_NW_*"),
         Field("cause", "u16", "HOLD/DEPARTURE: TT_NW_CAUSE_*"),
         Field("flags", "u32", "TT_NW_FLAG_*"),
-        Field("ts", "u64", "ARRIVAL: bytes reached the socket (0: unseen); HOLD: the ACK that"
-              " found them; DEPARTURE: when they left"),
-        Field("ref_ts", "u64", "ARRIVAL: the read's ts_exit; HOLD/DEPARTURE: exit of the write"
-              " that ended at stream_off; UNSEEN: the socket's last probe seen"),
-        Field("stream_off", "u64", "ARRIVAL: the read's stream offset; HOLD/DEPARTURE: end of"
-              " the held bytes; UNSEEN: sent by ts"),
+        Field("ts", "u64", "ARRIVAL: bytes reached the socket (0: unseen); LATER: the later"
+              " segment did; HOLD: the ACK that found them; DEPARTURE: when they left"),
+        Field("ref_ts", "u64", "ARRIVAL/LATER: the read's ts_exit; HOLD/DEPARTURE: exit of the"
+              " write that ended at stream_off; UNSEEN: the socket's last probe seen"),
+        Field("stream_off", "u64", "ARRIVAL: the read's stream offset; LATER: the later"
+              " segment's first byte's; HOLD/DEPARTURE: end of the held bytes; UNSEEN: sent"
+              " by ts"),
         Field("aux", "u64", "ARRIVAL (FIRST): handshake completed, 0 if unseen; HOLD/DEPARTURE:"
               " stream offset of the first held byte; UNSEEN: sent by ref_ts"),
     ],
