@@ -154,16 +154,16 @@ class AutoSample:
                                    "tell whether they are needed)")
                        + (", and the memsets" if self.memsets else
                           "; memsets all counted")
-                       + _why_memsets(deciding, memsets, memset_errors or {}))
+                       + _why_memsets(deciding, memsets, memset_errors or {},
+                                      self.memsets))
         return self.fraction
 
 
 def _why_memsets(deciding: list[ThreadKey], needed: list[bool | None],
-                 errors: Mapping[ThreadKey, MemsetShares | None]) -> str:
-    """Why the memsets are switched or stay probed, in words: the deciding thread whose
-    estimate was worst against all the bytes its steps moved (of those that keep them
-    probed, if any do), else that some could not be judged."""
-    switched = bool(needed) and all(n is False for n in needed)
+                 errors: Mapping[ThreadKey, MemsetShares | None], switched: bool) -> str:
+    """Why the memsets are ``switched`` or stay probed, in words: the deciding thread
+    whose estimate was worst against all the bytes its steps moved (of those that keep
+    them probed, if any do), else that some could not be judged."""
     shares = [(e[1], e[0], e[2], k) for k, n in zip(deciding, needed)
               if (n or switched) and (e := errors.get(k)) is not None]
     if shares:

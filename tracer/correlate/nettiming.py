@@ -222,21 +222,11 @@ class NetTimer:
         c.last_ns = max(c.last_ns, ev.ts, ev.ref_ts)
         if ev.op == "arrival":
             c.anchored = c.anchored or ev.anchored  # late: anchored after attach
-            if c.arrival_refs and ev.ref_ts < c.arrival_refs[-1]:
+            if not _log_pair(c.arrival_refs, c.arrivals, ev.ref_ts, ev.ts, ties=True):
                 self.stats["netwait_out_of_order"] += 1
-                return
-            c.arrival_refs.append(ev.ref_ts)
-            c.arrivals.append(ev.ts)
-            if len(c.arrival_refs) > MAX_LOG + LOG_TRIM:
-                del c.arrival_refs[:LOG_TRIM], c.arrivals[:LOG_TRIM]
         elif ev.op == "later":
-            if c.later_offs and ev.stream_off <= c.later_offs[-1]:
+            if not _log_pair(c.later_offs, c.later_ts, ev.stream_off, ev.ts, ties=False):
                 self.stats["netwait_out_of_order"] += 1
-                return
-            c.later_offs.append(ev.stream_off)
-            c.later_ts.append(ev.ts)
-            if len(c.later_offs) > MAX_LOG + LOG_TRIM:
-                del c.later_offs[:LOG_TRIM], c.later_ts[:LOG_TRIM]
         elif ev.op == "unseen":
             c.unseen.append(Unseen(ev.sent_from, ev.stream_off, ev.ref_ts, ev.ts))
             if len(c.unseen) > MAX_LOG + LOG_TRIM:
@@ -353,9 +343,10 @@ class NetTimer:
         if later > arrival:
             self.stats["net_timing.arrival_later"] += 1
             arrival = later
-        llm_arrival = _arrival(c, rec.llm_start_ns) if rec.llm_start_ns else arrival
-        llm_arrival = max(llm_arrival, arrival) if llm_arrival else llm_arrival
-        n = NetTiming(timing="socket", arrival_ns=arrival, llm_arrival_ns=llm_arrival or arrival)
+        # the request message cannot have come before its stream's first bytes
+        llm_arrival = (max(_arrival(c, rec.llm_start_ns), arrival) if rec.llm_start_ns
+                       else arrival)
+        n = NetTiming(timing="socket", arrival_ns=arrival, llm_arrival_ns=llm_arrival)
         i = bisect.bisect_right(c.arrival_refs, rec.start_ns) - 1
         if c.estab_ns and c.arrival_refs and c.arrival_refs[i] == c.first_read_ns:
             n.estab_ns = c.estab_ns  # the connection's first request: its setup counts
@@ -398,6 +389,20 @@ class NetTimer:
         # not sent at the probe before the unseen ACK, sent by the one after it
         left = max(left, u.after_ns)
         return left, h, max(left, u.by_ns)
+
+
+def _log_pair(keys: list[int], values: list[int], key: int, value: int, ties: bool
+              ) -> bool:
+    """Add ``key -> value`` to a connection's two parallel logs (``keys`` ascending),
+    forgetting the oldest a block at a time; False, and nothing added, if ``key`` goes
+    back (or repeats the last, unless ``ties``)."""
+    if keys and (key < keys[-1] or (key == keys[-1] and not ties)):
+        return False
+    keys.append(key)
+    values.append(value)
+    if len(keys) > MAX_LOG + LOG_TRIM:
+        del keys[:LOG_TRIM], values[:LOG_TRIM]
+    return True
 
 
 def _arrival(c: ConnLog, read_ts: int) -> int:
