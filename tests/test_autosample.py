@@ -81,6 +81,51 @@ def test_a_pause_is_no_measure_of_a_rate():
     assert auto.check(105.0, {ENGINE: (510000, 9200)}, set()) == auto.fraction
 
 
+def test_short_steps_get_the_smaller_window():
+    """0.02 of a period where that window spans two of the deciding threads' mean steps
+    (the longest of theirs), else 0.03."""
+    for steps, period, fraction in ((1000, 1.0, 0.02), (500, 1.0, 0.02), (400, 1.0, 0.03),
+                                    (400, 2.0, 0.02), (150, 2.0, 0.03)):
+        auto = AutoSample()
+        auto.check(0.0, {}, set())
+        assert auto.check(5.0, {ENGINE: (40000, steps)}, set(), period_s=period) == fraction
+        step_ms = 5000 / steps
+        assert f"a step every {step_ms:.1f} ms: launch probes on {fraction:g} of" in auto.reason
+        assert (f"({20 * period:.0f}-ms windows span {20 * period / step_ms:.1f} steps)"
+                in auto.reason) is (fraction == 0.02), auto.reason
+    auto = AutoSample()  # the slower of two engine threads decides
+    auto.check(0.0, {}, set())
+    assert auto.check(5.0, {ENGINE: (40000, 1000), OTHER: (40000, 300)}, set()) == 0.03
+    # a fraction set below the short one is never raised to it
+    auto = AutoSample(fraction=0.01)
+    auto.check(0.0, {}, set())
+    assert auto.check(5.0, {ENGINE: (40000, 1000)}, set()) == 0.01
+
+
+def test_the_window_follows_the_steps_while_sampling():
+    auto = AutoSample()
+    auto.check(0.0, {}, set())
+    seen = [40000, 1000]
+
+    def after(steps: int, t: list[float] = [5.0]) -> float | None:
+        seen[0] += 40000
+        seen[1] += steps
+        t[0] += 5.0
+        return auto.check(t[0], {ENGINE: (seen[0], seen[1])}, set())
+
+    assert auto.check(5.0, {ENGINE: tuple(seen)}, set()) == 0.02  # 5 ms a step
+    assert after(400) == 0.03  # 12.5 ms: 20 ms spans 1.6 of them
+    assert "on 0.03 of each period" in auto.reason and auto.state == "sampling"
+    assert after(476) is None  # 10.5 ms, 1.9 steps: not yet
+    assert after(527) == 0.02  # 9.5 ms, 2.1 steps
+    assert after(476) is None  # 1.9 steps: held by the hysteresis, not flipped back
+    assert after(10) is None  # too few steps to judge by: as it is
+    assert auto.fraction == 0.02
+    assert auto.check(40.0, {ENGINE: (seen[0] + 5, seen[1] + 400), OTHER: (5, 0)},
+                      {OTHER}) == 1.0  # a same-thread launcher still ends it for good
+    assert auto.state == "off"
+
+
 def decide_over(path: Path, auto: AutoSample) -> tuple[list[tuple[float, float]], Pipeline]:
     """Replay a capture, asking the policy every ``check_s`` of the capture's clock as
     the agent does; the (seconds in, fraction) switches it asked for."""
@@ -123,6 +168,19 @@ def test_hf_serve_on_an_h100_is_sampled_once_its_engine_is_busy(name, copies):
     assert auto.copies is copies, auto.reason
     threads = p.gpu_threads()
     assert threads and not set(threads) & p.attribution.same_thread
+
+
+def test_hf_serve_s_engines_get_the_window_their_steps_call_for():
+    """The exact captures, checked as the agent checks: c32 on an H100 (17-18 ms steps)
+    keeps 0.03 throughout; plain serve's generate() (3 ms) gets 0.02 at once; c8 on an
+    H200 (8.5 ms steps under load) starts at 0.03 on the ramp's first check, goes to 0.02
+    when the steps are short and back to 0.03 as the batch drains."""
+    expect = {"hf-cb-c32-h100.ttcap": [0.03], "hf-plain-c4-h100.ttcap": [0.02],
+              "hf-cb-c8-h200.ttcap": [0.03, 0.02, 0.03]}
+    for name, fractions in expect.items():
+        auto = AutoSample()
+        switches, _ = decide_over(CAPTURES / name, auto)
+        assert [f for _, f in switches] == fractions, (name, switches, auto.reason)
 
 
 def test_the_copies_go_with_the_launches_only_where_every_deciding_thread_allows():

@@ -62,6 +62,25 @@ COPIES = "host-to-device and device-to-device copies and syncs"
 # tokens/s 0.979 (0.957-1.000) of untraced (docs/overhead.md, "0.03 with the syncs
 # switched, measured on H100s")
 FRACTION = 0.03
+# Where steps are short, a smaller window still holds whole steps: 0.02 of each period
+# where its window spans at least MIN_WINDOW_STEPS of the deciding threads' mean step
+# (their steps closed over the check that decides; idle gaps make a step look longer,
+# so the rule errs towards the larger window). On the exact c8 capture of HF serve CB on
+# an H200 (8.5-ms steps: 20-ms windows span 2.35 of them), 0.02 estimated as well as 0.03
+# over 16 phases (launches in all 0.991-1.001 against 0.991-1.003, median per-request
+# launch error 0.35-0.49% against 0.36-0.46%), and nearly so on the H100 fixture (9.6-ms
+# steps, 2.08 of them: 0.980-1.000 against 0.986-0.999, 0.24-1.04% against 0.14-0.70%);
+# 0.015 on c8 (1.76 steps) left one phase 6.9% short, and on the H100 c32 capture
+# (17.3-ms steps) 0.02 (1.16 steps) tripled the median error
+# (bench/results/sampling_error-h200-cb-c8-f00{3,2,15}-memsets-16.json,
+# sampling_error-h100-cb-f00{3,2}-syncs-16.json). The first check after load starts
+# sees its ramp (12.6 ms a step on the c8 capture): 0.03 until a later check sees the
+# steps short, as every check while sampling may. Each launch trap costs a server
+# ~7 us of CPU, and the windows' launches are ~1 trap per token on the bench's load:
+# a third of them fewer (docs/overhead.md, "a smaller window where steps are short")
+SHORT_FRACTION = 0.02
+MIN_WINDOW_STEPS = 2.0
+HYSTERESIS_STEPS = 0.25
 MIN_RATE = 5000.0  # launches per second, over one check, before sampling pays
 CHECK_S = 5.0  # how often the launch rate and the launching threads are looked at
 MIN_STEPS = 20  # steps a launching thread closed in one check: it is a step engine
@@ -84,7 +103,9 @@ class AutoSample:
     ``--gpu-sample`` fraction to switch to, or None, and leaves in ``copies`` and
     ``memsets`` whether those are to be switched with the launches."""
 
-    fraction: float = FRACTION
+    fraction: float = FRACTION  # where steps are long; once sampling, the one in force
+    short_fraction: float = SHORT_FRACTION  # where a window of it spans enough steps
+    min_window_steps: float = MIN_WINDOW_STEPS
     min_rate: float = MIN_RATE
     min_steps: int = MIN_STEPS
     check_s: float = CHECK_S  # the caller checks this often
@@ -94,6 +115,11 @@ class AutoSample:
     memsets: bool = False  # and the memsets
     _last: dict[ThreadKey, tuple[int, int]] = field(default_factory=dict)
     _last_ts: float | None = None
+    _long: float = 0.0  # the fraction for long steps (``fraction`` as constructed)
+    _why: tuple[str, str] = ("", "")  # the reason's words before and after the fraction
+
+    def __post_init__(self) -> None:
+        self._long = self.fraction
 
     def hand_set(self) -> None:
         """The user set ``gpu-sample`` themselves: the policy stands down."""
@@ -107,16 +133,20 @@ class AutoSample:
               same_thread: AbstractSet[ThreadKey],
               copies_needed: Mapping[ThreadKey, bool | None] | None = None,
               memsets_needed: Mapping[ThreadKey, bool | None] | None = None,
-              memset_errors: Mapping[ThreadKey, MemsetShares | None] | None = None
-              ) -> float | None:
+              memset_errors: Mapping[ThreadKey, MemsetShares | None] | None = None,
+              period_s: float = 1.0) -> float | None:
         """The fraction to switch to now, or None to stay as it is. ``memset_errors``:
         per thread, how far its memset bytes were off their estimate, as shares of its
         memset bytes and of all the bytes its steps moved, and over runs of a request's
-        steps (``StepEstimates.blind_memset_shares``, for ``reason``)."""
+        steps (``StepEstimates.blind_memset_shares``, for ``reason``). ``period_s``: the
+        sampling period; ``short_fraction`` of it must span ``min_window_steps`` of the
+        deciding threads' mean step for that fraction to be chosen, at the switch and at
+        every check after it (the steps are counted whole or not, sampled or not)."""
         last, last_ts = self._last, self._last_ts
         self._last, self._last_ts = dict(threads), now
         if self.state == "off" or last_ts is None or now <= last_ts:
             return None
+        span = now - last_ts
         new = {k: (n - last.get(k, (0, 0))[0], s - last.get(k, (0, 0))[1])
                for k, (n, s) in threads.items()}
         launching = {k for k, (n, _) in new.items() if n > 0}
@@ -127,17 +157,17 @@ class AutoSample:
             self.reason = (f"thread {alone[0][1]} of process {alone[0][0]} launches for "
                            "the one request it serves: every launch counted")
             return 1.0 if was == "sampling" else None
-        if self.state != "exact":
-            return None
         total = sum(n for n, _ in new.values())
+        deciding = [k for k in launching if new[k][0] >= MINOR_SHARE * total]
+        if self.state == "sampling":
+            return self._follow(span, new, deciding, period_s)
         per_process: dict[int, int] = {}
         for (pid, _), (n, _) in new.items():
             per_process[pid] = per_process.get(pid, 0) + n
         # the traps land on each process's own threads: its rate is what it pays
-        rate = max(per_process.values(), default=0) / (now - last_ts)
+        rate = max(per_process.values(), default=0) / span
         if rate < self.min_rate:
             return None
-        deciding = [k for k in launching if new[k][0] >= MINOR_SHARE * total]
         if any(new[k][1] < self.min_steps for k in deciding):
             return None  # a busy launcher that does not close steps (yet): no estimate
         self.state = "sampling"
@@ -145,18 +175,43 @@ class AutoSample:
         self.copies = bool(needed) and all(n is False for n in needed)
         memsets = [(memsets_needed or {}).get(k) for k in deciding]
         self.memsets = bool(memsets) and all(n is False for n in memsets)
-        self.reason = (f"{rate:,.0f} launches/s in one process, on {len(deciding)} engine "
-                       f"step thread(s) in all: launch probes on {self.fraction:g} of each "
-                       "period" + (f", with the {COPIES}" if self.copies else
-                                   f"; {COPIES} all counted (they tell steps "
-                                   "apart)" if any(needed) else
-                                   f"; {COPIES} all counted (too few steps to "
-                                   "tell whether they are needed)")
-                       + (", and the memsets" if self.memsets else
-                          "; memsets all counted")
-                       + _why_memsets(deciding, memsets, memset_errors or {},
-                                      self.memsets))
+        self._why = (f"{rate:,.0f} launches/s in one process, on {len(deciding)} engine "
+                     "step thread(s) in all",
+                     (f", with the {COPIES}" if self.copies else
+                      f"; {COPIES} all counted (they tell steps apart)" if any(needed) else
+                      f"; {COPIES} all counted (too few steps to tell whether they are "
+                      "needed)")
+                     + (", and the memsets" if self.memsets else "; memsets all counted")
+                     + _why_memsets(deciding, memsets, memset_errors or {}, self.memsets))
+        self._choose(span / max(1, min(new[k][1] for k in deciding)), period_s)
         return self.fraction
+
+    def _follow(self, span: float, new: Mapping[ThreadKey, tuple[int, int]],
+                deciding: list[ThreadKey], period_s: float) -> float | None:
+        """Sampling: the fraction the deciding threads' steps now call for, if it
+        changed (None where a thread closed too few steps to judge by)."""
+        if not deciding or any(new[k][1] < self.min_steps for k in deciding):
+            return None
+        was = self.fraction
+        self._choose(span / max(1, min(new[k][1] for k in deciding)), period_s)
+        return self.fraction if self.fraction != was else None
+
+    def _choose(self, step_s: float, period_s: float) -> None:
+        """``fraction`` and ``reason`` for a longest mean step of ``step_s``: the short
+        fraction where its window spans ``min_window_steps`` of them. Every step is
+        counted, so a step looks longer only by the engine's idle gaps: the larger
+        window then."""
+        window_s = self.short_fraction * period_s
+        # a quarter step of hysteresis once short: a load at the edge does not flip it
+        # every check
+        need = self.min_window_steps - (HYSTERESIS_STEPS if self.fraction < self._long else 0)
+        short = self.short_fraction < self._long and window_s >= need * step_s
+        self.fraction = self.short_fraction if short else self._long
+        self.reason = (f"{self._why[0]}, a step every {step_s * 1e3:.1f} ms: launch probes "
+                       f"on {self.fraction:g} of each period"
+                       + (f" ({window_s * 1e3:.0f}-ms windows span {window_s / step_s:.1f} "
+                          "steps)" if short else "")
+                       + self._why[1])
 
 
 def _why_memsets(deciding: list[ThreadKey], needed: list[bool | None],

@@ -13,6 +13,8 @@ from typing import Any, Callable
 import tracer
 from tracer.autosample import FRACTION as AUTO_FRACTION
 from tracer.autosample import MIN_RATE as AUTO_MIN_RATE
+from tracer.autosample import MIN_WINDOW_STEPS as AUTO_MIN_WINDOW_STEPS
+from tracer.autosample import SHORT_FRACTION as AUTO_SHORT_FRACTION
 from tracer.autosample import AutoSample
 from tracer.correlate.connections import TrackerOptions
 from tracer.events import capture
@@ -88,7 +90,8 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                          "launches only; launch counts become estimates, marked so. 1 "
                          "counts every launch. auto (the default) counts every launch "
                          "until a process launches over %d a second, all of them on "
-                         "engine threads that run steps, then samples %g of each period "
+                         "engine threads that run steps, then samples %g of each period, "
+                         "or %g where that share of a period spans %g of their steps "
                          "(the host-to-device and device-to-device copies and the syncs "
                          "too, where those threads' steps are told apart without them, "
                          "and the memsets where they are predicted to 1 percent of the bytes "
@@ -96,7 +99,8 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                          "a thread launching for the one request it serves turns it back "
                          "to counting every launch (docs/overhead.md); `record` has no "
                          "analysis to decide with, and counts every launch"
-                         % (AUTO_MIN_RATE, AUTO_FRACTION))
+                         % (AUTO_MIN_RATE, AUTO_FRACTION, AUTO_SHORT_FRACTION,
+                            AUTO_MIN_WINDOW_STEPS))
     g2.add_argument("--gpu-sample-period", type=float, metavar="SECONDS",
                     help="the --gpu-sample duty cycle's period (default: 1 through "
                          "uprobe_multi links, 5 without them: before Linux 6.6 detaching "

@@ -332,6 +332,8 @@ class GpuLedger:
         elif isinstance(ev, GpuSampling):
             if self.sampling is None:
                 self.sampling = LaunchSampling(ev.fraction)
+            elif ev.fraction < 1.0:  # --gpu-sample auto follows the steps' length
+                self.sampling.fraction = ev.fraction
             self.sampling.switch(ev.ts, ev.enabled, ev.attach_s, ev.detach_s, ev.copies,
                                  ev.memsets)
             if ev.copies and ev.copy_kinds != SAMPLED_COPIES:
