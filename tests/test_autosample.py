@@ -102,6 +102,37 @@ def test_short_steps_get_the_smaller_window():
     assert auto.check(5.0, {ENGINE: (40000, 1000)}, set()) == 0.01
 
 
+def test_the_steps_own_intervals_size_the_window_when_known():
+    """The check's span over its steps counts a stall, and the agent's lag in reading
+    the records: the steps' own intervals (stream clock) do not."""
+    auto = AutoSample()
+    auto.check(0.0, {}, set())
+    # 400 steps in 5 s looks like 12.5 ms a step; their intervals say 6 ms
+    assert auto.check(5.0, {ENGINE: (40000, 400)}, set(), step_ns={ENGINE: 6_000_000}) == 0.02
+    assert "a step every 6.0 ms" in auto.reason
+    auto = AutoSample()
+    auto.check(0.0, {}, set())
+    # and the other way: a thread with no interval yet falls back to the span
+    assert auto.check(5.0, {ENGINE: (40000, 1000), OTHER: (40000, 1000)}, set(),
+                      step_ns={ENGINE: 15_000_000, OTHER: None}) == 0.03
+    assert "a step every 15.0 ms" in auto.reason
+
+
+def test_a_step_interval_leaves_out_the_longest_two_percent():
+    from tracer.correlate.steps import Step, StepTotals
+
+    totals = StepTotals()
+    assert totals.interval_ns() is None
+    end = 0
+    for i in range(100):
+        gap = 5_000_000_000 if i == 50 else (1_000_000 if i % 2 else 9_000_000)
+        totals.book(Step(pid=1, tid=1, end_ts=end + gap), end if i else None)
+        end += gap
+    # 99 intervals, 2% of them (one) left out: the pause of 5 s; both kinds of step
+    # kept, 50 of 1 ms and 48 of 9 ms (a median would say 1 ms)
+    assert totals.interval_ns() == (50 * 1_000_000 + 48 * 9_000_000) // 98
+
+
 def test_the_window_follows_the_steps_while_sampling():
     auto = AutoSample()
     auto.check(0.0, {}, set())
@@ -145,7 +176,8 @@ def decide_over(path: Path, auto: AutoSample) -> tuple[list[tuple[float, float]]
             threads = p.gpu_threads()
             est = p.attribution.estimates
             f = auto.check(now, threads, p.attribution.same_thread,
-                           {k: est.copies_tell_steps_apart(*k) for k in threads})
+                           {k: est.copies_tell_steps_apart(*k) for k in threads},
+                           step_ns=p.step_intervals())
             if f is not None:
                 switches.append((round(now - start, 1), f))
     p.close()
@@ -171,12 +203,12 @@ def test_hf_serve_on_an_h100_is_sampled_once_its_engine_is_busy(name, copies):
 
 
 def test_hf_serve_s_engines_get_the_window_their_steps_call_for():
-    """The exact captures, checked as the agent checks: c32 on an H100 (17-18 ms steps)
-    keeps 0.03 throughout; plain serve's generate() (3 ms) gets 0.02 at once; c8 on an
-    H200 (8.5 ms steps under load) starts at 0.03 on the ramp's first check, goes to 0.02
-    when the steps are short and back to 0.03 as the batch drains."""
+    """The exact captures, checked as the agent checks, by their steps' intervals: c32
+    on an H100 (17 ms) keeps 0.03 throughout; c8 on an H200 (8.5 ms), the H100 fixture
+    (9.6 ms) and plain serve's generate() (2.8 ms: 0.5-0.7 and 5.5-7 ms steps) get 0.02
+    at the first check and keep it."""
     expect = {"hf-cb-c32-h100.ttcap": [0.03], "hf-plain-c4-h100.ttcap": [0.02],
-              "hf-cb-c8-h200.ttcap": [0.03, 0.02, 0.03]}
+              "hf-cb-c8-h200.ttcap": [0.02], "hf-serve-cb-h100.ttcap": [0.02]}
     for name, fractions in expect.items():
         auto = AutoSample()
         switches, _ = decide_over(CAPTURES / name, auto)

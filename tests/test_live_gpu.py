@@ -228,8 +228,8 @@ STEPS_RUN = 5000
 @pytest.mark.parametrize("copies,memsets", [(False, False), (True, False), (True, True)])
 def test_sampling_switched_on_and_off_while_running(gpu_build, tmp_path, copies, memsets):
     """`--control gpu-sample F PERIOD [copies] [memsets]` while the workload launches: full
-    counting, then half of each 0.6 s period (the agent started with 5 s periods), then
-    full again. The launch probes really went off (fewer seen than launched), the
+    counting, then half of each 0.6 s period (the agent started with 5 s periods), 0.3
+    of it, then full again. The launch probes really went off (fewer seen than launched), the
     estimate from the steps counted whole stays within 5 %, what is not sampled stays
     exact, and a fraction out of (0, 1] or a period under 10 ms is refused. With
     ``copies`` the host-to-device and device-to-device copies' probes and the syncs' go
@@ -246,16 +246,20 @@ def test_sampling_switched_on_and_off_while_running(gpu_build, tmp_path, copies,
         time.sleep(0.8)
         replies.extend(send(sock, w) for w in ("gpu-sample 0", "gpu-sample 1.5",
                                                "gpu-sample 0.5 0", on))
-        time.sleep(3.0)
+        time.sleep(1.5)
+        replies.append(send(sock, "gpu-sample 0.3"))  # while sampling: the share alone
+        time.sleep(1.5)
         replies.append(send(sock, "gpu-sample 1"))
 
     proc, truth, _, doc, _ = run_workload(
         gpu_build, tmp_path, ["--steps", str(STEPS_RUN), "--kernels", "12", "--d2d", "3"],
         ["--control", sock, "--gpu-sample-period", "5"], kernel_ns=100_000,
         during=switch)
-    assert [r.split()[0] for r in replies] == ["error:", "error:", "error:", "ok", "ok"], replies
-    assert replies[3:] == ["ok " + on, "ok gpu-sample 1"]
+    assert [r.split()[0] for r in replies] == ["error:", "error:", "error:", "ok", "ok",
+                                               "ok"], replies
+    assert replies[3] == "ok " + on and replies[5] == "ok gpu-sample 1", replies
     s = doc["gpu"]["launch_sampling"]
+    assert s["fraction"] == 0.3, s  # the latest share sampled
     assert s["estimated"] and s["switches"] >= 8, s  # 0.6 s periods, not 5 s
     assert s["copies_sampled"] is copies and s["memsets_sampled"] is memsets
     assert proc["kernel_launches_seen"] < 0.95 * truth["launches"]

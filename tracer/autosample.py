@@ -134,14 +134,17 @@ class AutoSample:
               copies_needed: Mapping[ThreadKey, bool | None] | None = None,
               memsets_needed: Mapping[ThreadKey, bool | None] | None = None,
               memset_errors: Mapping[ThreadKey, MemsetShares | None] | None = None,
-              period_s: float = 1.0) -> float | None:
+              period_s: float = 1.0,
+              step_ns: Mapping[ThreadKey, int | None] | None = None) -> float | None:
         """The fraction to switch to now, or None to stay as it is. ``memset_errors``:
         per thread, how far its memset bytes were off their estimate, as shares of its
         memset bytes and of all the bytes its steps moved, and over runs of a request's
         steps (``StepEstimates.blind_memset_shares``, for ``reason``). ``period_s``: the
         sampling period; ``short_fraction`` of it must span ``min_window_steps`` of the
-        deciding threads' mean step for that fraction to be chosen, at the switch and at
-        every check after it (the steps are counted whole or not, sampled or not)."""
+        deciding threads' steps for that fraction to be chosen, at the switch and at
+        every check after it (the steps are closed whether sampled or not). A step is
+        ``step_ns``, per thread (the mean interval of its latest steps, end to end:
+        ``StepTotals.interval_ns``), else the check's span over the steps it closed."""
         last, last_ts = self._last, self._last_ts
         self._last, self._last_ts = dict(threads), now
         if self.state == "off" or last_ts is None or now <= last_ts:
@@ -159,8 +162,18 @@ class AutoSample:
             return 1.0 if was == "sampling" else None
         total = sum(n for n, _ in new.values())
         deciding = [k for k in launching if new[k][0] >= MINOR_SHARE * total]
+        intervals = step_ns or {}
+
+        def step_s() -> float:  # the longest step of a deciding thread
+            return max((intervals.get(k) or 0) / 1e9 or span / max(1, new[k][1])
+                       for k in deciding)
+
         if self.state == "sampling":
-            return self._follow(span, new, deciding, period_s)
+            if not deciding or any(new[k][1] < self.min_steps for k in deciding):
+                return None  # too few steps to judge by: as it is
+            was = self.fraction
+            self._choose(step_s(), period_s)
+            return self.fraction if self.fraction != was else None
         per_process: dict[int, int] = {}
         for (pid, _), (n, _) in new.items():
             per_process[pid] = per_process.get(pid, 0) + n
@@ -183,24 +196,14 @@ class AutoSample:
                       "needed)")
                      + (", and the memsets" if self.memsets else "; memsets all counted")
                      + _why_memsets(deciding, memsets, memset_errors or {}, self.memsets))
-        self._choose(span / max(1, min(new[k][1] for k in deciding)), period_s)
+        self._choose(step_s(), period_s)
         return self.fraction
 
-    def _follow(self, span: float, new: Mapping[ThreadKey, tuple[int, int]],
-                deciding: list[ThreadKey], period_s: float) -> float | None:
-        """Sampling: the fraction the deciding threads' steps now call for, if it
-        changed (None where a thread closed too few steps to judge by)."""
-        if not deciding or any(new[k][1] < self.min_steps for k in deciding):
-            return None
-        was = self.fraction
-        self._choose(span / max(1, min(new[k][1] for k in deciding)), period_s)
-        return self.fraction if self.fraction != was else None
-
     def _choose(self, step_s: float, period_s: float) -> None:
-        """``fraction`` and ``reason`` for a longest mean step of ``step_s``: the short
-        fraction where its window spans ``min_window_steps`` of them. Every step is
-        counted, so a step looks longer only by the engine's idle gaps: the larger
-        window then."""
+        """``fraction`` and ``reason`` for a longest step of ``step_s``: the short
+        fraction where its window spans ``min_window_steps`` of them. A step's interval
+        holds the idle gap before it, which a window must span too to count it whole:
+        an engine with gaps gets the larger window."""
         window_s = self.short_fraction * period_s
         # a quarter step of hysteresis once short: a load at the edge does not flip it
         # every check

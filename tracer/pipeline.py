@@ -325,6 +325,12 @@ class Pipeline:
                     out[(pid, tid)] = (t.kernel_launches, s.steps if s is not None else 0)
         return out
 
+    def step_intervals(self) -> dict[tuple[int, int], int | None]:
+        """Per engine step thread (pid, tid): the mean of its latest steps' intervals,
+        end to end, in ns (``StepTotals.interval_ns``; ``--gpu-sample auto`` sizes its
+        windows by them)."""
+        return {k: s.interval_ns() for k, s in self.attribution.step_totals.items()}
+
     def reconciliation(self) -> dict[str, Any]:
         """Per GPU process and quantity: observed = charged to requests + unattributed,
         with GPU time and its cost over each process's window (``cost.reconcile``)."""

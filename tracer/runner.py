@@ -113,7 +113,8 @@ class TraceRun:
                               {k: estimates.memsets_tell_steps_apart(*k, request_steps)
                                for k in threads},
                               {k: estimates.blind_memset_shares(*k, request_steps)
-                               for k in threads}, period_s=session.sample_period_s())
+                               for k in threads}, period_s=session.sample_period_s(),
+                              step_ns=self.pipeline.step_intervals())
         if fraction is not None:
             session.set_gpu_sample(fraction, auto.reason, copies=auto.copies,
                                    memsets=auto.memsets)

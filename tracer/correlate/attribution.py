@@ -495,7 +495,7 @@ class GpuAttribution:
         else:  # every launch counted: the step is its shape's reference for a later
             # --gpu-sample (auto's switch, or ctl's), which then estimates from its start
             self._learn(step, prev_end)
-        self.step_totals[log.key].book(step)
+        self.step_totals[log.key].book(step, prev_end)
         self.stats["gpu_step_launches"] += step.launches
         self.ledger.observe(step.pid, step.work, estimated=step.estimated,
                             copies_estimated=step.copies_estimated,

@@ -347,7 +347,10 @@ class CaptureSession:
                 if old == 1.0:
                     self.gpu.switch_groups(copies, memsets)
                 self._begin_sampled_period(reason)
-            return fraction  # off: the next toggle turns them on at the new share
+            else:  # off: the next toggle turns them on at the new share; said now
+                self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=False,
+                                      fraction=fraction, reason=reason, **self._switched()))
+            return fraction
         self.gpu.join_detach()
         attach_s = self.gpu.attach_launch_probes()
         self.gpu.switch_groups(False)
