@@ -63,9 +63,9 @@ COPIES = "host-to-device and device-to-device copies and syncs"
 # switched, measured on H100s")
 FRACTION = 0.03
 # Where steps are short, a smaller window still holds whole steps: 0.02 of each period
-# where its window spans at least MIN_WINDOW_STEPS of the deciding threads' mean step
-# (their steps closed over the check that decides; idle gaps make a step look longer,
-# so the rule errs towards the larger window). On the exact c8 capture of HF serve CB on
+# where its window spans at least MIN_WINDOW_STEPS of the deciding threads' steps (the
+# mean interval, end to end, of each one's latest steps: StepTotals.interval_ns; idle
+# gaps lengthen it, as a window must span them too). On the exact c8 capture of HF serve CB on
 # an H200 (8.5-ms steps: 20-ms windows span 2.35 of them), 0.02 estimated as well as 0.03
 # over 16 phases (launches in all 0.991-1.001 against 0.991-1.003, median per-request
 # launch error 0.35-0.49% against 0.36-0.46%), and nearly so on the H100 fixture (9.6-ms
@@ -73,9 +73,8 @@ FRACTION = 0.03
 # 0.015 on c8 (1.76 steps) left one phase 6.9% short, and on the H100 c32 capture
 # (17.3-ms steps) 0.02 (1.16 steps) tripled the median error
 # (bench/results/sampling_error-h200-cb-c8-f00{3,2,15}-memsets-16.json,
-# sampling_error-h100-cb-f00{3,2}-syncs-16.json). The first check after load starts
-# sees its ramp (12.6 ms a step on the c8 capture): 0.03 until a later check sees the
-# steps short, as every check while sampling may. Each launch trap costs a server
+# sampling_error-h100-cb-f00{3,2}-syncs-16.json). Every check while sampling looks
+# again (a quarter step of hysteresis). Each launch trap costs a server
 # ~7 us of CPU, and the windows' launches are ~1 trap per token on the bench's load:
 # a third of them fewer (docs/overhead.md, "a smaller window where steps are short")
 SHORT_FRACTION = 0.02
