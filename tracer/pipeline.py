@@ -264,6 +264,7 @@ class Pipeline:
             self.net.mode = ev
         elif isinstance(ev, schema.TracingPaused):
             self.last_ts = max(self.last_ts, ev.ts)
+            self.gpu.paused(ev.ts, ev.paused)
             if ev.paused:
                 t.pause(ev.ts)
         elif isinstance(ev, schema.DropReport):

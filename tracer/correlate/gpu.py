@@ -286,6 +286,11 @@ class GpuLedger:
             p = self.processes[pid] = ProcessGpu(pid)
         return p
 
+    def paused(self, ts: int, paused: bool) -> None:
+        """The agent took its probes out or put them back (``schema.TracingPaused``)."""
+        if self.sampling is not None:
+            self.sampling.pause(ts, paused)
+
     def handle(self, ev: Any) -> None:
         """Account one GPU event (KernelBurst, KernelName, KernelStub, MemEvent,
         NcclEvent or an ibverbs event)."""

@@ -62,6 +62,11 @@ class LaunchSampling:
     memsets: list[bool] = field(default_factory=list)  # and the memsets
 
     _ts: list[int] = field(default_factory=list)  # the switches' times, for bisect
+    # spans with every probe out (``ctl pause``): not time the launch probes were on
+    # or off, and left out of the share measured
+    paused: list[tuple[int, int]] = field(default_factory=list)
+    _paused_since: int | None = None
+    _on_at_pause: bool = False
 
     def switch(self, ts: int, on: bool, attach_s: float = 0.0, detach_s: float = 0.0,
                copies: bool = False, memsets: bool = False) -> None:
@@ -73,6 +78,26 @@ class LaunchSampling:
             self.attach_s.append(attach_s)
         if detach_s:
             self.detach_s.append(detach_s)
+
+    def pause(self, ts: int, paused: bool) -> None:
+        """The agent took every probe out (``paused``) or put them back. A pause is an
+        "off" switch: no launch in it was counted, so no step across it is whole. The
+        resume puts the launch probes back as they were (stamped once they are in), and
+        the next toggle goes on from there."""
+        if paused and self._paused_since is None:
+            self._paused_since = ts
+            self._on_at_pause = bool(self.switches) and self.switches[-1][1]
+            if self._on_at_pause:
+                self.switch(ts, False, copies=self.copies[-1], memsets=self.memsets[-1])
+        elif not paused and self._paused_since is not None:
+            self.paused.append((self._paused_since, ts))
+            self._paused_since = None
+            if self._on_at_pause:
+                self.switch(ts, True, copies=self.copies[-1], memsets=self.memsets[-1])
+
+    def _paused_ns(self, a: int, b: int) -> int:
+        """How much of [a, b] the agent was paused."""
+        return sum(max(0, min(e, b) - max(p, a)) for p, e in self.paused)
 
     def _at(self, flags: list[bool], ts: int) -> bool:
         """``flags`` (one per switch) as the last switch at or before ``ts`` said."""
@@ -114,6 +139,13 @@ class LaunchSampling:
             on += max(0, b - max(since, a))
         return on / (b - a)
 
+    def _traced_on_share(self, a: int, b: int) -> float:
+        """``on_share`` of [a, b] with the paused spans left out of it."""
+        traced = (b - a) - self._paused_ns(a, b)
+        if traced <= 0:
+            return 1.0 if b <= a else 0.0
+        return min(1.0, self.on_share(a, b) * (b - a) / traced)
+
     def counted(self, a: int, b: int) -> bool:
         """Whether every launch in [a, b] was counted: the probes were on at ``a`` (as
         they are before the first switch: sampling starts from exact counting) and
@@ -132,7 +164,8 @@ class LaunchSampling:
         out: dict[str, Any] = {
             "estimated": True, "fraction": self.fraction, "switches": len(sw),
             "copies_sampled": self.copies_ever, "memsets_sampled": self.memsets_ever,
-            "measured_on_share": round(self.on_share(sw[0][0], sw[-1][0]), 6) if sw else 0.0,
+            "measured_on_share": round(self._traced_on_share(sw[0][0], sw[-1][0]), 6)
+            if sw else 0.0,
         }
         for name, xs in (("attach_ms", self.attach_s), ("detach_ms", self.detach_s)):
             if xs:
