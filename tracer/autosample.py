@@ -163,8 +163,10 @@ class AutoSample:
         deciding = [k for k in launching if new[k][0] >= MINOR_SHARE * total]
         intervals = step_ns or {}
 
-        def step_s() -> float:  # the longest step of a deciding thread
-            return max((intervals.get(k) or 0) / 1e9 or span / max(1, new[k][1])
+        def step_s() -> float:
+            """The longest step of a deciding thread: its steps' own interval where
+            known, else the check's span over the steps it closed."""
+            return max(intervals[k] / 1e9 if intervals.get(k) else span / max(1, new[k][1])
                        for k in deciding)
 
         if self.state == "sampling":

@@ -123,10 +123,8 @@ class LaunchSampling:
         """Whether any switch had the memsets switched too."""
         return any(self.memsets)
 
-    def on_share(self, a: int, b: int) -> float:
-        """The share of [a, b] the launch probes were on (1.0 for an empty span)."""
-        if b <= a:
-            return 1.0
+    def _on_ns(self, a: int, b: int) -> int:
+        """How much of [a, b] the launch probes were on."""
         on = 0
         since: int | None = None
         for ts, enabled in self.switches:
@@ -137,14 +135,22 @@ class LaunchSampling:
                 since = None
         if since is not None:
             on += max(0, b - max(since, a))
-        return on / (b - a)
+        return on
+
+    def on_share(self, a: int, b: int) -> float:
+        """The share of [a, b] the launch probes were on (1.0 for an empty span)."""
+        if b <= a:
+            return 1.0
+        return self._on_ns(a, b) / (b - a)
 
     def _traced_on_share(self, a: int, b: int) -> float:
         """``on_share`` of [a, b] with the paused spans left out of it."""
+        if b <= a:
+            return 1.0
         traced = (b - a) - self._paused_ns(a, b)
         if traced <= 0:
-            return 1.0 if b <= a else 0.0
-        return min(1.0, self.on_share(a, b) * (b - a) / traced)
+            return 0.0
+        return min(1.0, self._on_ns(a, b) / traced)
 
     def counted(self, a: int, b: int) -> bool:
         """Whether every launch in [a, b] was counted: the probes were on at ``a`` (as
