@@ -8,7 +8,7 @@ agent kept running and only its probes taken out and put back (`tokentrace run
         [--slice-s 3] [--settle-s 0.5] [--settle-resume-s S] [--warmup-s 10]
         [--min-pairs 8] [--max-pairs 400] [--target 0.01] [--budget-s 240] [--breakdown]
         [--breakdown-modes M,M] [--sample-fraction F] [--breakdown-every N] [--keep-eos]
-        [--partial FILE] [--replicas N] [--agent-cpus K]
+        [--partial FILE] [--replicas N] [--agent-cpus K] [--model-shape LAYERS,HIDDEN]
         [--out bench/results/real_server.json]
     python bench/real_server.py --pool RESULT.json [RESULT.json ...]
 
@@ -450,11 +450,12 @@ def fixed_work(model: Path) -> None:
     f.write_text(json.dumps(cfg, indent=1))
 
 
-def tiny_llama(work: Path, keep_eos: bool = False) -> Path:
+def tiny_llama(work: Path, keep_eos: bool = False, shape: tuple[int, int] = (2, 128)) -> Path:
     """The tiny Llama built in ``work`` (and made to do fixed work, ``fixed_work``, unless
-    ``keep_eos``): build it once, serve it from several servers."""
+    ``keep_eos``): build it once, serve it from several servers. ``shape``: its layers
+    and hidden size (``--model-shape``; larger ones give each token more GPU work)."""
     from samples.hf.model import build
-    model = build(work / "tiny-llama")
+    model = build(work / "tiny-llama", layers=shape[0], hidden=shape[1])
     if not keep_eos:
         fixed_work(model)
     return model
@@ -1120,7 +1121,8 @@ def start_lanes(kind: str, args: argparse.Namespace, work: Path, plan: CpuPlan,
     work directory (``work/replica-i``) with its own port and CPUs, on CUDA with its own
     GPU where there are several replicas; HF kinds serve one tiny Llama built once.
     ``lanes`` is filled as they start, so that a failure stops those started."""
-    model = tiny_llama(work, args.keep_eos) if kind in ("hf-cb", "hf-plain") else None
+    model = (tiny_llama(work, args.keep_eos, args.model_shape)
+             if kind in ("hf-cb", "hf-plain") else None)
     for i, cpus in enumerate(plan.lanes):
         rwork = work / f"replica-{i}"
         rwork.mkdir()
@@ -2094,6 +2096,11 @@ def main(argv: list[str] | None = None) -> int:
                          "design) taken together, printed as JSON")
     ap.add_argument("--partial", metavar="FILE",
                     help="slices: the slices so far, rewritten after every round")
+    ap.add_argument("--model-shape", default=(2, 128), metavar="LAYERS,HIDDEN",
+                    type=lambda v: tuple(int(x) for x in v.split(",")),
+                    help="HF kinds: the Llama's layers and hidden size (default 2,128: "
+                         "tiny, each token mostly the server's CPU; larger ones put more "
+                         "of a token on the GPU, random weights all the same)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/real_server.json"))
     # the load generator's own process
     ap.add_argument("--client", help=argparse.SUPPRESS)

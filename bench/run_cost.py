@@ -2,7 +2,7 @@
 (bpf/sockets.c): a record per write, or staged in the kernel once the connection is
 armed. Measured in the process's own CPU time (getrusage).
 
-    python bench/run_cost.py [--calls 20000] [--rounds 8] [--cpu 1]
+    python bench/run_cost.py [--calls 20000] [--rounds 8] [--cpu 1] [--stats] [--netwait]
         [--out bench/results/run_cost.json]
 
 ``bench/probe_costs.py``'s C program holds a TCP connection to itself (loopback) and,
@@ -19,6 +19,11 @@ program on (``tokentrace ctl SOCK probe-stats on``: two clock reads more a run),
 per mode the BPF time of the write's exit (``sys_exit_write`` and the ``run_exit`` it
 tail-calls) per write: the probes' own time, without the noise of the window's wall
 clock.
+``--netwait``: one mode more, ``netwait``: a record per write from a second session
+loaded with the socket-level timing (``--net-timing auto``, bpf/netwait.c: its TCP
+tracepoints, ``tcp_probe`` on every segment the listening end receives, and its work
+in the syscall exits), the first one paused meanwhile. Against ``one-record`` in the
+same rounds: what timing requests as clients see them adds to each write and its read.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import math
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu", type=int, default=1, help="the CPU the writer runs on")
     ap.add_argument("--stats", action="store_true",
                     help="per mode, the write exit's BPF run time per write (probe-stats)")
+    ap.add_argument("--netwait", action="store_true",
+                    help="a netwait mode: the socket-level timing's probes too")
     ap.add_argument("--out", default=str(ROOT / "bench/results/run_cost.json"))
     args = ap.parse_args(argv)
     from bench.probe_costs import Blaster
@@ -73,6 +81,14 @@ def main(argv: list[str] | None = None) -> int:
         session = CaptureSession(CaptureConfig(pids=[proc.pid], concerns=("process", "sockets"),
                                                net_timing="syscall"), sink)
         session.start()
+        timed = None  # the second session, with netwait: paused but in its windows
+        if args.netwait:
+            timed = CaptureSession(CaptureConfig(pids=[proc.pid], concerns=("process", "sockets"),
+                                                 net_timing="auto"), sink)
+            timed.start()
+            if timed.net_timing.mode != "socket":
+                raise SystemExit(f"netwait cannot run here: {timed.net_timing.reason}")
+            timed.pause()
         key = proc.pid << 32 | fd
         if args.stats:
             session.control("probe-stats on")
@@ -87,8 +103,12 @@ def main(argv: list[str] | None = None) -> int:
 
         def window(mode: str) -> float:
             ns0 = exit_cost() if args.stats else 0
-            if mode == "untraced":
+            if mode in ("untraced", "netwait"):
                 session.pause()
+            if mode == "netwait" and timed is not None:
+                timed.resume()
+                time.sleep(1.2)  # its listening-port scan (each second) finds the port
+                timed.poll(0)
             elif mode == "runs":  # the socket's conn_id is new after each resume
                 conn_id = next(v.conn_id for k, v in session.bpf[b"conns"].items()
                                if k.value == key)
@@ -97,20 +117,28 @@ def main(argv: list[str] | None = None) -> int:
             if args.stats:
                 exit_ns.setdefault(mode, []).append((exit_cost() - ns0) / args.calls)
             session.poll(0)
-            if mode == "untraced":
+            if mode == "netwait" and timed is not None:
+                timed.poll(0)
+                timed.pause()
+                timed.poll(0)
+            if mode in ("untraced", "netwait"):
                 session.resume()
                 session.poll(0)
             elif mode == "runs":
                 session.bpf[b"run_arms"].clear()
             return took / args.calls * 1e6
 
-        modes = ("untraced", "one-record", "runs")
+        modes = ("untraced", "one-record", "runs") + (("netwait",) if timed else ())
         per: dict[str, list[float]] = {m: [] for m in modes}
         window("one-record")  # warm up
         for r in range(args.rounds):
-            for m in modes[r % 3:] + modes[:r % 3]:
+            k = r % len(modes)
+            for m in modes[k:] + modes[:k]:
                 per[m].append(window(m))
         counters = session.kernel_counters()
+        if timed is not None:
+            nw = timed.kernel_counters()
+            timed.stop()
         session.stop()
         blaster.close()
     base = per["untraced"]
@@ -118,6 +146,14 @@ def main(argv: list[str] | None = None) -> int:
                            "modes": {}, "kernel": {"run_writes": counters.get("run_writes", 0),
                                                    "lost_run": counters.get("lost_run", 0),
                                                    "records": sent}}
+    if timed is not None:
+        out["kernel"]["netwait_lost"] = nw.get("lost_netwait", 0)
+        diffs = [a - b for a, b in zip(per["netwait"], per["one-record"])]
+        sd = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
+        out["netwait_over_one_record_us"] = {
+            "mean": round(statistics.mean(diffs), 3),
+            "ci95_half": round(t975(len(diffs) - 1) * sd / math.sqrt(len(diffs)), 3)
+            if len(diffs) > 1 else None}
     for m in modes:
         diffs = [a - b for a, b in zip(per[m], base)]
         sd = statistics.stdev(diffs) if len(diffs) > 1 else 0.0

@@ -46,9 +46,10 @@ def build(out: Path, layers: int = 2, hidden: int = 128, vocab: int = 512,
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
     torch.manual_seed(seed)
+    heads = max(4, hidden // 128)  # heads of 32 dims on the tiny one, of 128 on large ones
     cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=hidden,
                       intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2,
+                      num_attention_heads=heads, num_key_value_heads=heads // 2,
                       max_position_embeddings=4096, bos_token_id=fast.bos_token_id,
                       eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id,
                       tie_word_embeddings=True)
