@@ -51,6 +51,16 @@ def chunk(text: bytes = b'"tok"') -> bytes:
     return b"%x\r\n" % len(body) + body + b"\r\n"
 
 
+def paired(xs: list[float], base: list[float]) -> tuple[float, float | None]:
+    """The mean difference of ``xs`` from ``base``, window by window, and its 95%
+    interval's half width (None below two windows), both rounded to 3 places."""
+    from bench.real_server import t975
+    diffs = [a - b for a, b in zip(xs, base)]
+    half = (t975(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
+            if len(diffs) > 1 else None)
+    return round(statistics.mean(diffs), 3), round(half, 3) if half is not None else None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=20000, help="writes per window")
@@ -63,7 +73,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench/results/run_cost.json"))
     args = ap.parse_args(argv)
     from bench.probe_costs import Blaster
-    from bench.real_server import t975
     from tracer.probes.bpfstats import ProgramCost, parse_costs
     from tracer.probes.session import CaptureConfig, CaptureSession
 
@@ -148,19 +157,12 @@ def main(argv: list[str] | None = None) -> int:
                                                    "records": sent}}
     if timed is not None:
         out["kernel"]["netwait_lost"] = nw.get("lost_netwait", 0)
-        diffs = [a - b for a, b in zip(per["netwait"], per["one-record"])]
-        sd = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
-        out["netwait_over_one_record_us"] = {
-            "mean": round(statistics.mean(diffs), 3),
-            "ci95_half": round(t975(len(diffs) - 1) * sd / math.sqrt(len(diffs)), 3)
-            if len(diffs) > 1 else None}
+        mean, half = paired(per["netwait"], per["one-record"])
+        out["netwait_over_one_record_us"] = {"mean": mean, "ci95_half": half}
     for m in modes:
-        diffs = [a - b for a, b in zip(per[m], base)]
-        sd = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
-        half = t975(len(diffs) - 1) * sd / math.sqrt(len(diffs)) if len(diffs) > 1 else None
+        mean, half = paired(per[m], base)
         out["modes"][m] = {"us_per_write": round(statistics.median(per[m]), 3),
-                           "over_untraced_us": round(statistics.mean(diffs), 3),
-                           "ci95_half_us": round(half, 3) if half is not None else None,
+                           "over_untraced_us": mean, "ci95_half_us": half,
                            "windows": [round(x, 3) for x in per[m]]}
         if exit_ns.get(m):
             out["modes"][m]["exit_bpf_ns_per_write"] = round(statistics.median(exit_ns[m]), 1)
