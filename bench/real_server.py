@@ -1855,9 +1855,22 @@ def sys_time(windows: list[dict[str, Any]], rounds: LaneRounds) -> dict[str, Any
     throughput where the probes fire with the GIL held (launches), less where they
     fire in a syscall that released it (socket I/O). Per round the mean over its
     replicas of each replica's added system CPU per second, the interval over rounds
-    (``clustered_mean``)."""
+    (``clustered_mean``). The same added time also as a share of the untraced
+    slice's whole server CPU (``_added_share_of_server_cpu``: the throughput a
+    CPU-bound server would lose to it) and per output token (``_added_us_per_token``:
+    each slice's system CPU over its own tokens), so servers of different token rates
+    compare."""
     def per_s(w: dict[str, Any]) -> float:
         return w["server_sys_s"] / w["wall_s"] if w["wall_s"] else 0.0
+
+    def share(w: dict[str, Any], u: dict[str, Any]) -> float | None:
+        cpu = u.get("server_cpu_s") or 0.0
+        return (per_s(w) - per_s(u)) / (cpu / u["wall_s"]) if cpu and u["wall_s"] else None
+
+    def us_per_token(w: dict[str, Any], u: dict[str, Any]) -> float | None:
+        if not w.get("tokens") or not u.get("tokens"):
+            return None
+        return (w["server_sys_s"] / w["tokens"] - u["server_sys_s"] / u["tokens"]) * 1e6
 
     per_mode: dict[str, list[float]] = {}
     for w in windows:
@@ -1870,6 +1883,12 @@ def sys_time(windows: list[dict[str, Any]], rounds: LaneRounds) -> dict[str, Any
         est = clustered_mean(added)
         if est is not None:
             out[f"{m}_added_per_s"] = est
+        for name, f in (("share_of_server_cpu", share), ("us_per_token", us_per_token)):
+            vals = [(rnd, f(r[m], r["untraced"])) for (rnd, _), r in rounds.items()
+                    if m != "untraced" and m in r and "untraced" in r]
+            est = clustered_mean([(rnd, v) for rnd, v in vals if v is not None])
+            if est is not None:
+                out[f"{m}_added_{name}"] = est
     return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,22 @@ def test_correlated_replicas_do_not_narrow_the_interval() -> None:
     a, b = one["server_sys"]["full_added_per_s"], three["server_sys"]["full_added_per_s"]
     assert (a["mean"], a["ci95"], a["rounds"]) == (b["mean"], b["ci95"], b["rounds"])
     assert (a["pairs"], b["pairs"]) == (12, 36)
+
+
+def test_added_system_cpu_is_also_a_share_of_the_server_and_a_cost_per_token() -> None:
+    # untraced slices: 10,000 tokens on 10 s of server CPU a second, 0.05 s system;
+    # traced: 0.07 s system, tokens 2% or 4% fewer by round (so the interval is real)
+    logs = [[math.log(0.98 if k % 2 else 0.96)] for k in range(10)]
+    got = rs.summarise(slices(logs), ["untraced", "full"])["server_sys"]
+    share = got["full_added_share_of_server_cpu"]
+    assert share["mean"] == pytest.approx(0.02 / 10.0) and share["rounds"] == 10
+    per_token = got["full_added_us_per_token"]
+    want = [(0.07 / round(10000 * r) - 0.05 / 10000) * 1e6 for r in (0.98, 0.96)]
+    assert per_token["mean"] == pytest.approx(sum(want) / 2, abs=1e-4)
+    # the t-interval over the ten rounds' values, five of each
+    hw = rs.t975(9) * statistics.stdev(want * 5) / math.sqrt(10)
+    assert per_token["ci95"] == pytest.approx([sum(want) / 2 - hw, sum(want) / 2 + hw],
+                                              abs=1e-4)
 
 
 def test_independent_replicas_narrow_it_by_sqrt_n() -> None:
