@@ -302,6 +302,15 @@ def test_the_engines_prefill_chunk_is_learned_and_a_prompt_is_split_by_it():
     assert [chunk.split(96.0, 3, j) for j in range(3)] == [32.0, 32.0, 32.0]
     assert chunk.split(49.0, 3, 0) == pytest.approx(49 / 3)  # 3 steps: not this chunk
     assert chunk.split(20.0, 1, 0) == 20.0
+    # placements a lagged hand-off made longer than their chunks (a third of them, by
+    # one to three steps) do not hide the chunk; placements shorter than a chunk
+    # needs rule it out
+    lagged = PrefillChunk()
+    for i in range(60):
+        p = int(rng.integers(33, 200))
+        lagged.learn(p, -(-p // 32) + (1 + i % 9 // 3 if i % 3 == 0 else 0))
+    assert lagged.chunk == 32
+    assert lagged.steps(49) == 2 and lagged.steps(20) == 1 and PrefillChunk().steps(49) is None
     # no agreement: no chunk
     noisy = PrefillChunk()
     for _ in range(40):

@@ -95,6 +95,30 @@ def test_an_engine_whose_first_steps_take_seconds_is_split_by_a_provisional_mode
     assert pipeline.reconciliation()["balanced"]
 
 
+def test_a_prefill_is_not_placed_in_the_steps_before_its_hand_off_reached_the_engine():
+    """``samples/batching`` in the process layout (an API process hands each request to
+    the engine process), 96 requests at concurrency 8 on the VM, live
+    (``bench/accuracy.py``'s ``run_case("process", ...)`` with ``record``). One request
+    reached the API process 14 ms before the engine admitted it, while four steps ran
+    with one or two members: placed from free slots after its arrival, it was charged
+    11 steps (7 in truth) and 16 launches of its neighbour's, and the run scored 0.0375.
+    The engine prefills 32 tokens a step; once that chunk is learned, a prefill takes no
+    more steps than its prompt's chunks (one more where its prompt is estimated)."""
+    name = "batching-process-handoff-c8"
+    with gzip.open(CAPTURES / f"{name}.truth.jsonl.gz", "rt") as f:
+        truth = f.read().splitlines()
+    spans, pipeline = replay(str(CAPTURES / f"{name}.ttcap"))
+    r = score(truth, spans, pipeline.report())
+    assert r["requests_traced"] == 96
+    assert r["kernel_share"]["mae_over_mean"] <= 0.02, r["kernel_share"]  # was 0.0375
+    assert r["requests_with_wrong_step_count"] <= 8, r  # was 17
+    lagged = [s["attributes"] for s in spans if s["attributes"].get("gen_ai.response.id")
+              == "chatcmpl-c3006b9046a1441eb91e98d6"]
+    assert len(lagged) == 1 and lagged[0]["tokentrace.gpu.steps"] == 8  # 7 + 1: estimated
+    assert r["charged_over_observed"] == pytest.approx(1.0, abs=0.01)
+    assert pipeline.reconciliation()["balanced"]
+
+
 TIMES = ("ts", "ts_enter", "ts_exit", "first_ts", "last_ts", "ref_ts")
 
 

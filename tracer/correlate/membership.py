@@ -85,13 +85,17 @@ class PromptTokens:
 class PrefillChunk:
     """The engine's prefill chunk: the most prompt tokens one request prefills in one
     step (chunked prefill: full chunks, then the rest). A prompt of P tokens prefilled
-    over k steps says ceil(P / C) == k; the chunk C that agrees with the most requests
-    whose prompts were long enough to be chunked (the smallest of equals) is kept, once
-    ``MIN_SAMPLES`` of them and ``MIN_AGREE`` of their share agree. Until then, or for
-    a request it does not fit, a prompt's tokens are spread evenly over its prefill."""
+    over k steps says ceil(P / C) == k. Placed from free batch slots, a prefill can look
+    longer than its chunks (its hand-off to the engine lagged, or it queued), not
+    shorter. So the chunk C kept is the one that agrees with the most requests whose
+    prompts were long enough to be chunked (the smallest of equals), once there are
+    ``MIN_SAMPLES`` of them, ``MIN_AGREE`` of them agree and at most ``MAX_SHORTER`` of
+    them took fewer steps than C needs. Until then, or for a request it does not fit, a
+    prompt's tokens are spread evenly over its prefill."""
 
     MIN_SAMPLES = 8
-    MIN_AGREE = 0.8
+    MIN_AGREE = 0.5
+    MAX_SHORTER = 0.1
     SAMPLES = 256
 
     def __init__(self) -> None:
@@ -110,11 +114,19 @@ class PrefillChunk:
 
     def _best(self) -> int | None:
         best, agree = None, 0
+        shorter_max = self.MAX_SHORTER * len(self.samples)
         for c in sorted({math.ceil(p / k) for p, k in self.samples}):
-            n = sum(1 for p, k in self.samples if math.ceil(p / c) == k)
-            if n > agree:
+            need = [(math.ceil(p / c), k) for p, k in self.samples]
+            n = sum(1 for want, k in need if want == k)
+            if n > agree and sum(1 for want, k in need if k < want) <= shorter_max:
                 best, agree = c, n
         return best if agree >= self.MIN_AGREE * len(self.samples) else None
+
+    def steps(self, tokens: float) -> int | None:
+        """The steps a prompt of ``tokens`` takes to prefill at the learned chunk
+        (None until a chunk is learned)."""
+        c = self.chunk
+        return max(1, math.ceil(tokens / c)) if c and tokens > 0 else None
 
     def split(self, tokens: float, steps: int, j: int) -> float:
         """The prompt tokens of prefill step ``j`` (0-based) of ``steps``."""
@@ -419,19 +431,26 @@ class Membership:
         """Decide where ``o``'s prefill began: back from its first token while steps had
         a free slot, not before step ``i`` (those are settled) or its arrival. ``now``:
         the requests tokens place in step ``i``."""
-        a = o.first
-        while a - 1 >= max(o.arrival, i):
-            j = a - 1
+        free = o.first
+        while free - 1 >= max(o.arrival, i):
+            j = free - 1
             used = (ahead.get(j, 0) if j != i else now) + self.committed[j]
             if used >= self.capacity:
                 break
-            a = j
+            free = j
+        # Once the engine's chunk is known, a prompt prefills in no more steps than its
+        # chunks: free slots between the request's arrival and those steps are its
+        # hand-off to the engine (another process, a tokenizer), not its prefill. An
+        # estimated prompt gets one step more, for the estimate's error. The chunk is
+        # learned from the free slots alone, so a wrong chunk cannot confirm itself.
+        exact = self.prompt.exact(o.rec)
+        need = self.chunk.steps(exact or self.prompt.of(o.rec))
+        a = max(free, o.first - need + (1 if exact else 0)) if need else free
         o.begin = a
         for j in range(a, o.first):
             self.committed[j] += 1
-        exact = self.prompt.exact(o.rec)
         if exact:
-            self.chunk.learn(exact, o.first - a + 1)
+            self.chunk.learn(exact, o.first - free + 1)
 
     def _emitting_ahead(self, i: int) -> Counter[int]:
         """Step -> requests its tokens place in it, for steps from ``i`` on (kept
