@@ -34,11 +34,11 @@ def test_requests_are_charged_their_share_of_the_steps_they_were_in(layout, libs
     # 192 requests: the first few, which arrive at once, and the last few, in a
     # batch that empties, are placed a step off more often than the rest. And in the
     # process layouts a request's hand-off to the engine process can lag its arrival
-    # by ~10 ms on a loaded VM: its prefill is then placed from the first step after
-    # the arrival, a few steps early (one such request took 16 launches from its
-    # neighbour). With 48 requests a loaded VM scored 0.0513 on the process layout;
-    # with 96, ten quiet runs scored 0.006-0.051 and a CI run 0.0527 (each lagged
-    # hand-off weighs twice as much as with 192: 0.019-0.028 in six quiet runs).
+    # by ~10 ms: until the engine's prefill chunk is learned, its prefill is placed
+    # from the first step after the arrival, a few steps early (one such request took
+    # 16 launches from its neighbour). On the process layout, 96 requests scored
+    # 0.006-0.051 in ten quiet runs and 0.0527 in a CI run; 192 requests 0.019-0.028
+    # in six, and 0.004-0.0115 in four once the learned chunk capped each prefill.
     r = run_case(layout, concurrency=8, requests=192, device="cpu", libs=libs,
                  work=tmp_path, max_batch=16)
     t = r["tracer"]
