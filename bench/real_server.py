@@ -1863,9 +1863,12 @@ def sys_time(windows: list[dict[str, Any]], rounds: LaneRounds) -> dict[str, Any
     def per_s(w: dict[str, Any]) -> float:
         return w["server_sys_s"] / w["wall_s"] if w["wall_s"] else 0.0
 
+    def added(w: dict[str, Any], u: dict[str, Any]) -> float:
+        return per_s(w) - per_s(u)
+
     def share(w: dict[str, Any], u: dict[str, Any]) -> float | None:
         cpu = u.get("server_cpu_s") or 0.0
-        return (per_s(w) - per_s(u)) / (cpu / u["wall_s"]) if cpu and u["wall_s"] else None
+        return added(w, u) / (cpu / u["wall_s"]) if cpu and u["wall_s"] else None
 
     def us_per_token(w: dict[str, Any], u: dict[str, Any]) -> float | None:
         if not w.get("tokens") or not u.get("tokens"):
@@ -1878,14 +1881,13 @@ def sys_time(windows: list[dict[str, Any]], rounds: LaneRounds) -> dict[str, Any
     out: dict[str, Any] = {"per_s": {m: round(statistics.fmean(v), 4)
                                      for m, v in per_mode.items()}}
     for m in per_mode:
-        added = [(rnd, per_s(r[m]) - per_s(r["untraced"])) for (rnd, _), r in rounds.items()
-                 if m != "untraced" and m in r and "untraced" in r]
-        est = clustered_mean(added)
-        if est is not None:
-            out[f"{m}_added_per_s"] = est
-        for name, f in (("share_of_server_cpu", share), ("us_per_token", us_per_token)):
-            vals = [(rnd, f(r[m], r["untraced"])) for (rnd, _), r in rounds.items()
-                    if m != "untraced" and m in r and "untraced" in r]
+        if m == "untraced":
+            continue
+        pairs = [(rnd, r[m], r["untraced"]) for (rnd, _), r in rounds.items()
+                 if m in r and "untraced" in r]
+        for name, f in (("per_s", added), ("share_of_server_cpu", share),
+                        ("us_per_token", us_per_token)):
+            vals = [(rnd, f(w, u)) for rnd, w, u in pairs]
             est = clustered_mean([(rnd, v) for rnd, v in vals if v is not None])
             if est is not None:
                 out[f"{m}_added_{name}"] = est
