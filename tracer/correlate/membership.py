@@ -72,11 +72,10 @@ class PromptTokens:
         return None
 
     def of(self, rec: RequestRecord) -> float:
-        r, q = rec.llm_response, rec.llm_request
-        if r is not None and r.input_tokens:
-            return float(r.input_tokens)
-        if q is not None and q.prompt_token_ids:
-            return float(q.prompt_token_ids)
+        exact = self.exact(rec)
+        if exact:
+            return float(exact)
+        q = rec.llm_request
         if q is not None and q.prompt_chars:
             return q.prompt_chars * self.per_char
         return rec.request_bytes / 4.0
@@ -444,7 +443,7 @@ class Membership:
         # estimated prompt gets one step more, for the estimate's error. The chunk is
         # learned from the free slots alone, so a wrong chunk cannot confirm itself.
         exact = self.prompt.exact(o.rec)
-        need = self.chunk.steps(exact or self.prompt.of(o.rec))
+        need = self.chunk.steps(self.prompt.of(o.rec))
         a = max(free, o.first - need + (1 if exact else 0)) if need else free
         o.begin = a
         for j in range(a, o.first):
