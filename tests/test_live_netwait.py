@@ -11,6 +11,8 @@ last byte); the clients' own waits for a CPU are measured and reported apart.
 - a server busy while its client sends twice: one read of both tells when the second
   send came (LATER), for a request sent after bytes that waited unread.
 - forced off: the spans keep syscall times and say so.
+- switched off and back on while running (``--control net-timing``): the same, for the
+  stretch it was off, with the tracepoints out; a replay times every span as live.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from tests.conftest import free_port
 from tests.kstamps import StampedSocket, drive, realtime_thread
 from tests.live import off_by, spans_by_response_id, traced, traced_cli
 from tracer.control import send as ctl_send
+from tracer.probes.bpfstats import parse_costs
 
 pytestmark = pytest.mark.bpf
 
@@ -413,6 +416,57 @@ def test_forced_off_spans_keep_syscall_times_and_say_so(tmp_path, monkeypatch):
     assert "4 timed by syscalls only" in out.stderr, out.stderr
     summary = json.loads((tmp_path / "rep" / "summary.json").read_text())
     assert summary["totals"]["syscall_timed"] == 4, summary
+
+
+def test_switched_off_and_back_on_while_running(tmp_path, no_gc):
+    """``tokentrace ctl SOCK net-timing syscall|socket`` (so that bench/real_server.py
+    can pair what the socket-level timing costs in one run): while it is off, its
+    softirq tracepoint runs for no segment and the spans keep syscall times, saying
+    why; switched back on, a new connection is timed at the socket again, Nagle's holds
+    in it; the recorded capture replays to the same spans."""
+    sock, cap = str(tmp_path / "ctl.sock"), tmp_path / "cap.ttcap"
+    live, again = tmp_path / "spans.jsonl", tmp_path / "replay.jsonl"
+
+    def tcp_probe_runs() -> int:
+        costs = parse_costs(ctl_send(sock, "probe-stats").removeprefix("ok probe-stats"))
+        return sum(c.runs for n, c in costs.items() if "tcp_probe" in n)
+
+    with SampleServer("samples.stdlib_server", port=free_port(), log=tmp_path / "s.log") as srv:
+        with traced_cli(["--pid", str(srv.pid), "--control", sock, "--record", str(cap)],
+                        str(live)) as got:
+            assert ctl_send(sock, "probe-stats on") == "ok probe-stats on"
+            before = _plain_and_streamed(srv.port, 16)
+            reply = ctl_send(sock, "net-timing syscall")
+            assert reply.startswith("ok net-timing syscall"), reply
+            assert ctl_send(sock, "net-timing syscall") == "ok net-timing syscall 0.000s"
+            runs = tcp_probe_runs()
+            off = _plain_and_streamed(srv.port, 16)
+            assert tcp_probe_runs() == runs  # detached: run for none of those segments
+            reply = ctl_send(sock, "net-timing socket")
+            assert reply.startswith("ok net-timing socket"), reply
+            after = _plain_and_streamed(srv.port, 16)
+            assert tcp_probe_runs() > runs
+            assert ctl_send(sock, "net-timing on").startswith("error: unknown command")
+    assert got.returncode == 0 and "no events lost" in got.stderr, got.stderr
+    spans = spans_by_response_id([json.loads(x) for x in live.read_text().splitlines()])
+    assert len(spans) == 48, got.stderr
+    for calls in (before, after):
+        held = [spans[c["id"]]["attributes"] for c in calls]
+        assert all(a["tokentrace.network.timing"] == "socket" for a in held), held
+        nagle = [a for a in held if a.get("tokentrace.network.send_hold.cause") == "nagle"]
+        assert len(nagle) >= 3, [a.get("tokentrace.network.send_hold") for a in held]
+    for c in off:
+        a = spans[c["id"]]["attributes"]
+        assert a["tokentrace.network.timing"] == "syscall", a
+        assert "switched off while running" in a["tokentrace.network.timing_reason"]
+        assert "tokentrace.network.send_hold" not in a
+        assert a["tokentrace.time_to_first_token"] == a["tokentrace.server.time_to_first_token"]
+    r = subprocess.run([sys.executable, "-m", "tracer", "replay", str(cap), "--jsonl",
+                        str(again), "--quiet"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert sorted(json.dumps(s, sort_keys=True) for s in spans.values()) == sorted(
+        json.dumps(s, sort_keys=True) for s in spans_by_response_id(
+            [json.loads(x) for x in again.read_text().splitlines()]).values())
 
 
 def test_hf_transformers_serve_at_concurrency_32(tmp_path, no_gc):

@@ -248,3 +248,32 @@ def test_a_token_run_is_logged_at_once_as_its_writes_would_be_one_by_one():
             c = t.conns[KEY]
             logs.append((dict(c.writes), list(c.write_ts), c.last_ns))
         assert logs[0] == logs[1], (ts, lens)
+
+
+def test_a_switch_while_running_times_held_records_in_their_mode_and_forgets_the_logs():
+    """``--control net-timing``: a record held for its departures when the timing is
+    switched off is timed at the socket with what was known; one made after the switch
+    keeps syscall times and says why; switched back on, the connection's old log is
+    gone (the kernel's state went too), so it is met again as at attach."""
+    out: list[RequestRecord] = []
+    t = timer(out)
+    t.set_mode(NetTimingMode(ts=0, mode="socket"))  # the same mode: nothing happens
+    t.netwait(nw("arrival", 100 * MS, 103 * MS, 0, aux=99 * MS, first=True))
+    t.data(write(104 * MS, 0, 112))
+    t.finished(rec(103 * MS, 104 * MS, 104 * MS))
+    assert out == [] and t.stats["net_timing_switches"] == 0
+    off = NetTimingMode(ts=110 * MS, mode="syscall", reason="switched off while running")
+    t.set_mode(off)
+    (r,) = out
+    assert r.net.timing == "socket" and r.net.arrival_ns == 100 * MS
+    assert t.conns == {} and t.stats["net_timing_switches"] == 1
+    t.finished(rec(120 * MS, 121 * MS, 122 * MS))
+    assert out[1].net.timing == "syscall"
+    assert out[1].net.reason == "switched off while running"
+    t.set_mode(NetTimingMode(ts=130 * MS, mode="socket"))
+    # the kernel's first record for the socket after the switch: not anchored yet
+    t.netwait(nw("arrival", 140 * MS, 141 * MS, 200, first=True, anchored=False))
+    t.finished(rec(141 * MS, 142 * MS, 143 * MS))
+    assert out[2].net.timing == "syscall"
+    assert out[2].net.reason == "connection opened before attach"
+    assert t.stats["net_timing_switches"] == 2

@@ -261,7 +261,7 @@ class Pipeline:
         elif isinstance(ev, schema.ClockSync):
             self.ctx.clock_offset_ns = ev.offset_ns
         elif isinstance(ev, NetTimingMode):
-            self.net.mode = ev
+            self.net.set_mode(ev)
         elif isinstance(ev, schema.TracingPaused):
             self.last_ts = max(self.last_ts, ev.ts)
             self.gpu.paused(ev.ts, ev.paused)

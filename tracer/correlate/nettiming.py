@@ -132,6 +132,19 @@ class NetTimer:
 
     # ---- events ---------------------------------------------------------------------
 
+    def set_mode(self, mode: NetTimingMode) -> None:
+        """The capture's timing mode: at its start, and at each switch while running
+        (``--control net-timing``). A switch times the records held so far under the
+        mode they were made in, with what is known, and forgets every connection's log:
+        the kernel's per-socket state went with the switch, and a connection is met
+        again as at attach."""
+        if self.mode is not None and mode.mode != self.mode.mode:
+            self.close()
+            self.conns.clear()
+            self.accepts.clear()
+            self.stats["net_timing_switches"] += 1
+        self.mode = mode
+
     def conn(self, ev: schema.ConnEvent) -> None:
         from tracer.events import wire
         if not self.socket_mode:

@@ -2,8 +2,9 @@
 
 ``NetWait`` records come from the kernel: when a read's bytes reached the socket
 (``arrival``), and when written bytes sat unsent (``hold``) and then left
-(``departure``). ``NetTimingMode`` is written by the capture once, at its start: whether
-those probes run (``socket``) or the spans keep syscall times (``syscall``), and why.
+(``departure``). ``NetTimingMode`` is written by the capture at its start and at each
+switch of ``--control net-timing``: whether those probes run (``socket``) or the spans
+keep syscall times (``syscall``), and why.
 """
 
 from __future__ import annotations

@@ -236,7 +236,7 @@ class CaptureSession:
             self._next_tls_scan = now + self.config.gpu_rescan_interval_s
             for pid in sorted(self.pids):
                 self._tls_scan(pid)
-        if "netwait" in self.concerns and now >= self._next_listen_scan:
+        if self.net_timing.mode == "socket" and now >= self._next_listen_scan:
             self._next_listen_scan = now + self.config.listen_scan_interval_s
             listening: dict[str, dict[int, int]] = {}  # by network namespace
             for pid in sorted(self.pids):
@@ -523,7 +523,8 @@ class CaptureSession:
         what each part costs (bench/real_server.py): ``capture-limit BYTES`` (payload
         bytes copied per syscall), ``burst-min-us US``, ``gpu-launch off|on`` (the
         kernel-launch uprobes), ``uprobes off|on`` (every uprobe: the socket and TCP
-        probes alone), ``stub-naming off|on`` (libcudart's launch probes),
+        probes alone), ``net-timing syscall|socket`` (the socket-level timing,
+        bpf/netwait.c), ``stub-naming off|on`` (libcudart's launch probes),
         ``alias-lookups off|on`` (the probes on cuKernelGetFunction), ``analysis
         off|on`` (records read from the ring buffer and dropped, counted)."""
         words = command.split()
@@ -578,6 +579,9 @@ class CaptureSession:
                            else "")
                         + (" memsets" if self.gpu is not None and self.gpu.memsets_switched
                            else ""))
+            if cmd == "net-timing" and args in (["socket"], ["syscall"]):
+                took = self.set_net_timing(args[0] == "socket")
+                return f"ok net-timing {args[0]} {took:.3f}s"
             if cmd == "uprobes" and args in (["on"], ["off"]):
                 return f"ok uprobes {args[0]} {self.set_uprobes(args[0] == 'on'):.3f}s"
             if (cmd in ("gpu-launch", "stub-naming", "alias-lookups", "analysis")
@@ -683,6 +687,49 @@ class CaptureSession:
         self.concerns = self.concerns[: i + 1] + ("netwait",) + self.concerns[i + 1:]
         return NetTimingMode(ts=0, mode="socket")
 
+    NETWAIT_TRACEPOINTS = (b"tcp:tcp_probe", b"sock:inet_sock_set_state")
+
+    def set_net_timing(self, on: bool) -> float:
+        """Switch the socket-level timing (bpf/netwait.c) off or back on while running
+        (``--control net-timing syscall|socket``), for bench/real_server.py to pair its
+        cost in one run. Off: its two softirq tracepoints come out and its maps (ports,
+        sockets, readers) are emptied, so what stays is a missed hash lookup in each
+        traced socket syscall and read; spans are timed by syscalls from then on. On:
+        the tracepoints go back and every socket is met as at attach (timed at the
+        socket once its next ACK anchors it). A ``NetTimingMode`` record marks each
+        switch, so a replay times the same spans the same way. Returns the seconds the
+        switch took."""
+        if self.paused:
+            raise ValueError("paused: resume first")
+        if "netwait" not in self.concerns:
+            raise ValueError("socket-level timing is not loaded: "
+                             + (self.net_timing.reason or "--net-timing syscall"))
+        if on == (self.net_timing.mode == "socket"):
+            return 0.0
+        t0 = time.perf_counter()
+        if on:
+            # the record first: what the probes send after it belongs to the new logs
+            self.net_timing = NetTimingMode(ts=time.monotonic_ns(), mode="socket")
+            self.sink(self.net_timing)
+            for tp in self.NETWAIT_TRACEPOINTS:
+                self.bpf.attach_tracepoint(tp=tp, fn_name=b"tracepoint__" + tp.replace(b":", b"__"))
+            listening: dict[str, dict[int, int]] = {}
+            for pid in sorted(self.pids):
+                self._watch_listeners(pid, listening)
+        else:
+            self.bpf[b"nw_ports"].clear()  # the hooks in the syscall probes stop here
+            self._nw_ports = set()
+            with ThreadPoolExecutor(max_workers=len(self.NETWAIT_TRACEPOINTS)) as pool:
+                list(pool.map(self.bpf.detach_tracepoint, self.NETWAIT_TRACEPOINTS))
+            self.ring.consume()  # what the probes sent before, under the old mode
+            self.bpf[b"nw_socks"].clear()
+            self.bpf[b"nw_fds"].clear()
+            self.net_timing = NetTimingMode(
+                ts=time.monotonic_ns(), mode="syscall",
+                reason="switched off while running (--control net-timing syscall)")
+            self.sink(self.net_timing)
+        return time.perf_counter() - t0
+
     def _watch_listeners(self, pid: int, listening: dict[str, dict[int, int]] | None = None
                          ) -> None:
         """Put ``pid``'s listening TCP ports (and --port) in the kernel's port filter:
@@ -691,7 +738,7 @@ class CaptureSession:
         listening sockets (inode -> port) for the round (traced processes mostly share
         one), asked of sock_diag in the agent's own namespace (the kernel's listening
         table alone), else read from the process's /proc/net/tcp."""
-        if "netwait" not in self.concerns:
+        if self.net_timing.mode != "socket":  # not loaded, or switched off
             return
         ports = set(self.config.ports)
         fds = procfs.socket_fds(pid)
