@@ -911,6 +911,9 @@ MODES = {  # name -> control commands that set it up from "full" (the default tr
     # every uprobe out (GPU, TLS), the socket and TCP probes in: what a duty cycle of
     # all the GPU probes could get down to at most
     "sockets-only": ["uprobes off"],
+    # the socket-level timing (bpf/netwait.c) out: spans keep syscall times, as with
+    # --net-timing syscall (but for a missed hash lookup in each traced socket syscall)
+    "net-syscall": ["net-timing syscall"],
     "burst-min-1ms": ["burst-min-us 1000"],  # a burst record per ms, not per sync
     "stub-naming-open": ["stub-naming on"],  # the runtime's launch probes in (at attach)
     # the probes on cuKernelGetFunction in (at attach; detached once quiet)
@@ -939,7 +942,7 @@ MODES = {  # name -> control commands that set it up from "full" (the default tr
 }
 UNDO = {"untraced": ["resume"], "full": [], "no-payload": ["capture-limit 262144"],
         "no-analysis": ["analysis on"], "no-launch-probes": ["gpu-launch on"],
-        "sockets-only": ["uprobes on"],
+        "sockets-only": ["uprobes on"], "net-syscall": ["net-timing socket"],
         "burst-min-1ms": ["burst-min-us 0"], "stub-naming-open": ["stub-naming off"],
         "alias-lookups-open": ["alias-lookups off"],
         "census": ["probe-stats off"], "sampled": ["gpu-sample 1"],
@@ -1167,7 +1170,8 @@ def choose_modes(args: argparse.Namespace, gpu: bool) -> list[str]:
     """Untraced and full, and with ``--breakdown`` the parts this server has."""
     modes = ["untraced", "full"]
     if args.breakdown:
-        parts = ["no-payload", "no-analysis", "census", "slow-path", "agent-load"]
+        parts = ["no-payload", "no-analysis", "net-syscall", "census", "slow-path",
+                 "agent-load"]
         if gpu:
             parts += ["no-launch-probes", "sockets-only", "burst-min-1ms", "stub-naming-open",
                       "alias-lookups-open", "sampled", "sampled-p5", "sampled-copies",
@@ -1235,8 +1239,10 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
                 a.ctl("stub-naming off")  # window's cost a mode of its own
         # --agent-ctl: the agents set as asked before the first slice (both still tracing)
         out["agent_ctl"] = [[a.ctl(cmd).strip() for a in agents] for cmd in args.agent_ctl]
-        modes = choose_modes(args, gpu) + ([NONE_TRACED] if crossover and args.null_every
-                                           else [])
+        modes = choose_modes(args, gpu)
+        if crossover:
+            modes += [m for v in args.variants for m in (v, baseline_of(v))]
+            modes += [NONE_TRACED] if args.null_every else []
         if args.speed_meter:
             meters = start_meters(work, plan)
         if "agent-load" in modes:
@@ -1628,6 +1634,33 @@ def run_slices(kind: str, agent: Agent, lanes: list[Lane], args: argparse.Namesp
 NONE_TRACED = "none-traced"  # crossover's null slice: both halves untraced
 
 
+def baseline_of(mode: str) -> str:
+    """The untraced half's label in a crossover slice whose traced half runs ``mode``:
+    ``untraced`` for ``full``, ``untraced@MODE`` for a ``--variants`` mode, so each
+    traced mode is set against the untraced slices of its own moments."""
+    return "untraced" if mode == "full" else f"untraced@{mode}"
+
+
+def crossover_plan(order: int, variants: Sequence[str], null: bool) -> list[tuple[int | None, str]]:
+    """Round ``order``'s (1, 2, ...) slices in ``--design crossover``: (the half traced,
+    its mode). Each traced mode (``full``, then the ``--variants``; reversed in even
+    rounds) takes two slices, one half traced in each; the halves snake (0 1 | 1 0 |
+    0 1 ...) over the sequence, so that the traced agent changes only within a mode's
+    two slices and a mode change comes on the agent already tracing. Without variants
+    that is the ABBA order (0 1 | 1 0 | ...). ``null``: a slice with neither half
+    traced (``none-traced``) ends the round."""
+    modes = ["full", *variants]
+    if order % 2 == 0:
+        modes.reverse()
+    plan: list[tuple[int | None, str]] = []
+    for k, mode in enumerate(modes):
+        s = (order - 1) * len(modes) + k  # this mode's place in the whole run
+        plan += [(h, mode) for h in ((0, 1) if s % 2 == 0 else (1, 0))]
+    if null:
+        plan.append((None, NONE_TRACED))
+    return plan
+
+
 def run_crossover(kind: str, agents: list[Agent], lanes: list[Lane],
                   args: argparse.Namespace
                   ) -> tuple[Records, list[float], float, list[dict[str, float]]]:
@@ -1641,6 +1674,12 @@ def run_crossover(kind: str, agents: list[Agent], lanes: list[Lane],
     a slice (its speed drifts by ±15-20% between 3-s slices on the lent H100 hosts,
     docs/overhead.md) cancels out of it, where the alternating design leaves it in.
 
+    ``--variants M,...``: each round also traces each half in mode M (``MODES``: a part
+    of the tracer switched off while the rest traces, e.g. ``net-syscall``), the other
+    half untraced (``untraced@M``) at the same moments (``crossover_plan``): each
+    mode's ratio cancels the host's drift as ``full``'s does, and a mode's difference
+    from ``full`` is paired by round.
+
     What it leaves out: the untraced half runs beside the traced half's probes, and the
     socket and TCP tracepoints are global (their programs run for every process's
     syscalls and segments, and return at once for one not traced). ``--null-every N``
@@ -1649,46 +1688,56 @@ def run_crossover(kind: str, agents: list[Agent], lanes: list[Lane],
     ``none-traced_added_per_s``: minus the system CPU it costs an untraced server).
     Per agent the seconds it spent in each mode."""
     switches: list[float] = []
-    traced: list[int | None] = [0]  # the half traced now (agent 1 is paused first)
+    traced: list[Any] = [0, "full"]  # the half traced now and its mode (agent 1 paused)
     mode_s: list[dict[str, float]] = [{}, {}]
     since = [time.monotonic()]
     switch_time(agents[1].ctl("pause"), "pause", switches)
-    modes = ["untraced", "full"] + ([NONE_TRACED] if args.null_every else [])
+    modes = ["untraced", "full"] + [m for v in args.variants for m in (v, baseline_of(v))]
+    modes += [NONE_TRACED] if args.null_every else []
 
     def book(now: float) -> None:
         for g in (0, 1):
-            m = "full" if g == traced[0] else "untraced"
+            m = traced[1] if g == traced[0] else "untraced"
             mode_s[g][m] = mode_s[g].get(m, 0.0) + now - since[0]
 
-    def go(half: int | None) -> None:
-        """``half`` traced and the other not; None: neither."""
-        if half == traced[0]:
+    def go(half: int | None, mode: str) -> None:
+        """``half`` traced in ``mode`` and the other not; None: neither."""
+        was, was_mode = traced
+        if half == was and (half is None or mode == was_mode):
             return
         book(time.monotonic())
-        was = traced[0]
+        if half is not None and half == was:  # the same agent: its mode alone
+            for cmd in UNDO[was_mode] + MODES[mode]:
+                switch_time(command(agents[half], cmd), cmd, switches)
+            traced[1], since[0] = mode, time.monotonic()
+            time.sleep(args.settle_s)
+            return
         if was is not None:
-            switch_time(agents[was].ctl("pause"), "pause", switches)
+            for cmd in UNDO[was_mode] + ["pause"]:
+                switch_time(command(agents[was], cmd), cmd, switches)
         if half is not None:
-            switch_time(agents[half].ctl("resume"), "resume", switches)
-        traced[0], since[0] = half, time.monotonic()
+            for cmd in ["resume"] + MODES[mode]:
+                switch_time(command(agents[half], cmd), cmd, switches)
+        traced[:], since[0] = [half, mode], time.monotonic()
         resumed = half is not None and args.settle_resume_s is not None
         time.sleep(args.settle_resume_s if resumed else args.settle_s)
 
     def take_round(order: int, clocks: dict[int, GpuClocks]) -> Records:
-        halves: list[int | None] = [0, 1] if order % 2 == 1 else [1, 0]
-        if args.null_every and order % args.null_every == 0:
-            halves.append(None)
+        null = bool(args.null_every) and order % args.null_every == 0
         records: Records = []
-        for half in halves:
-            go(half)
-            lane_modes = [NONE_TRACED if half is None else "full" if i % 2 == half
-                          else "untraced" for i in range(len(lanes))]
+        for half, mode in crossover_plan(order, args.variants, null):
+            go(half, mode)
+            lane_modes = [NONE_TRACED if half is None else mode if i % 2 == half
+                          else baseline_of(mode) for i in range(len(lanes))]
             records += time_slice(lane_modes, order, agents, lanes, args.slice_s,
                                   clocks=clocks)
         return records
 
     slices, t_start, end = run_rounds(kind, lanes, args, modes, switches, take_round)
     book(end)
+    if traced[0] is not None:
+        for cmd in UNDO[traced[1]]:
+            switch_time(command(agents[traced[0]], cmd), cmd, switches)
     for g in (0, 1):  # both traced, as they began
         if g != traced[0]:
             switch_time(agents[g].ctl("resume"), "resume", switches)
@@ -1795,10 +1844,11 @@ def summarise(windows: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]
         out["tokens_per_window"] = {"min": min(tok), "max": max(tok), "distinct": len(set(tok))}
     parts = {}
     for m in modes:
-        if m in ("untraced", "full"):
+        if m in ("untraced", "full") or m.startswith("untraced@"):
             continue
-        rows = [(key, r[m], r["full"], r["untraced"]) for key, r in rounds.items()
-                if m in r and "full" in r and "untraced" in r]
+        rows = [(key, r[m], r["full"], r[base], r["untraced"]) for key, r in rounds.items()
+                if m in r and "full" in r and "untraced" in r
+                and (base := own_baseline(r, m)) in r]
         if rows:
             parts[m] = part_ratios(rows)
     if parts:
@@ -1826,24 +1876,39 @@ def summarise(windows: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]
     return out
 
 
-def part_ratios(rows: list[tuple[tuple[int, int], dict[str, Any], dict[str, Any],
-                                 dict[str, Any]]]) -> dict[str, Any]:
+def own_baseline(r: dict[str, dict[str, Any]], mode: str) -> str:
+    """The untraced slice ``mode`` is set against in a round: its own (``untraced@MODE``,
+    a crossover ``--variants`` mode's) where there is one, else the round's."""
+    own = f"untraced@{mode}"
+    return own if own in r else "untraced"
+
+
+PartRow = tuple[tuple[int, int], dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]
+
+
+def part_ratios(rows: list[PartRow]) -> dict[str, Any]:
     """One part's mode against the round's full and untraced slices of its replica
-    (``rows``: (round, replica), part, full, untraced)."""
+    (``rows``: (round, replica), part, full, the part's untraced slice, full's untraced
+    slice; the two untraced slices are one but in a crossover run with
+    ``--variants``). Against full: the two ratios to their own untraced slices set
+    against each other (with one untraced slice, part over full)."""
     # what the mode saves (or, stub-naming-open, adds) of the server CPU per token
     # full tracing adds over untraced: a part's share of the overhead
-    added = [cpt(f) - cpt(u) for _, _, f, u in rows]
-    saved = [cpt(f) - cpt(p) for _, p, f, _ in rows]
+    added = [cpt(f) - cpt(uf) for _, _, f, _, uf in rows]
+    saved = [(cpt(f) - cpt(uf)) - (cpt(p) - cpt(u)) for _, p, f, u, uf in rows]
     return {"tokens_per_s_vs_untraced": clustered_ci([(*k, tps(p) / tps(u))
-                                                      for k, p, _, u in rows]),
+                                                      for k, p, _, u, _ in rows if tps(u)]),
+            "tokens_per_s_vs_full": clustered_ci([
+                (*k, (tps(p) / tps(u)) / (tps(f) / tps(uf)))
+                for k, p, f, u, uf in rows if tps(u) and tps(f) and tps(uf)]),
             "server_cpu_per_token_vs_untraced": clustered_ci([(*k, cpt(p) / cpt(u))
-                                                              for k, p, _, u in rows]),
-            "server_cpu_per_token_vs_full": clustered_ci([(*k, cpt(p) / cpt(f))
-                                                          for k, p, f, _ in rows]),
+                                                              for k, p, _, u, _ in rows]),
+            "server_cpu_per_token_vs_full": clustered_ci([
+                (*k, (cpt(p) / cpt(u)) / (cpt(f) / cpt(uf))) for k, p, f, u, uf in rows]),
             "share_of_added_server_cpu": round(statistics.fmean(saved) / statistics.fmean(added), 3)
             if statistics.fmean(added) > 0 else None,
-            "agent_cpu_per_1k_requests_s": round(1000 * sum(p["agent_cpu_s"] for _, p, _, _ in rows)
-                                                 / max(1, sum(p["requests"] for _, p, _, _ in rows)), 4)}
+            "agent_cpu_per_1k_requests_s": round(1000 * sum(r[1]["agent_cpu_s"] for r in rows)
+                                                 / max(1, sum(r[1]["requests"] for r in rows)), 4)}
 
 
 def sys_time(windows: list[dict[str, Any]], rounds: LaneRounds) -> dict[str, Any]:
@@ -1880,17 +1945,31 @@ def sys_time(windows: list[dict[str, Any]], rounds: LaneRounds) -> dict[str, Any
         per_mode.setdefault(w["mode"], []).append(per_s(w))
     out: dict[str, Any] = {"per_s": {m: round(statistics.fmean(v), 4)
                                      for m, v in per_mode.items()}}
+    measures = (("per_s", added), ("share_of_server_cpu", share),
+                ("us_per_token", us_per_token))
     for m in per_mode:
-        if m == "untraced":
+        if m.startswith("untraced"):
             continue
-        pairs = [(rnd, r[m], r["untraced"]) for (rnd, _), r in rounds.items()
-                 if m in r and "untraced" in r]
-        for name, f in (("per_s", added), ("share_of_server_cpu", share),
-                        ("us_per_token", us_per_token)):
+        pairs = [(rnd, r[m], r[own_baseline(r, m)]) for (rnd, _), r in rounds.items()
+                 if m in r and own_baseline(r, m) in r]
+        for name, f in measures:
             vals = [(rnd, f(w, u)) for rnd, w, u in pairs]
             est = clustered_mean([(rnd, v) for rnd, v in vals if v is not None])
             if est is not None:
                 out[f"{m}_added_{name}"] = est
+        if m == "full" or "full" not in per_mode:
+            continue
+        # what the mode adds less what full adds, each over its own untraced slice,
+        # paired by round and replica: a part's cost where both ran in one round
+        rows = [(rnd, r[m], r[own_baseline(r, m)], r["full"], r["untraced"])
+                for (rnd, _), r in rounds.items()
+                if m in r and own_baseline(r, m) in r and "full" in r and "untraced" in r]
+        for name, f in measures[1:]:
+            diffs = [(rnd, a - b) for rnd, p, u, fl, uf in rows
+                     if (a := f(p, u)) is not None and (b := f(fl, uf)) is not None]
+            est = clustered_mean(diffs)
+            if est is not None:
+                out[f"{m}_minus_full_added_{name}"] = est
     return out
 
 
@@ -2063,6 +2142,13 @@ def main(argv: list[str] | None = None) -> int:
                          "one agent) or crossover (an agent per half of an even number "
                          "of replicas, one half traced while the other is not, swapped "
                          "each slice: the host's own drift cancels within a slice)")
+    ap.add_argument("--variants", type=lambda v: [m for m in v.split(",") if m], default=[],
+                    metavar="M,M",
+                    help="crossover: each round also traces each half in mode M (a part "
+                         "off while the rest traces: net-syscall, no-payload, sampled, "
+                         "sampled-copies, sockets-only, no-launch-probes, ...), the other "
+                         "half untraced at the same moments: the part's cost paired by "
+                         "round (breakdown and server_sys's M_minus_full_ in the output)")
     ap.add_argument("--null-every", type=int, default=0, metavar="N",
                     help="crossover: every Nth round a slice with neither half traced, "
                          "to measure what the traced half's probes cost the untraced "
@@ -2091,7 +2177,8 @@ def main(argv: list[str] | None = None) -> int:
                          "--settle-s; see switch_effects in the output)")
     ap.add_argument("--breakdown", action="store_true", help="also each part off in turn")
     ap.add_argument("--breakdown-modes", metavar="M,M", default="",
-                    help="only these parts of --breakdown (no-payload, no-analysis, census, "
+                    help="only these parts of --breakdown (no-payload, no-analysis, "
+                         "net-syscall, census, "
                          "slow-path, agent-load, no-launch-probes, sockets-only, burst-min-1ms, "
                          "stub-naming-open, alias-lookups-open, sampled, sampled-p5, "
                          "sampled-copies)")
@@ -2144,6 +2231,11 @@ def main(argv: list[str] | None = None) -> int:
                                        or args.breakdown or args.speed_meter):
         ap.error("--design crossover takes --mode slices, an even --replicas and no "
                  "--breakdown or --speed-meter")
+    if args.variants and (args.design != "crossover" or any(
+            m not in MODES or m in ("untraced", "full", "census", "slow-path", "agent-load")
+            for m in args.variants)):
+        ap.error("--variants takes --design crossover and modes one agent sets for its own "
+                 "servers (not census, slow-path or agent-load): " + ",".join(args.variants))
     if args.null_every < 0 or (args.null_every and args.design != "crossover"):
         ap.error("--null-every takes --design crossover and N >= 0")
     if os.geteuid() != 0:

@@ -1,6 +1,9 @@
 """``bench/real_server.py --design crossover`` on a real server under real probes: two
 agents, each tracing half the replicas, one half traced in each time slice and the
-halves swapped, every replica still paired with itself over a round."""
+halves swapped, every replica still paired with itself over a round; ``--variants
+net-syscall``: each half also traced with the socket-level timing switched off live
+(``tokentrace ctl SOCK net-timing syscall``), against the other half untraced at the
+same moments."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ def test_each_time_slice_traces_one_half_and_each_replica_pairs_with_itself(tmp_
                           "--servers", "batching", "--replicas", "2", "--design", "crossover",
                           "--budget-s", "28", "--min-pairs", "2", "--slice-s", "1",
                           "--settle-resume-s", "0.5", "--warmup-s", "2", "--null-every", "1",
-                          "--out", str(out)],
+                          "--variants", "net-syscall", "--out", str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stderr[-3000:]
     r = json.loads(out.read_text())["results"][0]
@@ -28,19 +31,29 @@ def test_each_time_slice_traces_one_half_and_each_replica_pairs_with_itself(tmp_
     for w in r["slices"]:
         by_slice[w["t0"]][w["replica"]] = w["mode"]
         assert w["tokens"] > 0
-    # every time slice: replica 0 and replica 1 in opposite modes, but for each
-    # round's third slice (--null-every 1), where neither is traced
+    # every time slice: replica 0 and replica 1 in opposite modes (full or the
+    # variant against the untraced slice of its own moments), but for each round's
+    # fifth slice (--null-every 1), where neither is traced
     null = [t for t, m in by_slice.items() if set(m.values()) == {"none-traced"}]
-    assert len(null) == len({w["round"] for w in r["slices"]}) >= 2
-    assert all(sorted(m.values()) == ["full", "untraced"]
+    rounds = len({w["round"] for w in r["slices"]})
+    assert len(null) == rounds >= 2
+    assert all(sorted(m.values()) in (["full", "untraced"],
+                                      ["net-syscall", "untraced@net-syscall"])
                for t, m in by_slice.items() if t not in null)
-    # ABBA: the half traced changes once a round, not between rounds
+    # the halves snake through each mode's two slices, the modes' order turned each round
     firsts = [m[0] for _, m in sorted(by_slice.items())]
-    assert firsts[:6] == ["full", "untraced", "none-traced", "untraced", "full", "none-traced"]
+    assert firsts[:10] == ["full", "untraced", "untraced@net-syscall", "net-syscall",
+                           "none-traced", "net-syscall", "untraced@net-syscall", "untraced",
+                           "full", "none-traced"]
     # the null slices against each replica's untraced one: what the traced half's
     # probes cost the untraced half
     assert "none-traced_added_per_s" in r["server_sys"]
     assert r["breakdown"]["none-traced"]["tokens_per_s_vs_untraced"]["pairs"] == 2 * len(null)
+    # the variant, each over its own untraced slices and paired with full by round
+    v = r["breakdown"]["net-syscall"]
+    assert v["tokens_per_s_vs_full"]["pairs"] == v["tokens_per_s_vs_untraced"]["pairs"] \
+        == 2 * rounds
+    assert "net-syscall_minus_full_added_us_per_token" in r["server_sys"]
     t = r["tokens_per_s"]
     assert t["replicas"] == 2 and t["rounds"] >= 2 and t["pairs"] == 2 * t["rounds"]
     # each agent traced its own replica, and only while its half was traced
@@ -48,4 +61,5 @@ def test_each_time_slice_traces_one_half_and_each_replica_pairs_with_itself(tmp_
     for g, a in enumerate(r["agents"]):
         assert a["launches_traced"] > 0, g
         assert 0 < a["seconds_in_mode"]["full"] < a["seconds_in_mode"]["all"]
+        assert 0 < a["seconds_in_mode"]["net-syscall"] < a["seconds_in_mode"]["all"]
         assert a["records_per_s"] > 0

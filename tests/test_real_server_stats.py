@@ -413,3 +413,78 @@ def test_crossover_needs_an_even_number_of_replicas_and_no_breakdown() -> None:
         with pytest.raises(SystemExit) as e:
             rs.main(argv)
         assert e.value.code == 2
+
+
+def test_crossover_plan_snakes_the_halves_through_each_modes_two_slices() -> None:
+    """Without variants the plan is the ABBA order of before; with one, each mode takes
+    both halves in turn, the traced agent changing only within a mode's two slices
+    (F0 F1 V1 V0 | V0 V1 F1 F0 | ...), and a null slice ends the round."""
+    assert [rs.crossover_plan(k, [], False) for k in (1, 2, 3)] == [
+        [(0, "full"), (1, "full")], [(1, "full"), (0, "full")], [(0, "full"), (1, "full")]]
+    v = "net-syscall"
+    assert rs.crossover_plan(1, [v], True) == [(0, "full"), (1, "full"), (1, v), (0, v),
+                                               (None, "none-traced")]
+    assert rs.crossover_plan(2, [v], False) == [(0, v), (1, v), (1, "full"), (0, "full")]
+    seq = [p for k in range(1, 5) for p in rs.crossover_plan(k, [v], False)]
+    # a pause and a resume only where the half changes: once per mode, never between
+    changes = sum(a[0] != b[0] for a, b in zip(seq, seq[1:]))
+    assert changes == 8 and all(a[0] == b[0] for a, b in zip(seq[1::2], seq[2::2]))
+
+
+def variant_slices(rounds: int, full: float, variant: float, seed: int) -> list[Record]:
+    """Four replicas under a host drift of sd 0.15 a time slice, in
+    ``crossover_plan``'s slices with one variant (``net-syscall``): the traced half's
+    tokens/s falls by ``full`` or ``variant`` in log, and its system CPU per token
+    rises by 9 us (full) or 4 us (variant)."""
+    rng = random.Random(seed)
+    out: list[Record] = []
+    for k in range(1, rounds + 1):
+        for half, mode in rs.crossover_plan(k, ["net-syscall"], False):
+            host = rng.gauss(0.0, 0.15)
+            for i in range(4):
+                traced = i % 2 == half
+                x = host + rng.gauss(0.0, 0.02)
+                if traced:
+                    x += full if mode == "full" else variant
+                tokens = 1000.0 * math.exp(x)
+                sys_us = 50.0 + (0.0 if not traced else 9.0 if mode == "full" else 4.0)
+                w = record(mode if traced else rs.baseline_of(mode), k, tokens, i)
+                w["server_sys_s"] = w["tokens"] * sys_us * 1e-6
+                w["server_cpu_s"] = w["tokens"] * (1000.0 + sys_us) * 1e-6
+                out.append(w)
+    return out
+
+
+def test_a_variant_is_set_against_its_own_untraced_slices_and_paired_with_full() -> None:
+    """``--variants``: the variant's tokens/s over the untraced half of its own slices
+    holds its true cost, its ratio to full's (each over its own untraced slices, by
+    round) holds the true difference, and the added system CPU a token of each, and the
+    difference, come out exactly."""
+    ws = variant_slices(30, math.log(0.985), math.log(0.995), 4)
+    modes = ["untraced", "full", "net-syscall", "untraced@net-syscall"]
+    out = rs.summarise(ws, modes)
+    assert out["tokens_per_s"]["pairs"] == 120
+    assert out["tokens_per_s"]["ci95"][0] <= 0.985 <= out["tokens_per_s"]["ci95"][1]
+    part = out["breakdown"]["net-syscall"]
+    assert set(out["breakdown"]) == {"net-syscall"}
+    vs_u, vs_f = part["tokens_per_s_vs_untraced"], part["tokens_per_s_vs_full"]
+    assert vs_u["pairs"] == vs_f["pairs"] == 120
+    assert vs_u["ci95"][0] <= 0.995 <= vs_u["ci95"][1]
+    assert vs_f["ci95"][0] <= 0.995 / 0.985 <= vs_f["ci95"][1]
+    assert vs_f["half_width"] < 0.012
+    sys = out["server_sys"]
+    assert sys["full_added_us_per_token"]["mean"] == pytest.approx(9.0, abs=0.002)
+    assert sys["net-syscall_added_us_per_token"]["mean"] == pytest.approx(4.0, abs=0.002)
+    assert sys["net-syscall_minus_full_added_us_per_token"]["mean"] == pytest.approx(-5.0, abs=0.002)
+    assert "untraced@net-syscall_added_per_s" not in sys
+    # the share of full's added server CPU a token the variant saves: 5 us of 9
+    assert part["share_of_added_server_cpu"] == pytest.approx(5 / 9, abs=0.002)
+
+
+def test_variants_take_the_crossover_and_modes_an_agent_sets_alone() -> None:
+    for argv in (["--variants", "net-syscall"],
+                 ["--design", "crossover", "--replicas", "2", "--variants", "census"],
+                 ["--design", "crossover", "--replicas", "2", "--variants", "bogus"]):
+        with pytest.raises(SystemExit) as e:
+            rs.main(argv)
+        assert e.value.code == 2
