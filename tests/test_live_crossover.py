@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -63,3 +64,39 @@ def test_each_time_slice_traces_one_half_and_each_replica_pairs_with_itself(tmp_
         assert 0 < a["seconds_in_mode"]["full"] < a["seconds_in_mode"]["all"]
         assert 0 < a["seconds_in_mode"]["net-syscall"] < a["seconds_in_mode"]["all"]
         assert a["records_per_s"] > 0
+
+
+def test_a_replica_whose_tokens_do_not_come_is_restarted_once(tmp_path):
+    """A server that takes the load's connections but never answers (here stopped with
+    SIGSTOP; HF serve CB has stalled so before its first token on shared GPUs) is
+    restarted on a new port once its first tokens are overdue, and the load goes on
+    from the new one; the run says which replica it restarted."""
+    import argparse
+    import os
+    import signal
+
+    sys.path.insert(0, str(ROOT))
+    from bench import real_server as rs
+
+    args = argparse.Namespace(requests=8, concurrency=2, max_tokens="4:8", keep_eos=False,
+                              first_tokens_s=6.0, warmup_s=0.0)
+    work = tmp_path / "replica-0"
+    work.mkdir()
+    server = rs.Server("batching", "cpu", work, {0, 1})
+    lane = rs.Lane(0, server)
+    try:
+        lane.client = rs.Client(server, args, {0, 1})
+        old_port, old_pid = server.port, server.pid
+        os.killpg(server.pid, signal.SIGSTOP)
+        out: dict = {}
+        rs.start_loads([lane], args, out)
+        assert out["replicas_restarted"] == [0]
+        assert server.port != old_port and server.pid != old_pid
+        assert lane.client.slice(time.monotonic() - 1.0, time.monotonic())["tokens"] > 0
+        assert "restarted on port" in server.log.read_text()
+        rs.stop_loads([lane], out)
+        assert out["load"]["tokens"] > 0 and out["load"]["errors"] == 0
+    finally:
+        if lane.client is not None:
+            lane.client.close()
+        server.stop()
