@@ -9,7 +9,8 @@ agent kept running and only its probes taken out and put back (`tokentrace run
         [--min-pairs 8] [--max-pairs 400] [--target 0.01] [--budget-s 240] [--breakdown]
         [--breakdown-modes M,M] [--sample-fraction F] [--breakdown-every N] [--keep-eos]
         [--partial FILE] [--replicas N] [--agent-cpus K] [--model-shape LAYERS,HIDDEN]
-        [--out bench/results/real_server.json]
+        [--design alternate|crossover] [--null-every N] [--variants M,M]
+        [--first-tokens-s 240] [--out bench/results/real_server.json]
     python bench/real_server.py --pool RESULT.json [RESULT.json ...]
 
 On an H100/H200 host (after `eval "$(.gpu/setup-bcc.sh)"`, as bench/accuracy.py runs
