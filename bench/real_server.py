@@ -1322,7 +1322,8 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
             windows, switches, elapsed = run_windows(kind, agent, lanes[0].client,
                                                      lanes[0].server, args, modes)
         elif crossover:
-            windows, switches, elapsed, halves_s = run_crossover(kind, agents, lanes, args)
+            windows, switches, elapsed, halves_s = run_crossover(kind, agents, lanes, args,
+                                                                 modes)
             stop_loads(lanes, out)
             loaded = False
             for h in halves_s:
@@ -1726,7 +1727,7 @@ def crossover_plan(order: int, variants: Sequence[str], null: bool) -> list[tupl
 
 
 def run_crossover(kind: str, agents: list[Agent], lanes: list[Lane],
-                  args: argparse.Namespace
+                  args: argparse.Namespace, modes: list[str]
                   ) -> tuple[Records, list[float], float, list[dict[str, float]]]:
     """``--design crossover``: two agents, each tracing half the replicas (agent g the
     lanes i with i % 2 == g); in every time slice one half is traced and the other
@@ -1756,8 +1757,6 @@ def run_crossover(kind: str, agents: list[Agent], lanes: list[Lane],
     mode_s: list[dict[str, float]] = [{}, {}]
     since = [time.monotonic()]
     switch_time(agents[1].ctl("pause"), "pause", switches)
-    modes = ["untraced", "full"] + [m for v in args.variants for m in (v, baseline_of(v))]
-    modes += [NONE_TRACED] if args.null_every else []
 
     def book(now: float) -> None:
         for g in (0, 1):
@@ -1943,7 +1942,7 @@ def summarise(windows: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]
 def own_baseline(r: dict[str, dict[str, Any]], mode: str) -> str:
     """The untraced slice ``mode`` is set against in a round: its own (``untraced@MODE``,
     a crossover ``--variants`` mode's) where there is one, else the round's."""
-    own = f"untraced@{mode}"
+    own = baseline_of(mode)
     return own if own in r else "untraced"
 
 

@@ -238,9 +238,7 @@ class CaptureSession:
                 self._tls_scan(pid)
         if self.net_timing.mode == "socket" and now >= self._next_listen_scan:
             self._next_listen_scan = now + self.config.listen_scan_interval_s
-            listening: dict[str, dict[int, int]] = {}  # by network namespace
-            for pid in sorted(self.pids):
-                self._watch_listeners(pid, listening)
+            self._watch_all_listeners()
         if now >= self._next_counters:
             self._next_counters = now + self.config.counters_interval_s
             # every interval, changed or not: its time stamp is also the stream's clock
@@ -437,8 +435,7 @@ class CaptureSession:
         # VM: 1.8 s for the 26 of them one after the other); from threads the waits
         # overlap (0.7-0.9 s for the whole pause). BCC's detach only closes the event's
         # fd and drops its own dict entry.
-        with ThreadPoolExecutor(max_workers=PARALLEL_DETACH) as pool:
-            list(pool.map(self.bpf.detach_tracepoint, parked))
+        self._detach_tracepoints(parked)
         self._parked_tps += parked
         self._suspend_uprobes()
         self.ring.consume()  # what was sent before the probes came out
@@ -447,6 +444,16 @@ class CaptureSession:
         took = time.perf_counter() - t0
         self.sink(schema.TracingPaused(ts=time.monotonic_ns(), paused=True, switch_s=took))
         return took
+
+    def _detach_tracepoints(self, tps: list[bytes]) -> None:
+        """Detach ``tps`` from a thread each: each detach waits out the kernel's
+        tracepoint grace period, and from threads the waits overlap."""
+        with ThreadPoolExecutor(max_workers=min(PARALLEL_DETACH, max(1, len(tps)))) as pool:
+            list(pool.map(self.bpf.detach_tracepoint, tps))
+
+    def _attach_tracepoint(self, tp: bytes) -> None:
+        """Attach ``tp`` (``category:name``) again to its TRACEPOINT_PROBE program."""
+        self.bpf.attach_tracepoint(tp=tp, fn_name=b"tracepoint__" + tp.replace(b":", b"__"))
 
     def resume(self) -> float:
         """Put the probes back (after ``pause``); sockets are adopted afresh, as at
@@ -460,7 +467,7 @@ class CaptureSession:
             except KeyError:
                 pass  # that concern is not loaded
         for tp in self._parked_tps:
-            self.bpf.attach_tracepoint(tp=tp, fn_name=b"tracepoint__" + tp.replace(b":", b"__"))
+            self._attach_tracepoint(tp)
         self._parked_tps = []
         if not self.uprobes_off:
             for attacher, errors in self._uprobe_attachers():
@@ -712,15 +719,12 @@ class CaptureSession:
             self.net_timing = NetTimingMode(ts=time.monotonic_ns(), mode="socket")
             self.sink(self.net_timing)
             for tp in self.NETWAIT_TRACEPOINTS:
-                self.bpf.attach_tracepoint(tp=tp, fn_name=b"tracepoint__" + tp.replace(b":", b"__"))
-            listening: dict[str, dict[int, int]] = {}
-            for pid in sorted(self.pids):
-                self._watch_listeners(pid, listening)
+                self._attach_tracepoint(tp)
+            self._watch_all_listeners()
         else:
             self.bpf[b"nw_ports"].clear()  # the hooks in the syscall probes stop here
             self._nw_ports = set()
-            with ThreadPoolExecutor(max_workers=len(self.NETWAIT_TRACEPOINTS)) as pool:
-                list(pool.map(self.bpf.detach_tracepoint, self.NETWAIT_TRACEPOINTS))
+            self._detach_tracepoints(list(self.NETWAIT_TRACEPOINTS))
             self.ring.consume()  # what the probes sent before, under the old mode
             self.bpf[b"nw_socks"].clear()
             self.bpf[b"nw_fds"].clear()
@@ -729,6 +733,13 @@ class CaptureSession:
                 reason="switched off while running (--control net-timing syscall)")
             self.sink(self.net_timing)
         return time.perf_counter() - t0
+
+    def _watch_all_listeners(self) -> None:
+        """``_watch_listeners`` for every traced process, each network namespace's
+        listening sockets asked once."""
+        listening: dict[str, dict[int, int]] = {}
+        for pid in sorted(self.pids):
+            self._watch_listeners(pid, listening)
 
     def _watch_listeners(self, pid: int, listening: dict[str, dict[int, int]] | None = None
                          ) -> None:
