@@ -36,9 +36,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -82,10 +83,13 @@ def run_case(layout: str, concurrency: int, requests: int, device: str,
              libs: dict[str, Path] | None, work: Path, max_batch: int,
              keep_spans: bool = False, pricing: Any = None,
              step_cost: str | None = None, record: Path | None = None,
+             while_loading: Callable[[Any], None] | None = None,
              **config: Any) -> dict[str, Any]:
     """Serve ``requests`` at ``concurrency`` under the tracer and score the spans.
     ``step_cost`` (FIXED,PER_MEMBER,PER_PREFILL) shapes the stand-in's launches;
-    ``record`` keeps the capture; ``config``: more capture options (``gpu_sample``)."""
+    ``record`` keeps the capture; ``while_loading`` runs on a thread of its own during
+    the load, given the TraceRun (its control commands); ``config``: more capture
+    options (``gpu_sample``)."""
     name = f"{layout}-c{concurrency}" + (f"-cost{step_cost.replace(',', '_')}" if step_cost else "")
     truth_path = work / f"truth-{name}.jsonl"
     truth_path.unlink(missing_ok=True)
@@ -102,11 +106,17 @@ def run_case(layout: str, concurrency: int, requests: int, device: str,
         client_out = work / f"client-{name}.json"
         with traced(pids=[p.pid], settle=1.0, pricing=pricing,
                     record=str(record) if record else None, **config) as got:
+            aside = (threading.Thread(target=while_loading, args=(got.run,), daemon=True)
+                     if while_loading is not None else None)
+            if aside is not None:
+                aside.start()
             subprocess.run([sys.executable, "-m", "samples.batching.load",
                             "--url", f"http://127.0.0.1:{port}", "--requests", str(requests),
                             "--concurrency", str(concurrency), "--out", str(client_out),
                             "--seed", str(concurrency)], cwd=ROOT, check=True, timeout=600)
             time.sleep(0.5)  # the last steps' bursts and the hold window
+            if aside is not None:
+                aside.join(30)
     finally:
         stop_server(p)
     lines = truth_path.read_text().splitlines()

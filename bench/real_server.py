@@ -116,7 +116,9 @@ more (``census``: full tracing with the kernel's
 per-program statistics on; ``sampled``: ``--gpu-sample --sample-fraction`` switched on
 while running; ``sampled-copies``: the same with the sampled copies' probes
 switched with the launch probes; ``sockets-only``: every uprobe out, the socket and TCP
-probes in: the floor of any duty cycle of the GPU probes), and reports each part's share
+probes in: the floor of any duty cycle of the GPU probes; ``period-2``, ``period-4``:
+``--gpu-sample-period`` 2 or 4 s set while running, auto's window opened half or a
+quarter as often), and reports each part's share
 of the server's added CPU;
 ``--breakdown-modes`` picks some. Every slice also records the server's system CPU,
 where the probes' own cost is paid (uprobe traps, tracepoint programs): ``server_sys``
@@ -976,6 +978,10 @@ MODES = {  # name -> control commands that set it up from "full" (the default tr
     # them counted where their bytes are not predicted to 1% of the bytes moved): what
     # the memsets' traps cost, against "sampled-copies" in the same rounds
     "sampled-memsets": ["gpu-sample 0.1 copies memsets"],
+    # --gpu-sample-period 2 / 4 set while running: --gpu-sample auto keeps its window
+    # (20 or 30 ms) and opens it every 2 or 4 s, half or a quarter of the launch traps
+    "period-2": ["sample-period 2"],
+    "period-4": ["sample-period 4"],
     # no probe of ours, only a do-nothing syscall tracepoint held by the bench: what the
     # kernel's syscall slow path (on while any syscall tracepoint is) costs the server
     "slow-path": ["pause", "bench:slow-path on"],
@@ -991,6 +997,7 @@ UNDO = {"untraced": ["resume"], "full": [], "no-payload": ["capture-limit 262144
         "census": ["probe-stats off"], "sampled": ["gpu-sample 1"],
         "sampled-p5": ["gpu-sample 1"], "sampled-copies": ["gpu-sample 1"],
         "sampled-memsets": ["gpu-sample 1"],
+        "period-2": ["sample-period default"], "period-4": ["sample-period default"],
         "slow-path": ["bench:slow-path off", "resume"],
         "agent-load": ["bench:agent-load off", "resume"]}
 # the bench's own switches ("bench:NAME on|off": slow-path, agent-load), set up by
@@ -2247,7 +2254,7 @@ def main(argv: list[str] | None = None) -> int:
                          "net-syscall, census, "
                          "slow-path, agent-load, no-launch-probes, sockets-only, burst-min-1ms, "
                          "stub-naming-open, alias-lookups-open, sampled, sampled-p5, "
-                         "sampled-copies)")
+                         "sampled-copies, period-2, period-4)")
     ap.add_argument("--sample-fraction", type=float, default=0.1, metavar="F",
                     help="the sampled part's --gpu-sample (default 0.1; its period is the "
                          "agent's --gpu-sample-period, e.g. --agent-args=--gpu-sample-period=1)")

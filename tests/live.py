@@ -38,6 +38,7 @@ class Collected:
         self.naming: dict[str, Any] | None = None  # stub naming and before-attach state
         self.stacks: Any = None
         self.sampler: Any = None  # the session's StackSampler, while it runs (stack_every=N)
+        self.run: Any = None  # the TraceRun, while it runs (its control commands)
         self._jsonl = io.StringIO()
 
     def on_record(self, rec: Any) -> None:
@@ -70,6 +71,7 @@ def traced(pids: list[int] | None = None, ports: list[int] | None = None,
                    auto_sample=auto)
     run.start()
     c.sampler = run.session.stacks
+    c.run = run
     try:
         yield c
     finally:

@@ -82,17 +82,23 @@ def test_a_pause_is_no_measure_of_a_rate():
 
 
 def test_short_steps_get_the_smaller_window():
-    """0.02 of a period where that window spans two of the deciding threads' mean steps
-    (the longest of theirs), else 0.03."""
+    """A 20-ms window (0.02 of the 1-s base period) where it spans two of the deciding
+    threads' mean steps (the longest of theirs), else 30 ms; a longer period opens the
+    same window less often."""
     for steps, period, fraction in ((1000, 1.0, 0.02), (500, 1.0, 0.02), (400, 1.0, 0.03),
-                                    (400, 2.0, 0.02), (150, 2.0, 0.03)):
+                                    (1000, 2.0, 0.01), (400, 2.0, 0.015),
+                                    (1000, 4.0, 0.005)):
         auto = AutoSample()
         auto.check(0.0, {}, set())
-        assert auto.check(5.0, {ENGINE: (40000, steps)}, set(), period_s=period) == fraction
+        assert auto.check(5.0, {ENGINE: (40000, steps)}, set(), period_s=period,
+                          base_period_s=1.0) == fraction
         step_ms = 5000 / steps
         assert f"a step every {step_ms:.1f} ms: launch probes on {fraction:g} of" in auto.reason
-        assert (f"({20 * period:.0f}-ms windows span {20 * period / step_ms:.1f} steps)"
-                in auto.reason) is (fraction == 0.02), auto.reason
+        window_ms = 1000 * fraction * period
+        assert (f"({window_ms:.0f}-ms windows every {period:g} s"
+                in auto.reason) is (window_ms == 20 or period != 1.0), auto.reason
+        assert (f"spanning {window_ms / step_ms:.1f} steps)" in auto.reason) is (
+            window_ms == 20), auto.reason
     auto = AutoSample()  # the slower of two engine threads decides
     auto.check(0.0, {}, set())
     assert auto.check(5.0, {ENGINE: (40000, 1000), OTHER: (40000, 300)}, set()) == 0.03
@@ -100,6 +106,26 @@ def test_short_steps_get_the_smaller_window():
     auto = AutoSample(fraction=0.01)
     auto.check(0.0, {}, set())
     assert auto.check(5.0, {ENGINE: (40000, 1000)}, set()) == 0.01
+
+
+def test_a_new_period_keeps_the_window():
+    """--control sample-period while sampling: the same window, a share of the new
+    period; before sampling began, nothing to change (the next check uses it)."""
+    auto = AutoSample()
+    assert auto.set_period(2.0) is None
+    auto.check(0.0, {}, set())
+    assert auto.check(5.0, {ENGINE: (40000, 1000)}, set(), period_s=1.0) == 0.02
+    assert auto.set_period(2.0) == 0.01
+    assert "(20-ms windows every 2 s, spanning 4.0 steps)" in auto.reason
+    assert auto.set_period(2.0) is None  # the same share: no switch
+    assert auto.set_period(1.0) == 0.02
+    auto.hand_set()
+    assert auto.set_period(2.0) is None  # stood down: the hand-set share stays
+    # a period shorter than the window's: every launch counted, still "sampling"
+    auto = AutoSample()
+    auto.check(0.0, {}, set())
+    auto.check(5.0, {ENGINE: (40000, 1000)}, set())
+    assert auto.set_period(0.01) == 1.0
 
 
 def test_the_steps_own_intervals_size_the_window_when_known():

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,9 +20,10 @@ from tracer.autosample import AutoSample
 
 # the stand-in engine runs far fewer steps than a GPU server: the thresholds scaled down
 LOW_RATE = 200.0
-# and longer ones (15-30 ms): windows of 0.05 of each 0.5-s period (25 ms, as measured
-# below), not the default's 0.03 (15 ms: a step seen whole would be rare)
-FRACTION = 0.05
+# and longer ones (15-30 ms): windows of 25 ms (0.025 of the 1-s base period, as
+# measured below), each 0.5-s period (0.05 of it), not the default's 0.03 of 0.5 s
+# (15 ms: a step seen whole would be rare)
+FRACTION = 0.025
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +32,29 @@ def libs(tmp_path_factory):
 
 
 def test_an_engine_thread_is_sampled_once_busy_and_requests_keep_their_share(libs, tmp_path):
+    """Sampled by the agent's own choice; and once sampling, a period changed while
+    running (``--control sample-period``) keeps auto's window and changes its share."""
     auto = AutoSample(min_rate=LOW_RATE, min_steps=5, check_s=1.0,
                       fraction=FRACTION)
+    replies: list[str] = []
+
+    def shorter_period(run) -> None:  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + 20
+        while auto.state != "sampling" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # a shorter period, not a longer one: more windows, so the accuracy bound holds
+        replies.append(run.control("sample-period 0.25"))
+        replies.append(f"{run.session.config.gpu_sample:g}")
+
     r = run_case("thread", concurrency=8, requests=96, device="cpu", libs=libs,
-                 work=tmp_path, max_batch=16, auto_sample=auto, gpu_sample_period_s=0.5)
+                 work=tmp_path, max_batch=16, auto_sample=auto, gpu_sample_period_s=0.5,
+                 while_loading=shorter_period)
     t = r["tracer"]
     assert auto.state == "sampling", auto.reason
-    assert t["gpu_sample_auto_switches"] == 1
+    # the window (0.05 of the 0.5-s period: 25 ms) kept: 0.1 of 0.25 s
+    assert replies == ["ok sample-period 0.25", "0.1"], (replies, auto.reason)
+    assert "25-ms windows every 0.25 s" in auto.reason, auto.reason
+    assert t["gpu_sample_auto_switches"] == 2
     assert r["requests_traced"] == r["requests_truth"] == 96
     # as test_live_batching's --gpu-sample 0.3 (0.025-0.072 there), at 0.05 of a period
     assert r["kernel_share"]["mae_over_mean"] <= 0.15, r

@@ -102,8 +102,9 @@ class AutoSample:
     ``--gpu-sample`` fraction to switch to, or None, and leaves in ``copies`` and
     ``memsets`` whether those are to be switched with the launches."""
 
-    fraction: float = FRACTION  # where steps are long; once sampling, the one in force
-    short_fraction: float = SHORT_FRACTION  # where a window of it spans enough steps
+    fraction: float = FRACTION  # of a base period where steps are long; once sampling,
+    # the share of the period in force
+    short_fraction: float = SHORT_FRACTION  # of a base period, where its window spans enough steps
     min_window_steps: float = MIN_WINDOW_STEPS
     min_rate: float = MIN_RATE
     min_steps: int = MIN_STEPS
@@ -115,6 +116,9 @@ class AutoSample:
     _last: dict[ThreadKey, tuple[int, int]] = field(default_factory=dict)
     _last_ts: float | None = None
     _long: float = 0.0  # the fraction for long steps (``fraction`` as constructed)
+    _window_s: float = 0.0  # the window in force while sampling, seconds
+    _step_s: float = 0.0  # the longest deciding step at the last choice
+    _base_s: float = 1.0  # the period the fractions are shares of
     _why: tuple[str, str] = ("", "")  # the reason's words before and after the fraction
 
     def __post_init__(self) -> None:
@@ -134,18 +138,23 @@ class AutoSample:
               memsets_needed: Mapping[ThreadKey, bool | None] | None = None,
               memset_errors: Mapping[ThreadKey, MemsetShares | None] | None = None,
               period_s: float = 1.0,
-              step_ns: Mapping[ThreadKey, int | None] | None = None) -> float | None:
+              step_ns: Mapping[ThreadKey, int | None] | None = None,
+              base_period_s: float | None = None) -> float | None:
         """The fraction to switch to now, or None to stay as it is. ``memset_errors``:
         per thread, how far its memset bytes were off their estimate, as shares of its
         memset bytes and of all the bytes its steps moved, and over runs of a request's
         steps (``StepEstimates.blind_memset_shares``, for ``reason``). ``period_s``: the
-        sampling period; ``short_fraction`` of it must span ``min_window_steps`` of the
-        deciding threads' steps for that fraction to be chosen, at the switch and at
-        every check after it (the steps are closed whether sampled or not). A step is
+        sampling period in force, ``base_period_s`` the one the fractions are shares of
+        (the agent's default period; ``period_s`` where not given): the windows keep
+        their length in seconds, so a longer period opens the same window less often
+        (``fraction`` is then window / ``period_s``). The short window must span
+        ``min_window_steps`` of the deciding threads' steps to be chosen, at the switch
+        and at every check after it (the steps are closed whether sampled or not). A step is
         ``step_ns``, per thread (the mean interval of its latest steps, end to end:
         ``StepTotals.interval_ns``), else the check's span over the steps it closed."""
         last, last_ts = self._last, self._last_ts
         self._last, self._last_ts = dict(threads), now
+        self._base_s = base_period_s or period_s
         if self.state == "off" or last_ts is None or now <= last_ts:
             return None
         span = now - last_ts
@@ -200,21 +209,34 @@ class AutoSample:
         self._choose(step_s(), period_s)
         return self.fraction
 
+    def set_period(self, period_s: float) -> float | None:
+        """The sampling period was changed while running (``--control sample-period``):
+        the share that keeps the window in force, or None if sampling is not on (the
+        next check chooses with the new period) or it is the same share."""
+        if self.state != "sampling" or not self._window_s:
+            return None
+        was = self.fraction
+        self._choose(self._step_s, period_s)
+        return self.fraction if self.fraction != was else None
+
     def _choose(self, step_s: float, period_s: float) -> None:
         """``fraction`` and ``reason`` for a longest step of ``step_s``: the short
-        fraction where its window spans ``min_window_steps`` of them. A step's interval
+        window where it spans ``min_window_steps`` of them. A step's interval
         holds the idle gap before it, which a window must span too to count it whole:
         an engine with gaps gets the larger window."""
-        window_s = self.short_fraction * period_s
+        long_s, short_s = self._long * self._base_s, self.short_fraction * self._base_s
         # a quarter step of hysteresis once short: a load at the edge does not flip it
         # every check
-        need = self.min_window_steps - (HYSTERESIS_STEPS if self.fraction < self._long else 0)
-        short = self.short_fraction < self._long and window_s >= need * step_s
-        self.fraction = self.short_fraction if short else self._long
+        need = self.min_window_steps - (HYSTERESIS_STEPS if self._window_s and
+                                        self._window_s < long_s else 0)
+        short = short_s < long_s and short_s >= need * step_s
+        self._window_s, self._step_s = (short_s if short else long_s), step_s
+        self.fraction = min(1.0, self._window_s / period_s)
         self.reason = (f"{self._why[0]}, a step every {step_s * 1e3:.1f} ms: launch probes "
                        f"on {self.fraction:g} of each period"
-                       + (f" ({window_s * 1e3:.0f}-ms windows span {window_s / step_s:.1f} "
-                          "steps)" if short else "")
+                       + (f" ({self._window_s * 1e3:.0f}-ms windows every {period_s:g} s"
+                          + (f", spanning {self._window_s / step_s:.1f} steps" if short else "")
+                          + ")" if short or period_s != self._base_s else "")
                        + self._why[1])
 
 

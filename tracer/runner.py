@@ -94,9 +94,24 @@ class TraceRun:
             verb = command.split()[0] if command.split() else ""
             if verb == "gpu-sample":
                 self.auto_sample.hand_set()
+            elif verb == "sample-period":
+                self.auto_sample.set_period(self.session.sample_period_s())
+                self._follow_auto()
             elif verb == "resume":
                 self.auto_sample.restart()
+                self._follow_auto()
         return reply
+
+    def _follow_auto(self) -> None:
+        """Put ``--gpu-sample auto``'s share in force where it changed without a check
+        (a new period; one set while paused waits for the resume)."""
+        auto, session = self.auto_sample, self.session
+        if (auto is None or auto.state != "sampling" or session.gpu is None
+                or session.paused or session.config.gpu_sample == auto.fraction):
+            return
+        session.set_gpu_sample(auto.fraction, auto.reason, copies=auto.copies,
+                               memsets=auto.memsets)
+        self.pipeline.stats["gpu_sample_auto_switches"] += 1
 
     def check_sampling(self, now: float) -> None:
         """``--gpu-sample auto``: switch the launch probes to sampling once launches are
@@ -114,7 +129,8 @@ class TraceRun:
                                for k in threads},
                               {k: estimates.blind_memset_shares(*k, request_steps)
                                for k in threads}, period_s=session.sample_period_s(),
-                              step_ns=self.pipeline.step_intervals())
+                              step_ns=self.pipeline.step_intervals(),
+                              base_period_s=session.default_sample_period_s())
         if fraction is not None:
             session.set_gpu_sample(fraction, auto.reason, copies=auto.copies,
                                    memsets=auto.memsets)

@@ -314,10 +314,14 @@ class CaptureSession:
                                     + self.sample_period_s() * fraction)
 
     def sample_period_s(self) -> float:
-        """--gpu-sample's period: as configured, else by how the launch probes detach
-        (1 s through uprobe_multi links, 5 s through perf events)."""
+        """--gpu-sample's period: as configured, else ``default_sample_period_s``."""
         if self.config.gpu_sample_period_s:
             return self.config.gpu_sample_period_s
+        return self.default_sample_period_s()
+
+    def default_sample_period_s(self) -> float:
+        """--gpu-sample's period where none is set: by how the launch probes detach
+        (1 s through uprobe_multi links, 5 s through perf events)."""
         return 1.0 if self.gpu is not None and self.gpu.uprobes.multi else 5.0
 
     def set_gpu_sample(self, fraction: float, reason: str = "", copies: bool = False,
@@ -533,7 +537,9 @@ class CaptureSession:
         probes alone), ``net-timing syscall|socket`` (the socket-level timing,
         bpf/netwait.c), ``stub-naming off|on`` (libcudart's launch probes),
         ``alias-lookups off|on`` (the probes on cuKernelGetFunction), ``analysis
-        off|on`` (records read from the ring buffer and dropped, counted)."""
+        off|on`` (records read from the ring buffer and dropped, counted),
+        ``sample-period SECONDS|default`` (``--gpu-sample-period``, from the next
+        switch)."""
         words = command.split()
         if not words:
             return "error: empty command"
@@ -586,6 +592,14 @@ class CaptureSession:
                            else "")
                         + (" memsets" if self.gpu is not None and self.gpu.memsets_switched
                            else ""))
+            if cmd == "sample-period" and len(args) == 1:
+                # the next switch on uses it; --gpu-sample auto keeps its window's
+                # length in seconds (tracer/runner.py sets the share)
+                period = None if args[0] == "default" else float(args[0])
+                if period is not None and not period >= 0.01:
+                    raise ValueError(f"sample-period must be >= 0.01 s, not {args[0]}")
+                self.config.gpu_sample_period_s = period
+                return f"ok sample-period {self.sample_period_s():g}"
             if cmd == "net-timing" and args in (["socket"], ["syscall"]):
                 took = self.set_net_timing(args[0] == "socket")
                 return f"ok net-timing {args[0]} {took:.3f}s"
