@@ -982,6 +982,8 @@ MODES = {  # name -> control commands that set it up from "full" (the default tr
     # (20 or 30 ms) and opens it every 2 or 4 s, half or a quarter of the launch traps
     "period-2": ["sample-period 2"],
     "period-4": ["sample-period 4"],
+    # census at period-2: what each probe fires per token with the windows half as often
+    "census-period-2": ["probe-stats on", "sample-period 2"],
     # no probe of ours, only a do-nothing syscall tracepoint held by the bench: what the
     # kernel's syscall slow path (on while any syscall tracepoint is) costs the server
     "slow-path": ["pause", "bench:slow-path on"],
@@ -998,6 +1000,7 @@ UNDO = {"untraced": ["resume"], "full": [], "no-payload": ["capture-limit 262144
         "sampled-p5": ["gpu-sample 1"], "sampled-copies": ["gpu-sample 1"],
         "sampled-memsets": ["gpu-sample 1"],
         "period-2": ["sample-period default"], "period-4": ["sample-period default"],
+        "census-period-2": ["probe-stats off", "sample-period default"],
         "slow-path": ["bench:slow-path off", "resume"],
         "agent-load": ["bench:agent-load off", "resume"]}
 # the bench's own switches ("bench:NAME on|off": slow-path, agent-load), set up by
@@ -1237,6 +1240,11 @@ def stop_loads(lanes: list[Lane], out: dict[str, Any]) -> None:
     out["load"] = replies[0] if len(replies) == 1 else total
 
 
+def is_census(mode: str) -> bool:
+    """Whether slices of ``mode`` take the kernel's per-program statistics."""
+    return mode == "census" or mode.startswith("census-")
+
+
 def choose_modes(args: argparse.Namespace, gpu: bool) -> list[str]:
     """Untraced and full, and with ``--breakdown`` the parts this server has."""
     modes = ["untraced", "full"]
@@ -1246,7 +1254,7 @@ def choose_modes(args: argparse.Namespace, gpu: bool) -> list[str]:
         if gpu:
             parts += ["no-launch-probes", "sockets-only", "burst-min-1ms", "stub-naming-open",
                       "alias-lookups-open", "sampled", "sampled-p5", "sampled-copies",
-                      "sampled-memsets"]
+                      "sampled-memsets", "period-2", "period-4", "census-period-2"]
             MODES["sampled"] = [f"gpu-sample {args.sample_fraction:g}"
                                 + (f" {args.sample_period:g}" if args.sample_period else "")]
             MODES["sampled-p5"] = [f"gpu-sample {args.sample_fraction:g} 5"]
@@ -1320,7 +1328,7 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
             from bench.host_speed import AgentLoad
             load = AgentLoad(plan.agent, args.agent_load)
             BENCH_SWITCHES["agent-load"] = load.set
-        if "slow-path" in modes or "census" in modes:
+        if "slow-path" in modes or any(is_census(m) for m in modes):
             from bench.syscall_watch import SyscallWatch
             watch = SyscallWatch()
             BENCH_SWITCHES["slow-path"] = watch.slow_path
@@ -1534,7 +1542,7 @@ def time_slice(mode: str | Sequence[str], order: int, agent: Agent | Sequence[Ag
     own lanes."""
     agents = [agent] if isinstance(agent, Agent) else list(agent)
     modes = [mode] * len(lanes) if isinstance(mode, str) else list(mode)
-    census = "census" in modes
+    census = any(is_census(m) for m in modes)
     if census and len(agents) > 1:
         raise ValueError("census needs the one agent of every replica")
     mine = [agents[i % len(agents)] for i in range(len(lanes))]
@@ -1929,18 +1937,20 @@ def summarise(windows: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]
         out["host_speed"] = host_speed(windows, rounds)
     if windows and "server_voluntary_switches" in windows[0]:
         out["server_sched"] = sched_time(windows, rounds)
-    census = [w for w in windows if w.get("programs")]
-    if census:
+    for mode in sorted({w["mode"] for w in windows if w.get("programs")}):
         # the programs' counts are agent-wide (every replica's server): per token over
-        # the tokens of every replica's census slices of those rounds
+        # the tokens of every replica's census slices of those rounds. "census" for
+        # full tracing, "census_MODE" for a census taken in another mode
+        census = [w for w in windows if w.get("programs") and w["mode"] == mode]
         with_programs = {w["round"] for w in census}
-        lanes = [w for w in windows if w["mode"] == "census" and w["round"] in with_programs]
-        out["census"] = program_census(census, lanes)
+        lanes = [w for w in windows if w["mode"] == mode and w["round"] in with_programs]
+        key = mode.replace("-", "_", 1)
+        out[key] = program_census(census, lanes)
         counted = [w for w in census if "server_syscalls" in w]
         if counted:
             from bench.syscall_watch import rates
-            out["census"]["server_syscalls"] = rates([w["server_syscalls"] for w in counted],
-                                                     sum(w["wall_s"] for w in counted))
+            out[key]["server_syscalls"] = rates([w["server_syscalls"] for w in counted],
+                                                sum(w["wall_s"] for w in counted))
     if windows and "t0" in windows[0]:
         out["switch_effects"] = switch_effects(windows)
     return out
@@ -2144,14 +2154,30 @@ def program_census(census: list[dict[str, Any]],
     return out
 
 
+def partial_seconds_per_round(slices: list[dict[str, Any]]) -> float:
+    """A --partial file's seconds a round, from its slices' start times."""
+    rounds = max((w["round"] for w in slices), default=0)
+    if rounds < 2:
+        return 0.0
+    t0s = [w["t0"] for w in slices]
+    return round((max(t0s) - min(t0s)) / (rounds - 1), 2)
+
+
 def pool(files: list[str], target: float) -> dict[str, Any]:
     """Several runs' pairs as one sample (their rounds numbered apart, their replicas
-    kept; records of old, without ``replica``, are replica 0's)."""
+    kept; records of old, without ``replica``, are replica 0's). A ``--partial`` file
+    counts as a crossover run of the slices it holds."""
     runs: dict[str, list[dict[str, Any]]] = {}
     seconds: dict[str, float] = {}
     ttft: dict[str, dict[str, list[Any]]] = {}
     for i, f in enumerate(files):
-        for r in json.loads(Path(f).read_text())["results"]:
+        doc = json.loads(Path(f).read_text())
+        # a --partial file (a run cut short): its slices, as one crossover run's
+        results = doc["results"] if "results" in doc else [
+            {"server": doc["server"], "mode": "slices", "design": "crossover",
+             "slices": [w for w in doc["slices"] if "tokens" in w],
+             "seconds_per_round": partial_seconds_per_round(doc["slices"])}]
+        for r in results:
             ws = r.get("slices") or r.get("windows") or []
             design = r.get("design", "alternate")  # designs differ in noise: apart
             key = f"{r['server']} ({r.get('mode', 'windows')}" + (
@@ -2254,7 +2280,7 @@ def main(argv: list[str] | None = None) -> int:
                          "net-syscall, census, "
                          "slow-path, agent-load, no-launch-probes, sockets-only, burst-min-1ms, "
                          "stub-naming-open, alias-lookups-open, sampled, sampled-p5, "
-                         "sampled-copies, period-2, period-4)")
+                         "sampled-copies, period-2, period-4, census-period-2)")
     ap.add_argument("--sample-fraction", type=float, default=0.1, metavar="F",
                     help="the sampled part's --gpu-sample (default 0.1; its period is the "
                          "agent's --gpu-sample-period, e.g. --agent-args=--gpu-sample-period=1)")
@@ -2305,7 +2331,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--design crossover takes --mode slices, an even --replicas and no "
                  "--breakdown or --speed-meter")
     if args.variants and (args.design != "crossover" or any(
-            m not in MODES or m in ("untraced", "full", "census", "slow-path", "agent-load")
+            m not in MODES or m in ("untraced", "full", "slow-path", "agent-load") or is_census(m)
             for m in args.variants)):
         ap.error("--variants takes --design crossover and modes one agent sets for its own "
                  "servers (not census, slow-path or agent-load): " + ",".join(args.variants))
