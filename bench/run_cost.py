@@ -17,8 +17,9 @@ chunks' template, as the agent arms a response it has read). Per mode: CPU per w
 and what the kernel sent. ``--stats``: the kernel's run counts and run time per BPF
 program on (``tokentrace ctl SOCK probe-stats on``: two clock reads more a run), and
 per mode the BPF time of the write's exit (``sys_exit_write`` and the ``run_exit`` it
-tail-calls) per write: the probes' own time, without the noise of the window's wall
-clock.
+tail-calls) per write, and with its entry: the probes' own time, without the noise of
+the window's wall clock (the netwait mode's from its own session, which has the TLS
+probes' code in the socket probes as the agent does by default).
 ``--netwait``: one mode more, ``netwait``: a record per write from a second session
 loaded with the socket-level timing (``--net-timing auto``, bpf/netwait.c: its TCP
 tracepoints, ``tcp_probe`` on every segment the listening end receives, and its work
@@ -92,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         session.start()
         timed = None  # the second session, with netwait: paused but in its windows
         if args.netwait:
-            timed = CaptureSession(CaptureConfig(pids=[proc.pid], concerns=("process", "sockets"),
+            # as the agent runs by default: the TLS probes' code in the socket probes too
+            timed = CaptureSession(CaptureConfig(pids=[proc.pid],
+                                                 concerns=("process", "sockets", "tls"),
                                                  net_timing="auto"), sink)
             timed.start()
             if timed.net_timing.mode != "socket":
@@ -101,17 +104,24 @@ def main(argv: list[str] | None = None) -> int:
         key = proc.pid << 32 | fd
         if args.stats:
             session.control("probe-stats on")
+            if timed is not None:
+                timed.control("probe-stats on")
         exit_ns: dict[str, list[float]] = {}
+        write_ns: dict[str, list[float]] = {}
 
-        def exit_cost() -> int:
-            """The write exit's BPF nanoseconds so far (both programs)."""
-            costs = parse_costs(session.control("probe-stats"))
+        def bpf_ns(s: CaptureSession, names: tuple[str, ...]) -> int:
+            """These programs' BPF nanoseconds so far in session ``s``."""
+            costs = parse_costs(s.control("probe-stats"))
             none = ProgramCost(0, 0)
-            return sum(costs.get(n, none).run_ns for n in
-                       ("tracepoint__syscalls__sys_exit_write", "run_exit"))
+            return sum(costs.get(n, none).run_ns for n in names)
+
+        exits = ("tracepoint__syscalls__sys_exit_write", "run_exit")
+        writes = exits + ("tracepoint__syscalls__sys_enter_write",)
 
         def window(mode: str) -> float:
-            ns0 = exit_cost() if args.stats else 0
+            s = timed if mode == "netwait" and timed is not None else session
+            ns0 = bpf_ns(s, exits) if args.stats else 0
+            w0 = bpf_ns(s, writes) if args.stats else 0
             if mode in ("untraced", "netwait"):
                 session.pause()
             if mode == "netwait" and timed is not None:
@@ -124,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                 session.arm_runs([((proc.pid, fd, conn_id), HEAD, TAIL)])
             took = blaster.run(args.calls, len(data))
             if args.stats:
-                exit_ns.setdefault(mode, []).append((exit_cost() - ns0) / args.calls)
+                exit_ns.setdefault(mode, []).append((bpf_ns(s, exits) - ns0) / args.calls)
+                write_ns.setdefault(mode, []).append((bpf_ns(s, writes) - w0) / args.calls)
             session.poll(0)
             if mode == "netwait" and timed is not None:
                 timed.poll(0)
@@ -166,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                            "windows": [round(x, 3) for x in per[m]]}
         if exit_ns.get(m):
             out["modes"][m]["exit_bpf_ns_per_write"] = round(statistics.median(exit_ns[m]), 1)
+            out["modes"][m]["enter_exit_bpf_ns_per_write"] = round(
+                statistics.median(write_ns[m]), 1)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out, indent=1))

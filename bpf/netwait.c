@@ -40,13 +40,6 @@
 #define NW_IPPROTO_TCP 6
 #define NW_MIN_MSS 536 /* RFC 879: no segment is smaller, so cwnd x this bounds in-flight */
 
-struct nw_key {
-    u8 laddr[16]; /* IPv6, or IPv4-mapped (::ffff:a.b.c.d) as the tracepoints store it */
-    u8 raddr[16];
-    u16 lport;    /* host byte order */
-    u16 rport;
-};
-
 struct nw_sock {
     u64 estab_ts;    /* handshake completed (SYN_RECV -> ESTABLISHED); 0: not seen */
     u64 rx_since;    /* arrival of the oldest bytes not yet read; 0: none known */
@@ -77,12 +70,6 @@ BPF_HASH(nw_ports, u16, u32, 1024);
 /* LRU: a socket whose close was not seen (or that no traced process owns) ages out
  * instead of filling the map. */
 BPF_TABLE("lru_hash", struct nw_key, struct nw_sock, nw_socks, 65536);
-/* (tgid << 32 | fd) -> its socket's key, learnt at the socket's first read */
-struct nw_fd {
-    struct nw_key key;
-    u64 conn_id;
-};
-BPF_TABLE("lru_hash", u64, struct nw_fd, nw_fds, 65536);
 
 static __always_inline int nw_port_traced(u16 port)
 {
@@ -265,16 +252,14 @@ static __always_inline void nw_rcv_space(u64 id, struct io_args *a, u16 lport, u
     if (!nw_port_traced(lport))
         return;
     u64 ck = conn_key(id >> 32, a->fd);
-    struct nw_fd *f = nw_fds.lookup(&ck);
-    if (f && f->conn_id == a->conn_id)
+    struct conn_state *st = conns.lookup(&ck);
+    if (!st || st->conn_id != a->conn_id || st->nw_known)
         return;
-    struct nw_fd nf = {};
-    __builtin_memcpy(nf.key.laddr, laddr, 16);
-    __builtin_memcpy(nf.key.raddr, raddr, 16);
-    nf.key.lport = lport;
-    nf.key.rport = rport;
-    nf.conn_id = a->conn_id;
-    nw_fds.update(&ck, &nf);
+    __builtin_memcpy(st->nw.laddr, laddr, 16);
+    __builtin_memcpy(st->nw.raddr, raddr, 16);
+    st->nw.lport = lport;
+    st->nw.rport = rport;
+    st->nw_known = 1;
 }
 
 /* The bytes an iovec array has room for (its first TT_MAX_IOV entries; 0 if one of
@@ -297,13 +282,12 @@ static __always_inline u64 nw_iov_room(u64 iov, u32 iovcnt)
 }
 
 /* A traced data syscall on a socket returned ret > 0 bytes: `d` is its DATA header. */
-static __always_inline void nw_io_exit(struct io_args *a, struct tt_data *d, long ret)
+static __always_inline void nw_io_exit(struct io_args *a, struct tt_data *d, long ret,
+                                       struct conn_state *st)
 {
-    u64 ck = conn_key(d->pid, a->fd);
-    struct nw_fd *f = nw_fds.lookup(&ck);
-    if (!f || f->conn_id != a->conn_id)
+    if (!st->nw_known || st->conn_id != a->conn_id)
         return;
-    struct nw_key k = f->key;
+    struct nw_key k = st->nw;
     struct nw_sock *s = nw_socks.lookup(&k);
     if (!s)
         return;

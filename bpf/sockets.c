@@ -20,6 +20,14 @@
 /* a plain read's size, kept in io_args.iovcnt (unused for one buffer) */
 #define BUF_SIZE(n) ((n) > 0xffffffffUL ? 0xffffffffU : (u32)(n))
 
+/* A TCP socket's 4-tuple as the TCP tracepoints give it: bpf/netwait.c's key. */
+struct nw_key {
+    u8 laddr[16]; /* IPv6, or IPv4-mapped (::ffff:a.b.c.d) as the tracepoints store it */
+    u8 raddr[16];
+    u16 lport;    /* host byte order */
+    u16 rport;
+};
+
 struct conn_state {
     u64 conn_id;
     u64 bytes_in;  /* stream offsets, advanced atomically at each syscall exit */
@@ -27,7 +35,13 @@ struct conn_state {
     u32 role;
     u32 peer_known; /* 0 until the peer address has been sent to user space */
     u32 staged;     /* 1 while run_stages holds token writes of it not yet sent */
+    u32 nw_known;   /* netwait: 1 once `nw` is learnt, at the socket's first read */
+    u32 tls_plain;  /* 1 once its first bytes were plaintext HTTP (is_plain_http) */
     u32 pad;
+    /* netwait: the socket's 4-tuple, its key in nw_socks. Kept here, not in a map of
+     * its own, so a syscall's exit finds it with the connection: one look-up a token
+     * write fewer, where the server's own work has left the maps out of the cache */
+    struct nw_key nw;
 };
 /* (tgid << 32 | fd) -> connection */
 BPF_HASH(conns, u64, struct conn_state, 65536);
@@ -57,7 +71,8 @@ static __always_inline int tls_io_exit(u64 id, struct io_args *a, long ret);
 /* bpf/netwait.c (appended after this file): when the kernel held the bytes */
 static __always_inline void nw_rcv_space(u64 id, struct io_args *a, u16 lport, u16 rport,
                                          const u8 *laddr, const u8 *raddr);
-static __always_inline void nw_io_exit(struct io_args *a, struct tt_data *d, long ret);
+static __always_inline void nw_io_exit(struct io_args *a, struct tt_data *d, long ret,
+                                       struct conn_state *st);
 #endif
 
 struct accept_args {
@@ -526,7 +541,8 @@ static __always_inline int io_enter(s32 fd, u64 buf, u32 iovcnt, u16 sys, u8 sha
     if (!st)
         return 0; /* not a socket we know: a file, pipe or eventfd */
 #ifdef TT_TLS
-    tls_io_enter(id, fd, st->conn_id);
+    if (!st->tls_plain)
+        tls_io_enter(id, fd, st->conn_id);
 #endif
     struct io_args a = {};
     a.buf = buf;
@@ -668,6 +684,32 @@ static __always_inline int io_send(u64 id, struct io_args *a, struct tt_data *d,
     return 0;
 }
 
+#ifdef TT_TLS
+#define TT_W4(a, b, c, d) ((u32)(a) | (u32)(b) << 8 | (u32)(c) << 16 | (u32)(d) << 24)
+/* Whether a syscall's bytes, the first its connection moved that way, open plaintext
+ * HTTP: a request line, a status line, or the HTTP/2 preface. Such a connection stays
+ * plaintext (HTTP's switch to TLS is not in use), so the TLS probes' checks, a few
+ * look-ups a syscall, are skipped for it from there on. Anything else keeps them: a TLS
+ * record, or a protocol that may start TLS later (PostgreSQL's SSLRequest). */
+static __always_inline int is_plain_http(struct io_args *a, long ret)
+{
+    if (ret < 4)
+        return 0;
+    u64 base = a->buf;
+    if (a->shape != SHAPE_BUF
+        && (!a->iovcnt || bpf_probe_read_user(&base, sizeof(base), (void *)a->buf) != 0))
+        return 0;
+    u32 w = 0;
+    if (bpf_probe_read_user(&w, sizeof(w), (void *)base) != 0)
+        return 0;
+    return w == TT_W4('G', 'E', 'T', ' ') || w == TT_W4('P', 'O', 'S', 'T')
+           || w == TT_W4('P', 'U', 'T', ' ') || w == TT_W4('H', 'E', 'A', 'D')
+           || w == TT_W4('D', 'E', 'L', 'E') || w == TT_W4('O', 'P', 'T', 'I')
+           || w == TT_W4('P', 'A', 'T', 'C') || w == TT_W4('H', 'T', 'T', 'P')
+           || w == TT_W4('P', 'R', 'I', ' ');
+}
+#endif
+
 static __always_inline int io_exit(void *ctx, long ret)
 {
     u64 id = bpf_get_current_pid_tgid();
@@ -707,12 +749,14 @@ static __always_inline int io_exit(void *ctx, long ret)
             d->stream_off = __sync_fetch_and_add(&st->bytes_out, ret);
     }
 #ifdef TT_NETWAIT
-    if (ret > 0)
-        nw_io_exit(a, d, ret);
+    if (ret > 0 && st)
+        nw_io_exit(a, d, ret, st);
 #endif
 
 #ifdef TT_TLS
-    if (ret > 0 && tls_io_exit(id, a, ret)) {
+    if (st && ret > 0 && d->stream_off == 0 && !st->tls_plain && is_plain_http(a, ret))
+        st->tls_plain = 1;
+    if (ret > 0 && !(st && st->tls_plain) && tls_io_exit(id, a, ret)) {
         /* ciphertext whose plaintext comes from the TLS probes: its place, not its bytes */
         emit_chunk(d, 0, 0, TT_FLAG_LAST | TT_FLAG_CIPHER);
         io_inflight.delete(&id);

@@ -416,7 +416,7 @@ class CaptureSession:
     # Kernel maps of calls in flight and of connections: stale after a pause (their
     # other half, or the close, was missed), emptied before the probes go back.
     STALE_AFTER_PAUSE = (b"io_inflight", b"accept_inflight", b"connect_inflight", b"conns",
-                         b"nw_socks", b"nw_fds", b"sync_inflight", b"name_inflight",
+                         b"nw_socks", b"sync_inflight", b"name_inflight",
                          b"alloc_inflight", b"stub_pending", b"nccl_inflight",
                          b"verbs_poll_inflight", b"verbs_mr_inflight", b"verbs_qp_inflight",
                          # TLS objects tied to sockets whose conn_ids the resume renews:
@@ -740,8 +740,7 @@ class CaptureSession:
             self._nw_ports = set()
             self._detach_tracepoints(list(self.NETWAIT_TRACEPOINTS))
             self.ring.consume()  # what the probes sent before, under the old mode
-            self.bpf[b"nw_socks"].clear()
-            self.bpf[b"nw_fds"].clear()
+            self.bpf[b"nw_socks"].clear()  # the sockets' keys kept in conns find nothing
             self.net_timing = NetTimingMode(
                 ts=time.monotonic_ns(), mode="syscall",
                 reason="switched off while running (--control net-timing syscall)")
