@@ -35,7 +35,7 @@ from samples.launch import SampleServer
 from samples.launch_grpc import GrpcSampleServer
 from samples.tlscert import make_cert
 from tests.conftest import ROOT, free_port
-from tests.live import TimedClient, bounded, off_by, spans_by_response_id, traced_cli
+from tests.live import TimedClient, bounded, off_by, spans_by_response_id, traced, traced_cli
 from tests.test_live_grpc import realtime_thread
 
 pytestmark = pytest.mark.bpf
@@ -141,6 +141,35 @@ def test_openai_client_over_https_sample_server(https_server, trust, tmp_path):
         a, b = s["attributes"], replayed[rid]["attributes"]
         assert a["tokentrace.tenant"] == b["tokentrace.tenant"]
         assert a.get("tls.protocol.version") == b.get("tls.protocol.version")
+
+
+def test_plaintext_http_connections_skip_the_tls_checks(https_server, trust, tmp_path):
+    """A process that maps libssl pays the TLS probes' checks on each socket syscall
+    unless its connection opened as plaintext HTTP: the kernel marks that connection
+    (``conn_state.tls_plain``, ``is_plain_http`` in bpf/sockets.c) and skips them for
+    it. The sample server, plain and over HTTPS, in one traced stretch: read while
+    their keep-alive connections are open, the plain one is marked and the TLS one is
+    not; every answer is a span. (A streamed answer's connection is closed by the
+    client: its state is gone by then.)"""
+    with SampleServer(port=free_port(), log=tmp_path / "plain.log") as plain:
+        TimedClient(plain.base_url).chat(stream=False, max_tokens=2)  # warm up torch
+        plain_c = TimedClient(plain.base_url, keepalive_s=60)
+        tls_c = TimedClient(https_server.base_url, verify=trust, keepalive_s=60)
+        with traced(pids=[plain.pid, https_server.pid]) as got:
+            answers = [plain_c.chat(stream=True, max_tokens=4),
+                       tls_c.chat(stream=True, max_tokens=4),
+                       plain_c.chat(stream=False, max_tokens=3),
+                       tls_c.chat(stream=False, max_tokens=3)]
+            marks: dict[int, list[int]] = {}
+            for k, v in got.run.session.bpf[b"conns"].items():
+                if v.bytes_in > 0:  # a connection that moved a request
+                    marks.setdefault(k.value >> 32, []).append(v.tls_plain)
+    assert marks.get(plain.pid) == [1], marks
+    assert marks.get(https_server.pid) == [0], marks
+    spans = spans_by_response_id(got.spans)
+    assert {a["id"] for a in answers} <= set(spans), (answers, list(spans))
+    for a, scheme in zip(answers, ("http", "https", "http", "https")):
+        assert spans[a["id"]]["attributes"]["url.scheme"] == scheme, a
 
 
 def _failed_handshakes(port: int) -> None:
