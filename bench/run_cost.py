@@ -109,19 +109,20 @@ def main(argv: list[str] | None = None) -> int:
         exit_ns: dict[str, list[float]] = {}
         write_ns: dict[str, list[float]] = {}
 
-        def bpf_ns(s: CaptureSession, names: tuple[str, ...]) -> int:
-            """These programs' BPF nanoseconds so far in session ``s``."""
+        exits = ("tracepoint__syscalls__sys_exit_write", "run_exit")
+        entry = "tracepoint__syscalls__sys_enter_write"
+
+        def bpf_ns(s: CaptureSession) -> tuple[int, int]:
+            """The write exit's BPF nanoseconds so far in session ``s``, and with its
+            entry."""
             costs = parse_costs(s.control("probe-stats"))
             none = ProgramCost(0, 0)
-            return sum(costs.get(n, none).run_ns for n in names)
-
-        exits = ("tracepoint__syscalls__sys_exit_write", "run_exit")
-        writes = exits + ("tracepoint__syscalls__sys_enter_write",)
+            exit_ = sum(costs.get(n, none).run_ns for n in exits)
+            return exit_, exit_ + costs.get(entry, none).run_ns
 
         def window(mode: str) -> float:
             s = timed if mode == "netwait" and timed is not None else session
-            ns0 = bpf_ns(s, exits) if args.stats else 0
-            w0 = bpf_ns(s, writes) if args.stats else 0
+            ns0, w0 = bpf_ns(s) if args.stats else (0, 0)
             if mode in ("untraced", "netwait"):
                 session.pause()
             if mode == "netwait" and timed is not None:
@@ -134,8 +135,9 @@ def main(argv: list[str] | None = None) -> int:
                 session.arm_runs([((proc.pid, fd, conn_id), HEAD, TAIL)])
             took = blaster.run(args.calls, len(data))
             if args.stats:
-                exit_ns.setdefault(mode, []).append((bpf_ns(s, exits) - ns0) / args.calls)
-                write_ns.setdefault(mode, []).append((bpf_ns(s, writes) - w0) / args.calls)
+                ns1, w1 = bpf_ns(s)
+                exit_ns.setdefault(mode, []).append((ns1 - ns0) / args.calls)
+                write_ns.setdefault(mode, []).append((w1 - w0) / args.calls)
             session.poll(0)
             if mode == "netwait" and timed is not None:
                 timed.poll(0)

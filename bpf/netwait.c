@@ -245,15 +245,11 @@ TRACEPOINT_PROBE(tcp, tcp_probe)
 
 /* ---- hooks called by sockets.c ------------------------------------------------- */
 
-/* tcp_rcv_space_adjust inside a traced read: tie the reader's (pid, fd) to the socket. */
-static __always_inline void nw_rcv_space(u64 id, struct io_args *a, u16 lport, u16 rport,
+/* tcp_rcv_space_adjust inside a traced read of connection `st`: tie it to its socket. */
+static __always_inline void nw_rcv_space(struct conn_state *st, u16 lport, u16 rport,
                                          const u8 *laddr, const u8 *raddr)
 {
-    if (!nw_port_traced(lport))
-        return;
-    u64 ck = conn_key(id >> 32, a->fd);
-    struct conn_state *st = conns.lookup(&ck);
-    if (!st || st->conn_id != a->conn_id || st->nw_known)
+    if (st->nw_known || !nw_port_traced(lport))
         return;
     __builtin_memcpy(st->nw.laddr, laddr, 16);
     __builtin_memcpy(st->nw.raddr, raddr, 16);

@@ -69,7 +69,7 @@ static __always_inline int tls_io_exit(u64 id, struct io_args *a, long ret);
 
 #ifdef TT_NETWAIT
 /* bpf/netwait.c (appended after this file): when the kernel held the bytes */
-static __always_inline void nw_rcv_space(u64 id, struct io_args *a, u16 lport, u16 rport,
+static __always_inline void nw_rcv_space(struct conn_state *st, u16 lport, u16 rport,
                                          const u8 *laddr, const u8 *raddr);
 static __always_inline void nw_io_exit(struct io_args *a, struct tt_data *d, long ret,
                                        struct conn_state *st);
@@ -489,6 +489,10 @@ TRACEPOINT_PROBE(tcp, tcp_rcv_space_adjust)
     struct io_args *a = io_inflight.lookup(&id);
     if (!a)
         return 0;
+    u64 key = conn_key(id >> 32, a->fd);
+    struct conn_state *st = conns.lookup(&key);
+    if (!st || st->conn_id != a->conn_id)
+        return 0;
 #ifdef TT_NETWAIT
     {
         /* The verifier refuses loads through a ctx pointer moved to a field, which is
@@ -499,12 +503,10 @@ TRACEPOINT_PROBE(tcp, tcp_rcv_space_adjust)
         asm volatile("" : "+r"(p));
         bpf_probe_read_kernel(nw_l, 16, p + __builtin_offsetof(typeof(*args), saddr_v6));
         bpf_probe_read_kernel(nw_r, 16, p + __builtin_offsetof(typeof(*args), daddr_v6));
-        nw_rcv_space(id, a, args->sport, args->dport, nw_l, nw_r);
+        nw_rcv_space(st, args->sport, args->dport, nw_l, nw_r);
     }
 #endif
-    u64 key = conn_key(id >> 32, a->fd);
-    struct conn_state *st = conns.lookup(&key);
-    if (!st || st->peer_known || st->conn_id != a->conn_id)
+    if (st->peer_known)
         return 0;
     st->peer_known = 1;
     struct tt_conn c = {};

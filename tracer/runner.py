@@ -109,8 +109,14 @@ class TraceRun:
         if (auto is None or auto.state != "sampling" or session.gpu is None
                 or session.paused or session.config.gpu_sample == auto.fraction):
             return
-        session.set_gpu_sample(auto.fraction, auto.reason, copies=auto.copies,
-                               memsets=auto.memsets)
+        self._switch_auto(auto.fraction)
+
+    def _switch_auto(self, fraction: float) -> None:
+        """Put ``fraction``, auto's choice, in force with its reason, counted."""
+        auto = self.auto_sample
+        assert auto is not None
+        self.session.set_gpu_sample(fraction, auto.reason, copies=auto.copies,
+                                    memsets=auto.memsets)
         self.pipeline.stats["gpu_sample_auto_switches"] += 1
 
     def check_sampling(self, now: float) -> None:
@@ -132,9 +138,7 @@ class TraceRun:
                               step_ns=self.pipeline.step_intervals(),
                               base_period_s=session.default_sample_period_s())
         if fraction is not None:
-            session.set_gpu_sample(fraction, auto.reason, copies=auto.copies,
-                                   memsets=auto.memsets)
-            self.pipeline.stats["gpu_sample_auto_switches"] += 1
+            self._switch_auto(fraction)
 
     def ask_unnamed(self) -> None:
         """Kernel handles launched with no name (new since the last time): the probes
