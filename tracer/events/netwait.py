@@ -83,8 +83,7 @@ def _decode(buf: bytes) -> NetWait:
     flags = int(f["flags"])  # type: ignore[call-overload]
     op = OPS.get(int(f["op"]))  # type: ignore[call-overload]
     if op is None:
-        from tracer.events.schema import WireError
-        raise WireError(f"netwait record with unknown op {f['op']}")
+        raise wire.WireError(f"netwait record with unknown op {f['op']}")
     return NetWait(
         pid=f["pid"], tid=f["tid"], fd=f["fd"], conn_id=f["conn_id"], op=op,  # type: ignore[arg-type]
         cause=CAUSES.get(int(f["cause"])),  # type: ignore[call-overload]

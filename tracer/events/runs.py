@@ -85,8 +85,7 @@ def _decode(buf: bytes) -> TokenRun:
     try:
         return TokenRun(*unpack(buf))
     except ValueError as e:
-        from tracer.events.schema import WireError
-        raise WireError(str(e)) from None
+        raise wire.WireError(str(e)) from None
 
 
 def pack(pid: int, tid: int, fd: int, conn_id: int, stream_off: int, arm: int,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from tracer.events import wire
+from tracer.events.wire import WireError  # noqa: F401  (re-exported: callers catch schema.WireError)
 
 SCHEMA_VERSION = 1
 _DIR_IN = wire.CONSTANTS["DIR_IN"]
@@ -221,10 +222,6 @@ Event = (ConnEvent | DataEvent | ProcEvent | ProcessInfo | SocketInfo | DropRepo
 USER_EVENTS: dict[str, type] = {
     cls.__name__: cls for cls in (ProcessInfo, SocketInfo, DropReport, ClockSync, TracingPaused)
 }
-
-
-class WireError(ValueError):
-    """A ring-buffer record that cannot be decoded (a tracer bug or a corrupt capture)."""
 
 
 def _decode_conn(buf: bytes) -> ConnEvent:

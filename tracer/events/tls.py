@@ -70,8 +70,7 @@ def _decode(buf: bytes) -> TlsEvent:
     f = wire.TLS.unpack(buf)
     op = OPS.get(int(f["op"]))  # type: ignore[call-overload]
     if op is None:
-        from tracer.events.schema import WireError
-        raise WireError(f"tls record with unknown op {f['op']}")
+        raise wire.WireError(f"tls record with unknown op {f['op']}")
     flags = int(f["flags"])  # type: ignore[call-overload]
     return TlsEvent(
         pid=f["pid"], tid=f["tid"], fd=f["fd"], conn_id=f["conn_id"], ts=f["ts"],  # type: ignore[arg-type]

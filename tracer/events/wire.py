@@ -25,6 +25,10 @@ WIRE_VERSION = 10
 # none changed an earlier layout.
 READABLE_WIRE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
 
+
+class WireError(ValueError):
+    """A ring-buffer record that cannot be decoded (a tracer bug or a corrupt capture)."""
+
 # Sizes of the C scalar types used on the wire (x86-64 and arm64 alike).
 _SCALARS: dict[str, tuple[str, int]] = {
     "u8": ("B", 1),
