@@ -4,8 +4,10 @@
  * readv, writev, recvfrom, sendto, recvmsg, sendmsg).
  *
  * Only file descriptors known to be sockets are captured: accept/connect put them in
- * `conns`, and Python adds the sockets a process already had at attach. Reads of plain
- * files therefore cost one map lookup and nothing else.
+ * `conns`, and Python adds the sockets a process already had at attach. A traced
+ * thread's call is held at its entry whatever the fd (io_call: a slot of its own), and
+ * its exit looks the fd up in `conns` once: a plain file's read costs that look-up and
+ * nothing else, a socket's call no second one at its entry.
  *
  * Payload: entry saves the buffer (or iovec array) pointer, exit copies up to the
  * capture limit in TT_CHUNK pieces, each its own DATA record, the last one flagged.
@@ -49,16 +51,107 @@ BPF_HASH(conns, u64, struct conn_state, 65536);
 struct io_args {
     u64 buf;
     u64 ts_enter;
-    u64 conn_id;
+    u64 conn_id; /* set at the exit, from the connection it finds for the fd */
     s32 fd;
     u32 iovcnt;  /* iovec count; a plain read's buffer size (netwait: short read) */
     u16 syscall;
     u8 shape;
     u8 direction;
-    u32 pad;
+    u32 epoch;   /* TT_CFG_IO_EPOCH at entry: 0 once the exit took it */
 };
-/* pid_tgid -> the data syscall in flight on that thread */
+
+/*
+ * The data syscall in flight on each thread, from its entry to its exit.
+ *
+ * TT_TASK_STORAGE (the loader's choice where the kernel has task-local storage for
+ * tracing programs, 5.12+, and BTF): a slot in the thread's own task_struct storage.
+ * A token's write and its read then touch no shared hash table for the call: a hash
+ * cost an insert at entry and a look-up and a delete at exit, each a bucket and an
+ * element that the server's own work had pushed out of the cache. A slot is never
+ * deleted (the kernel frees it with the thread); `epoch` says whether it holds a call:
+ * 0 once its exit took it, and a call entered before a pause (its exit unseen, or seen
+ * after the resume) carries an older epoch than the one the resume set, so it is not
+ * taken for a live one, as the hash's emptying at the resume made sure before.
+ *
+ * Otherwise a hash keyed by pid_tgid, emptied at the resume.
+ */
+#ifdef TT_TASK_STORAGE
+BPF_TASK_STORAGE(io_inflight, struct io_args);
+#else
 BPF_HASH(io_inflight, u64, struct io_args, 16384);
+#endif
+
+static __always_inline u32 io_epoch(void)
+{
+    return (u32)config_get(TT_CFG_IO_EPOCH, 1);
+}
+
+#ifndef TT_TASK_STORAGE
+BPF_PERCPU_ARRAY(io_scratch, struct io_args, 1); /* an entry's call, copied into the hash */
+#endif
+
+/*
+ * Where a traced thread's entry writes its call, or NULL for a thread not traced.
+ * With task storage a thread that has a slot is traced without asking `traced`: it
+ * took the slot while traced, and a process stays traced until it exits (nothing
+ * takes a live process out of `traced`; its threads die with it, their slots too), so
+ * only a thread's first socket syscall looks its process up.
+ */
+static __always_inline struct io_args *io_call_slot(u64 id)
+{
+#ifdef TT_TASK_STORAGE
+    struct task_struct *task = bpf_get_current_task_btf();
+    struct io_args *a = io_inflight.task_storage_get(task, 0, 0);
+    if (a)
+        return a;
+    if (!is_traced(id >> 32))
+        return NULL;
+    a = io_inflight.task_storage_get(task, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+    if (!a)
+        count(TT_CNT_INFLIGHT_FULL);
+    return a;
+#else
+    if (!is_traced(id >> 32))
+        return NULL;
+    u32 zero = 0;
+    return io_scratch.lookup(&zero);
+#endif
+}
+
+/* `a` (from io_call_slot, filled) is the thread's call in flight from now. */
+static __always_inline void io_call_hold(u64 id, struct io_args *a)
+{
+    a->epoch = io_epoch();
+#ifndef TT_TASK_STORAGE
+    if (io_inflight.update(&id, a) != 0)
+        count(TT_CNT_INFLIGHT_FULL);
+#endif
+}
+
+/* The thread's call in flight, or NULL; `sys` (TT_SYS_*, 0: any): the syscall whose
+ * exit asks, so that an entry whose own exit went unseen (its probe not yet attached
+ * at an attach or resume) is never taken at the exit of another. */
+static __always_inline struct io_args *io_call(u64 id, u16 sys)
+{
+#ifdef TT_TASK_STORAGE
+    struct io_args *a = io_inflight.task_storage_get(bpf_get_current_task_btf(), 0, 0);
+#else
+    struct io_args *a = io_inflight.lookup(&id);
+#endif
+    if (!a || a->epoch != io_epoch() || (sys && a->syscall != sys))
+        return NULL;
+    return a;
+}
+
+/* The thread's call in flight is over. */
+static __always_inline void io_call_done(u64 id, struct io_args *a)
+{
+#ifdef TT_TASK_STORAGE
+    a->epoch = 0;
+#else
+    io_inflight.delete(&id);
+#endif
+}
 
 #ifdef TT_TLS
 /* bpf/tls.c (appended after this file): which socket an SSL object belongs to, and
@@ -481,17 +574,17 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close)
 /* ---- peer addresses the syscalls did not give ----------------------------------
  * accept(fd, NULL, NULL), as libuv/uvloop call it, returns no peer, and reading it
  * from /proc later misses short connections. tcp_recvmsg fires this tracepoint in the
- * reading thread, inside the read syscall we already hold in io_inflight, with the
+ * reading thread, inside the read syscall we already hold (io_call), with the
  * socket's own addresses: a stable tracepoint ABI, no kernel structs read. */
 TRACEPOINT_PROBE(tcp, tcp_rcv_space_adjust)
 {
     u64 id = bpf_get_current_pid_tgid();
-    struct io_args *a = io_inflight.lookup(&id);
+    struct io_args *a = io_call(id, 0);
     if (!a)
         return 0;
     u64 key = conn_key(id >> 32, a->fd);
     struct conn_state *st = conns.lookup(&key);
-    if (!st || st->conn_id != a->conn_id)
+    if (!st)
         return 0;
 #ifdef TT_NETWAIT
     {
@@ -532,37 +625,41 @@ TRACEPOINT_PROBE(tcp, tcp_rcv_space_adjust)
 
 /* ---- data syscalls ------------------------------------------------------------- */
 
-static __always_inline int io_enter(s32 fd, u64 buf, u32 iovcnt, u16 sys, u8 shape, u8 dir)
+/* Hold a traced thread's data syscall: whatever the fd is, since whether it is a socket
+ * we know, the exit asks `conns` as it must anyway: a socket's call looks its
+ * connection up once. */
+static __always_inline int io_enter_as(struct io_args *a, u64 id, s32 fd, u64 buf, u32 iovcnt,
+                                       u16 sys, u8 shape, u8 dir)
 {
-    u64 id = bpf_get_current_pid_tgid();
-    u32 tgid = id >> 32;
-    if (!is_traced(tgid))
-        return 0;
-    u64 key = conn_key(tgid, fd);
-    struct conn_state *st = conns.lookup(&key);
-    if (!st)
-        return 0; /* not a socket we know: a file, pipe or eventfd */
-#ifdef TT_TLS
-    if (!st->tls_plain)
-        tls_io_enter(id, fd, st->conn_id);
-#endif
-    struct io_args a = {};
-    a.buf = buf;
-    a.ts_enter = bpf_ktime_get_ns();
-    a.conn_id = st->conn_id;
-    a.fd = fd;
-    a.iovcnt = iovcnt;
-    a.syscall = sys;
-    a.shape = shape;
-    a.direction = dir;
-    if (io_inflight.update(&id, &a) != 0)
-        count(TT_CNT_INFLIGHT_FULL);
+    a->buf = buf;
+    a->ts_enter = bpf_ktime_get_ns();
+    a->conn_id = 0;
+    a->fd = fd;
+    a->iovcnt = iovcnt;
+    a->syscall = sys;
+    a->shape = shape;
+    a->direction = dir;
+    io_call_hold(id, a);
     return 0;
 }
 
-/* msghdr: the iovec array pointer and count sit at offsets 16 and 24 (user ABI). */
+static __always_inline int io_enter(s32 fd, u64 buf, u32 iovcnt, u16 sys, u8 shape, u8 dir)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    struct io_args *a = io_call_slot(id);
+    if (!a)
+        return 0;
+    return io_enter_as(a, id, fd, buf, iovcnt, sys, shape, dir);
+}
+
+/* msghdr: the iovec array pointer and count sit at offsets 16 and 24 (user ABI). Read
+ * for traced threads only. */
 static __always_inline int msg_enter(s32 fd, u64 umsg, u16 sys, u8 dir)
 {
+    u64 id = bpf_get_current_pid_tgid();
+    struct io_args *a = io_call_slot(id);
+    if (!a)
+        return 0;
     struct {
         u64 name;
         u64 namelen;
@@ -571,7 +668,7 @@ static __always_inline int msg_enter(s32 fd, u64 umsg, u16 sys, u8 dir)
     } m = {};
     if (bpf_probe_read_user(&m, sizeof(m), (void *)umsg) != 0)
         return 0;
-    return io_enter(fd, m.iov, (u32)m.iovlen, sys, SHAPE_IOV, dir);
+    return io_enter_as(a, id, fd, m.iov, (u32)m.iovlen, sys, SHAPE_IOV, dir);
 }
 
 static __always_inline void emit_chunk(struct tt_data *d, u64 off, u32 len, u8 flags)
@@ -640,7 +737,7 @@ static __always_inline int io_send(u64 id, struct io_args *a, struct tt_data *d,
 {
     if (ret <= 0) {
         emit_chunk(d, 0, 0, TT_FLAG_LAST | (ret == 0 ? TT_FLAG_EOF : TT_FLAG_ERROR));
-        io_inflight.delete(&id);
+        io_call_done(id, a);
         return 0;
     }
 
@@ -653,7 +750,7 @@ static __always_inline int io_send(u64 id, struct io_args *a, struct tt_data *d,
     u32 zero = 0;
     struct copy_ctx *c = copy_state.lookup(&zero);
     if (!c) {
-        io_inflight.delete(&id);
+        io_call_done(id, a);
         return 0;
     }
     c->want = want;
@@ -682,7 +779,7 @@ static __always_inline int io_send(u64 id, struct io_args *a, struct tt_data *d,
         count(TT_CNT_IOV_CUT);
         emit_chunk(d, done, 0, TT_FLAG_LAST | TT_FLAG_TRUNCATED);
     }
-    io_inflight.delete(&id);
+    io_call_done(id, a);
     return 0;
 }
 
@@ -712,21 +809,32 @@ static __always_inline int is_plain_http(struct io_args *a, long ret)
 }
 #endif
 
-static __always_inline int io_exit(void *ctx, long ret)
+static __always_inline int io_exit(void *ctx, long ret, u16 sys)
 {
     u64 id = bpf_get_current_pid_tgid();
-    struct io_args *a = io_inflight.lookup(&id);
+    struct io_args *a = io_call(id, sys);
     if (!a)
         return 0;
+    u64 key = conn_key(id >> 32, a->fd);
+    struct conn_state *st = conns.lookup(&key);
+    if (!st) {
+        io_call_done(id, a); /* not a socket we know: a file, pipe or eventfd */
+        return 0;
+    }
+    a->conn_id = st->conn_id;
+#ifdef TT_TLS
+    if (!st->tls_plain)
+        tls_io_enter(id, a->fd, st->conn_id); /* inside an SSL call: its object's socket */
+#endif
     /* Would-block and interrupted calls moved nothing: not worth a record. */
     if (ret == -11 || ret == -4) {
-        io_inflight.delete(&id);
+        io_call_done(id, a);
         return 0;
     }
     u32 zero = 0;
     struct tt_data *d = data_scratch.lookup(&zero);
     if (!d) {
-        io_inflight.delete(&id);
+        io_call_done(id, a);
         return 0;
     }
     d->kind = TT_KIND_DATA;
@@ -741,50 +849,47 @@ static __always_inline int io_exit(void *ctx, long ret)
     d->direction = a->direction;
     d->pad = 0;
     d->stream_off = 0;
-
-    u64 key = conn_key(id >> 32, a->fd);
-    struct conn_state *st = conns.lookup(&key);
-    if (st && ret > 0) {
+    if (ret > 0) {
         if (a->direction == TT_DIR_IN)
             d->stream_off = __sync_fetch_and_add(&st->bytes_in, ret);
         else
             d->stream_off = __sync_fetch_and_add(&st->bytes_out, ret);
     }
 #ifdef TT_NETWAIT
-    if (ret > 0 && st)
+    if (ret > 0)
         nw_io_exit(a, d, ret, st);
 #endif
 
 #ifdef TT_TLS
-    if (st && ret > 0 && d->stream_off == 0 && !st->tls_plain && is_plain_http(a, ret))
+    if (ret > 0 && d->stream_off == 0 && !st->tls_plain && is_plain_http(a, ret))
         st->tls_plain = 1;
-    if (ret > 0 && !(st && st->tls_plain) && tls_io_exit(id, a, ret)) {
+    if (ret > 0 && !st->tls_plain && tls_io_exit(id, a, ret)) {
         /* ciphertext whose plaintext comes from the TLS probes: its place, not its bytes */
         emit_chunk(d, 0, 0, TT_FLAG_LAST | TT_FLAG_CIPHER);
-        io_inflight.delete(&id);
+        io_call_done(id, a);
         return 0;
     }
 #endif
-    if (st && ret > 0 && a->direction == TT_DIR_OUT) {
+    if (ret > 0 && a->direction == TT_DIR_OUT) {
         struct run_arm *arm = run_arms.lookup(&key);
         if (arm && arm->conn_id == a->conn_id)
             run_progs.call(ctx, 0); /* run_exit; returns here only if it is not loaded */
     }
-    if (st && st->staged)
+    if (st->staged)
         run_flush(key, st); /* before any other record of the connection */
     return io_send(id, a, d, ret);
 }
 
 /*
  * A write on an armed connection, tail-called from io_exit (which filled data_scratch
- * and left the call in io_inflight): staged if it is a token chunk of the template,
+ * and left the call in flight): staged if it is a token chunk of the template,
  * else sent as io_exit would. A program of its own so that the verifier checks the
  * template's loops once, not in each of the eight exit probes (seconds of load time).
  */
 int run_exit(void *ctx)
 {
     u64 id = bpf_get_current_pid_tgid();
-    struct io_args *a = io_inflight.lookup(&id);
+    struct io_args *a = io_call(id, 0);
     u32 zero = 0;
     struct tt_data *d = data_scratch.lookup(&zero);
     if (!a || !d)
@@ -793,11 +898,11 @@ int run_exit(void *ctx)
     u64 key = conn_key(id >> 32, a->fd);
     struct conn_state *st = conns.lookup(&key);
     if (!st) {
-        io_inflight.delete(&id);
+        io_call_done(id, a);
         return 0;
     }
     if (ret > 0 && run_stage(a, d, ret, key, st)) {
-        io_inflight.delete(&id);
+        io_call_done(id, a);
         return 0;
     }
     if (st->staged)
@@ -810,47 +915,47 @@ TRACEPOINT_PROBE(syscalls, sys_enter_read)
     return io_enter(args->fd, (u64)args->buf, BUF_SIZE(args->count), TT_SYS_READ, SHAPE_BUF,
                     TT_DIR_IN);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_read) { return io_exit(args, args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_read) { return io_exit(args, args->ret, TT_SYS_READ); }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_write)
 {
     return io_enter(args->fd, (u64)args->buf, 0, TT_SYS_WRITE, SHAPE_BUF, TT_DIR_OUT);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_write) { return io_exit(args, args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_write) { return io_exit(args, args->ret, TT_SYS_WRITE); }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_readv)
 {
     return io_enter(args->fd, (u64)args->vec, args->vlen, TT_SYS_READV, SHAPE_IOV, TT_DIR_IN);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_readv) { return io_exit(args, args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_readv) { return io_exit(args, args->ret, TT_SYS_READV); }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_writev)
 {
     return io_enter(args->fd, (u64)args->vec, args->vlen, TT_SYS_WRITEV, SHAPE_IOV, TT_DIR_OUT);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_writev) { return io_exit(args, args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_writev) { return io_exit(args, args->ret, TT_SYS_WRITEV); }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_recvfrom)
 {
     return io_enter(args->fd, (u64)args->ubuf, BUF_SIZE(args->size), TT_SYS_RECVFROM,
                     SHAPE_BUF, TT_DIR_IN);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_recvfrom) { return io_exit(args, args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_recvfrom) { return io_exit(args, args->ret, TT_SYS_RECVFROM); }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_sendto)
 {
     return io_enter(args->fd, (u64)args->buff, 0, TT_SYS_SENDTO, SHAPE_BUF, TT_DIR_OUT);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_sendto) { return io_exit(args, args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_sendto) { return io_exit(args, args->ret, TT_SYS_SENDTO); }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_recvmsg)
 {
     return msg_enter(args->fd, (u64)args->msg, TT_SYS_RECVMSG, TT_DIR_IN);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_recvmsg) { return io_exit(args, args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_recvmsg) { return io_exit(args, args->ret, TT_SYS_RECVMSG); }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_sendmsg)
 {
     return msg_enter(args->fd, (u64)args->msg, TT_SYS_SENDMSG, TT_DIR_OUT);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_sendmsg) { return io_exit(args, args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_sendmsg) { return io_exit(args, args->ret, TT_SYS_SENDMSG); }

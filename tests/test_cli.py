@@ -99,8 +99,10 @@ def test_doctor_passes_here_and_loads_the_probes():
     r = cli("doctor")
     assert r.returncode == 0, r.stdout
     assert "tracing can work" in r.stdout and "bpf program" in r.stdout
-    # Linux 6.18 here: the GPU probes go in as uprobe_multi links
+    # Linux 6.18 here: the GPU probes go in as uprobe_multi links, and the socket probes
+    # keep each thread's call in flight in task-local storage
     assert "GPU probes attach as links" in r.stdout
+    assert "ok    task storage" in r.stdout, r.stdout
 
 
 def test_doctor_explains_missing_headers(monkeypatch):
@@ -131,3 +133,17 @@ def test_doctor_explains_missing_bcc(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_bcc)
     results = {c.name: c for c in run_checks(load=False)}
     assert not results["bcc"].ok and "python3-bpfcc" in results["bcc"].fix
+
+
+def test_doctor_says_when_the_socket_probes_fall_back_to_a_hash(monkeypatch):
+    """Without task-local storage for tracepoint programs (before Linux 5.12, or no
+    BTF) the agent still traces, with each thread's call in flight in a hash map: a
+    warning that says the price, never a failure."""
+    from tracer import doctor
+    from tracer.probes import loader
+
+    monkeypatch.setattr(loader, "task_storage_missing", lambda: "no kernel BTF (/sys/kernel/btf/vmlinux)")
+    c = doctor.check_task_storage([])
+    assert not c.ok and not c.required
+    assert "hash map" in c.detail and "5.12" in c.fix
+    assert format_checks([c]).startswith("warn")

@@ -36,6 +36,7 @@ def test_doctor_on_a_fresh_machine_names_every_fix() -> None:
     assert not checks["kernel headers"]["ok"]
     assert "linux-headers" in checks["kernel headers"]["fix"]
     assert not checks["bpf program"]["ok"]  # not attempted with the above failing
+    assert not checks["task storage"]["ok"] and "checks above" in checks["task storage"]["fix"]
     for c in checks.values():
         if not c["ok"] and c["name"] != "bpf program":
             assert c["fix"], f"{c['name']} fails without saying how to fix it"

@@ -205,6 +205,21 @@ def check_btf() -> Check:
                  "" if ok else "optional: a kernel with CONFIG_DEBUG_INFO_BTF=y", required=False)
 
 
+def check_task_storage(previous: list[Check]) -> Check:
+    if not all(c.ok for c in previous if c.required):
+        return Check("task storage", False, "not checked: it needs a BPF program loaded",
+                     "fix the failing checks above first", required=False)
+    from tracer.probes.loader import task_storage_missing
+
+    why = task_storage_missing()
+    if why is None:
+        return Check("task storage", True, "the socket probes keep each thread's call in "
+                     "flight in task-local storage", required=False)
+    return Check("task storage", False, f"{why}: the socket probes keep calls in flight "
+                 "in a hash map instead (more kernel time a socket syscall)",
+                 "optional: Linux 5.12+ with CONFIG_DEBUG_INFO_BTF=y", required=False)
+
+
 def check_compile(previous: list[Check]) -> Check:
     if not all(c.ok for c in previous if c.required):
         return Check("bpf program", False, "skipped: fix the checks above first", "")
@@ -229,6 +244,7 @@ CHECKS: list[Callable[[], Check]] = [
 def run_checks(load: bool = True) -> list[Check]:
     results = [fn() for fn in CHECKS]
     if load:
+        results.append(check_task_storage(results))
         results.append(check_compile(results))
     return results
 

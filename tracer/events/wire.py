@@ -251,6 +251,9 @@ CONSTANTS: dict[str, int] = {
     # bit TT_COPY_KINDS for the memsets (MEMSET_GATE), bit TT_COPY_KINDS + 1 for the
     # syncs (SYNC_GATE: then a device-to-host copy flushes its burst); 0: all counted
     "CFG_COPY_GATE_CLOSED": 5,
+    # bumped at each resume: a socket call entered before it is not taken for a live one
+    # (bpf/sockets.c io_call; 0 reads as 1)
+    "CFG_IO_EPOCH": 6,
     "N_CONFIG": 8,
     # drop/loss counters (index into the per-CPU `counters` array)
     "CNT_LOST_CONN": 0,

@@ -8,6 +8,7 @@ no privileges, no tracefs) raise ``ProbeSetupError`` with the fix in the message
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 from pathlib import Path
@@ -59,6 +60,45 @@ def netwait_missing() -> str | None:
         for f in fields:
             if not tracepoint_has_field(category, event, f):
                 return f"tracepoint {category}:{event} has no field {f!r} on this kernel"
+    return None
+
+
+# A tracepoint program taking its thread's task-local storage slot: what bpf/sockets.c's
+# call in flight needs (TT_TASK_STORAGE). Loaded, never attached.
+_TASK_STORAGE_PROBE = r"""
+struct tt_probe_slot { u64 v; };
+BPF_TASK_STORAGE(tt_probe_slots, struct tt_probe_slot);
+int tt_task_storage_probe(void *ctx)
+{
+    struct tt_probe_slot *s = tt_probe_slots.task_storage_get(bpf_get_current_task_btf(), 0,
+                                                              BPF_LOCAL_STORAGE_GET_F_CREATE);
+    if (s)
+        s->v++;
+    return 0;
+}
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def task_storage_missing() -> str | None:
+    """Why tracepoint programs cannot keep per-thread state in task-local storage here
+    (Linux 5.12+ with BTF), or None. Without it the socket probes keep the call in
+    flight in a hash map, which costs each socket syscall more. Compiles and loads a
+    small program once per process."""
+    if not Path("/sys/kernel/btf/vmlinux").exists():
+        return "no kernel BTF (/sys/kernel/btf/vmlinux)"
+    try:
+        check_environment()
+        bcc = import_bcc()
+        b = bcc.BPF(text=_TASK_STORAGE_PROBE.encode(), cflags=["-Wno-visibility"])
+    except Exception as e:  # BCC raises bare Exception for compile failures
+        return f"task storage program does not compile: {str(e).splitlines()[0][:200]}"
+    try:
+        b.load_func(b"tt_task_storage_probe", bcc.BPF.TRACEPOINT)
+    except Exception as e:
+        return f"the kernel refuses task storage in tracepoint programs: {str(e)[:200]}"
+    finally:
+        b.cleanup()
     return None
 
 

@@ -92,6 +92,11 @@ class CaptureConfig:
     # TOKENTRACE_TOKEN_RUNS=0 sets the default off
     token_runs: bool = field(default_factory=lambda: os.environ.get("TOKENTRACE_TOKEN_RUNS",
                                                                     "1") != "0")
+    # the socket probes keep each thread's call in flight in task-local storage where
+    # the kernel has it (bpf/sockets.c); TOKENTRACE_TASK_STORAGE=0: in a hash map, as
+    # kernels without it do (to compare the two)
+    task_storage: bool = field(
+        default_factory=lambda: os.environ.get("TOKENTRACE_TASK_STORAGE", "1") != "0")
 
 
 def clock_sync(samples: int = 5) -> schema.ClockSync:
@@ -144,6 +149,8 @@ class CaptureSession:
         self.stacks: Any = None  # tracer.probes.stacks.StackSampler with --stacks
         self._arm_seq = 0  # token-run arms written (RunArmed.arm)
         self.token_runs = False  # the kernel stages token writes (set at start)
+        self.task_storage = False  # the call in flight in task storage (set at start)
+        self._io_epoch = 1  # CFG_IO_EPOCH: bumped at each resume
 
     # ---- lifecycle --------------------------------------------------------------
 
@@ -155,6 +162,14 @@ class CaptureSession:
             i = self.concerns.index("cuda")  # cuda.c and nccl.c call into stacks.c
             self.concerns = self.concerns[:i] + ("stacks",) + self.concerns[i:]
             cflags.append("-DTT_STACKS")
+        # the socket probes' call in flight: in each thread's own storage where the
+        # kernel has it (bpf/sockets.c), else a hash map
+        if "sockets" in self.concerns and self.config.task_storage:
+            self.task_storage = loader.task_storage_missing() is None
+            if self.task_storage:
+                cflags.append("-DTT_TASK_STORAGE")
+            else:
+                self.user_counters["task_storage_unavailable"] = 1
         self.bpf = loader.compile_program(self.concerns, self.config.ringbuf_mb, cflags)
         if "stacks" in self.concerns:
             from tracer.events.stacks import StackSampling
@@ -466,10 +481,14 @@ class CaptureSession:
             return 0.0
         t0 = time.perf_counter()
         for name in self.STALE_AFTER_PAUSE:
+            if name == b"io_inflight" and self.task_storage:
+                continue  # per-thread slots, not a table: the epoch below retires them
             try:
                 self.bpf[name].clear()
             except KeyError:
                 pass  # that concern is not loaded
+        self._io_epoch += 1  # calls entered before the pause are not taken at their exit
+        self.bpf[b"config"][ctypes.c_int(C["CFG_IO_EPOCH"])] = ctypes.c_uint64(self._io_epoch)
         for tp in self._parked_tps:
             self._attach_tracepoint(tp)
         self._parked_tps = []
