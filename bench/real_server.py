@@ -870,7 +870,10 @@ class Agent:
     kept running: one agent for every replica, as a node's agent would trace them."""
 
     def __init__(self, server: Server | Sequence[Server], work: Path, cpus: set[int],
-                 extra: list[str], profile: str | None = None, name: str = "") -> None:
+                 extra: list[str], profile: str | None = None, name: str = "",
+                 root: Path = ROOT, env: dict[str, str] | None = None) -> None:
+        """``root``: the checkout whose tracer runs (bench/probe_ab.py compares two);
+        ``env``: more of its environment."""
         from tracer.control import send
         self.send = send
         # name: agents of one run told apart (--design crossover: one per half)
@@ -887,7 +890,8 @@ class Agent:
         cmd = [*head, "run", *pids,
                "--control", self.sock, "--quiet", "--jsonl", str(self.jsonl),
                "--summary", str(self.summary), "--gpu-sample", "1", *extra]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True,
+        self.proc = subprocess.Popen(cmd, cwd=root, stderr=subprocess.PIPE, text=True,
+                                     env=dict(os.environ, **(env or {})),
                                      preexec_fn=lambda: os.sched_setaffinity(0, cpus))
         assert self.proc.stderr is not None
         # stderr read all along by a thread (a pipe left unread fills and stops the
