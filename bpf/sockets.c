@@ -625,12 +625,18 @@ TRACEPOINT_PROBE(tcp, tcp_rcv_space_adjust)
 
 /* ---- data syscalls ------------------------------------------------------------- */
 
-/* Hold a traced thread's data syscall: whatever the fd is, since whether it is a socket
- * we know, the exit asks `conns` as it must anyway: a socket's call looks its
- * connection up once. */
+/* Hold a traced thread's data syscall: with task storage whatever the fd is, since
+ * whether it is a socket we know, the exit asks `conns` as it must anyway (a socket's
+ * call looks its connection up once); with the hash only a socket's, as an insert and
+ * a delete for every file or pipe cost more than the look-up that spares them. */
 static __always_inline int io_enter_as(struct io_args *a, u64 id, s32 fd, u64 buf, u32 iovcnt,
                                        u16 sys, u8 shape, u8 dir)
 {
+#ifndef TT_TASK_STORAGE
+    u64 key = conn_key(id >> 32, fd);
+    if (!conns.lookup(&key))
+        return 0;
+#endif
     a->buf = buf;
     a->ts_enter = bpf_ktime_get_ns();
     a->conn_id = 0;
