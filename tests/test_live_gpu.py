@@ -266,10 +266,14 @@ def test_sampling_switched_on_and_off_while_running(gpu_build, tmp_path, copies,
     assert abs(proc["kernel_launches"] - truth["launches"]) < 0.05 * truth["launches"]
     if copies:  # the syncs went off with them: each step ended at its result copy
         assert proc["sync_calls_seen"] < 0.95 * truth["sync_calls"]
-        # a step not seen whole takes a whole step's syncs, one: the fourth step's poll
-        # instead of a sync is not seen where the syncs are off (its result copy ends
-        # it as the others'), so at most a third too many in the off windows
-        assert truth["sync_calls"] < proc["sync_calls"] < 4 / 3 * truth["sync_calls"]
+        # a step not seen whole takes its reference's syncs: at most one, where the
+        # fourth step polled instead, so at most a third too many in the off windows.
+        # Not always too many: the poll's probe is not switched (COPY_HANDLERS), and
+        # where the polling steps' shape has a reference the estimate comes out within
+        # 1% of the truth, either side (3,715-3,732 of 3,750 in 2 of 5 runs on the dev
+        # VM with a busy loop beside it; the others 4,028-4,058): none lost, to the
+        # launches' 5%
+        assert 0.95 * truth["sync_calls"] < proc["sync_calls"] < 4 / 3 * truth["sync_calls"]
         (thread,) = proc["threads"].values()
         steps = thread["launch_estimate"]["steps"]
         # a step a sync ended (three in four: the fourth polls, and continues into the
