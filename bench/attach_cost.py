@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import statistics
@@ -39,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.real_server import t975  # noqa: E402
+from bench.real_server import mean_half_width  # noqa: E402
 
 PROGRAMS = {
     "tracepoint": """
@@ -90,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "attach_cost.json")
     args = ap.parse_args(argv)
+    if args.rounds < 2:
+        ap.error("--rounds must be at least 2: the interval is over rounds")
     from tracer.probes.loader import import_bcc
     bcc = import_bcc()
     loaded, errors = {}, {}
@@ -121,9 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         out["ns_per_call"][c] = {m: round(statistics.median(per[m, c]), 1) for m in modes}
         out["added_ns"][c] = {}
         for m in modes[1:]:
-            diffs = [a - b for a, b in zip(per[m, c], per["none", c])]
-            mean = statistics.fmean(diffs)
-            half = t975(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
+            mean, half = mean_half_width([a - b for a, b in zip(per[m, c], per["none", c])])
+            assert half is not None  # --rounds >= 2
             out["added_ns"][c][m] = {"mean": round(mean, 1),
                                      "ci95": [round(mean - half, 1), round(mean + half, 1)]}
     args.out.write_text(json.dumps(out, indent=1))

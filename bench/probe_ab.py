@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 import sys
 import tempfile
 import time
@@ -38,7 +36,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.real_server import Agent, Client, Server, plan_cpus, t975  # noqa: E402
+from bench.real_server import Agent, Client, Server, mean_half_width, plan_cpus  # noqa: E402
 from tracer.probes.bpfstats import ProgramCost, parse_costs  # noqa: E402
 
 
@@ -72,12 +70,10 @@ def take_slice(agent: Agent, client: Client, settle_s: float, slice_s: float
 
 
 def mean_ci(xs: list[float]) -> dict[str, Any]:
-    m = statistics.fmean(xs)
-    if len(xs) < 2:
-        return {"mean": round(m, 4), "ci95": None, "n": len(xs)}
-    half = t975(len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs))
-    return {"mean": round(m, 4), "ci95": [round(m - half, 4), round(m + half, 4)],
-            "n": len(xs)}
+    """Mean of ``xs``, its 95% interval (None below two) and how many."""
+    m, half = mean_half_width(xs)
+    ci = None if half is None else [round(m - half, 4), round(m + half, 4)]
+    return {"mean": round(m, 4), "ci95": ci, "n": len(xs)}
 
 
 def bpf_us_per_token(slices: list[dict[str, Any]]) -> float:

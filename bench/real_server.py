@@ -1023,6 +1023,14 @@ def t975(df: int) -> float:
     return z + g1 / df + g2 / df ** 2 + g3 / df ** 3
 
 
+def mean_half_width(xs: Sequence[float]) -> tuple[float, float | None]:
+    """Mean of ``xs`` and the half-width of its 95% t-interval (None below two values)."""
+    m = statistics.fmean(xs)
+    if len(xs) < 2:
+        return m, None
+    return m, t975(len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs))
+
+
 def ratio_ci(ratios: list[float]) -> dict[str, Any]:
     """Geometric mean of per-pair ratios and its 95% interval (t over log ratios);
     ``sd_log``: the per-pair noise, the standard deviation of the log ratios."""
@@ -1106,8 +1114,8 @@ def clustered_mean(values: list[tuple[int, float]]) -> dict[str, Any] | None:
     k = len(means)
     if k < 2:
         return None
-    mean, sd = statistics.fmean(means), statistics.stdev(means)
-    hw = t975(k - 1) * sd / math.sqrt(k)
+    mean, hw = mean_half_width(means)
+    assert hw is not None
     return {"pairs": len(values), "rounds": k, "mean": round(mean, 4),
             "ci95": [round(mean - hw, 4), round(mean + hw, 4)]}
 

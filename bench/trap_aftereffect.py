@@ -46,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from real_server import cpu_times, t975, tree_threads  # noqa: E402
+from real_server import cpu_times, mean_half_width, tree_threads  # noqa: E402
 
 # Two targets: one whose first instruction is a push, which the kernel emulates at the
 # trap, and one whose first instruction it must single-step out of line (a second trap)
@@ -107,10 +107,9 @@ def run_ns(pid: int) -> int:
 
 def mean_ci(xs: list[float]) -> dict[str, float]:
     """Mean of ``xs`` and its 95% t-interval."""
-    m = statistics.fmean(xs)
-    if len(xs) < 2:
+    m, h = mean_half_width(xs)
+    if h is None:
         return {"mean": m, "lo": math.nan, "hi": math.nan}
-    h = t975(len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs))
     return {"mean": m, "lo": m - h, "hi": m + h}
 
 

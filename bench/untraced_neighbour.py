@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing as mp
 import os
 import socket
@@ -42,7 +41,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.real_server import Agent, cpu_times, ratio_ci, t975  # noqa: E402
+from bench.real_server import Agent, cpu_times, mean_half_width, ratio_ci  # noqa: E402
 
 MESSAGE = b"x" * 64
 
@@ -103,8 +102,8 @@ class Sleeper:
 
 def mean_ci(xs: list[float]) -> dict[str, Any]:
     """Mean and its 95% t-interval."""
-    m = statistics.fmean(xs)
-    h = t975(len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else 0
+    m, h = mean_half_width(xs)
+    h = h or 0
     return {"n": len(xs), "mean": round(m, 2), "ci95": [round(m - h, 2), round(m + h, 2)]}
 
 
