@@ -268,13 +268,13 @@ def test_sampling_switched_on_and_off_while_running(gpu_build, tmp_path, copies,
         assert proc["sync_calls_seen"] < 0.95 * truth["sync_calls"]
         # a step not seen whole takes its reference's syncs: at most one, where the
         # fourth step polled instead, so at most a third too many in the off windows.
-        # Not always too many: the poll's probe is not switched (COPY_HANDLERS), and
-        # where the polling steps' shape has a reference the estimate comes out within
-        # 1% of the truth, either side (3,715-3,732 of 3,750 in 2 of 5 runs on the dev
-        # VM with a busy loop beside it; the others 4,028-4,058). Once, in a whole
-        # suite's run, 3,486 (7% under): why is not known (a reference with no sync
-        # learnt at a window's edge is the suspect), so the bound is 10% under
-        assert 0.9 * truth["sync_calls"] < proc["sync_calls"] < 4 / 3 * truth["sync_calls"]
+        # A step whose result copy came just before an off switch and its sync after
+        # keeps the none it was seen with, and is no reference (Step.end_unseen): so at
+        # most one too few a switch. Learnt, it gave a whole off window no syncs: 3,486
+        # and 3,715-3,732 of 3,750 in earlier runs (a capture of one replayed: 3,729
+        # before, 4,056 after)
+        assert truth["sync_calls"] - s["switches"] <= proc["sync_calls"] \
+            < 4 / 3 * truth["sync_calls"]
         (thread,) = proc["threads"].values()
         steps = thread["launch_estimate"]["steps"]
         # a step a sync ended (three in four: the fourth polls, and continues into the

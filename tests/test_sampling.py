@@ -198,6 +198,58 @@ def test_a_pause_is_neither_on_nor_counted():
         pytest.approx(17 / 165, abs=1e-6)
 
 
+def result_step(first: int, last: int, launches: int, reason: str) -> KernelBurst:
+    """One step of one burst that copied its 64-byte result back: flushed by its sync
+    (``reason`` "sync", one sync counted), or by the copy itself ("copy": the syncs were
+    off with the launch probes, none seen)."""
+    syncs = 1 if reason == "sync" else 0
+    return KernelBurst(pid=PID, tid=TID, reason=reason, sync_api=0, first_ts=first,
+                       last_ts=last, launches=launches, graph_launches=0,
+                       copy_bytes={"d2h": 64}, copy_calls={"d2h": 1}, memset_bytes=0,
+                       memset_calls=0, sync_calls=syncs, sync_wait_ns=0, query_polls=0,
+                       handle_counts={7: launches} if launches else {})
+
+
+def test_a_step_whose_sync_went_unseen_at_an_off_switch_is_no_reference():
+    """The syncs switched with the launches: a step whose result copy came just before
+    the off switch and its sync just after ended at the copy, inside the counted span.
+    Learnt as its shape's reference (no sync), it gave every step of the off window no
+    sync: a live test once came out 7% short of the syncs. It keeps its own counts, and
+    the off window takes the steps' sync from the steps before it."""
+    def sampling(ts: int, on: bool) -> GpuSampling:
+        return GpuSampling(ts=ts, enabled=on, fraction=0.5, copies=True)
+
+    events: list = [sampling(0, True)]
+    t = MS
+    for _ in range(20):  # on: every step ends at its sync
+        events.append(result_step(t, t + MS // 2, 12, "sync"))
+        t += MS
+    events.append(result_step(t, t + MS // 2, 12, "copy"))  # its sync after the switch
+    events.append(sampling(t + MS // 2 + 10_000, False))
+    t += MS
+    for _ in range(20):  # off: the launches and syncs unseen, each ends at its copy
+        events.append(result_step(t, t + MS // 2, 0, "copy"))
+        t += MS
+    events.append(sampling(t - MS // 4, True))
+    for _ in range(5):
+        events.append(result_step(t, t + MS // 2, 12, "sync"))
+        t += MS
+    from tracer.pipeline import Pipeline
+    p = Pipeline([])
+    for ev in events:
+        p.feed(ev)
+    p.close()
+    (proc,) = p.gpu.summary()["processes"]
+    assert proc["kernel_launches"] == 46 * 12 and proc["kernel_launches_seen"] == 26 * 12
+    # all but the one at the switch, which keeps the none it was seen with
+    assert proc["sync_calls"] == 45 and proc["sync_calls_seen"] == 25, proc
+    assert p.stats["gpu_steps_end_unseen"] == 1 and p.stats["gpu_steps_counted"] == 25
+    assert p.attribution.ledger.balanced()
+    # the ratio estimate (a ledger without the steps' shapes): the 25 steps seen whole
+    proc = estimate_of(events)
+    assert proc["sync_calls"] == 46 and proc["kernel_launches"] == 46 * 12, proc
+
+
 def step_of(first: int, end: int, launches: int, syncs: int, kernels: dict[int, int],
             h2d_bytes: int = 64, d2d: int = 0, h2d: int = 1, memsets: int = 0,
             d2h_bytes: int = 4):

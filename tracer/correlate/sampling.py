@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any, Mapping
 
-from tracer.correlate.steps import Step
+from tracer.correlate.steps import UNSEEN_ENDS, Step
 from tracer.events.gpu import COPY_KINDS, SAMPLED_COPY_KINDS, SHAPE_COPY_KINDS
 
 D2H = COPY_KINDS.index("d2h")
@@ -224,7 +224,8 @@ class StepSample:
                 return
             self.results = self.results or d2h > 0
         self.steps += 1
-        if sampling.counted(self._start, last_ts):
+        # a step whose end went unseen (Step.end_unseen) is no sample of its kind
+        if sampling.counted(self._start, last_ts) and reason not in UNSEEN_ENDS:
             self.sampled_steps += 1
             self.sampled_launches += self._launches
             self.sampled_graph_launches += self._graphs

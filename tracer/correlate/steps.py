@@ -43,6 +43,8 @@ MAX_MIXES = 4096
 # where each copy kind sits in Step.copy_calls
 SHAPE_COPY_INDEX = tuple(COPY_KINDS.index(k) for k in SHAPE_COPY_KINDS)
 SAMPLED_COPY_INDEX = tuple(COPY_KINDS.index(k) for k in SAMPLED_COPY_KINDS)
+# burst flushes that end a step where its real end went unseen (Step.end_unseen)
+UNSEEN_ENDS = frozenset({"copy", "drain"})
 
 
 def ends_step(b: KernelBurst, result_copies: bool) -> tuple[bool, bool]:
@@ -86,6 +88,10 @@ class Step:
     estimated: bool = False
     copies_estimated: bool = False  # its SAMPLED_COPY_KINDS copies too (sampled with them)
     memsets_estimated: bool = False  # and its memsets
+    # its end went unseen: its last burst was flushed by its result copy with the syncs
+    # off (the sync after the copy not seen) or drained at a pause (the step went on
+    # unprobed). Such a step is never its shape's reference (sampling.StepEstimates)
+    end_unseen: bool = False
     # not counted whole and not estimated yet (its thread had no reference): the
     # previous step's end, to estimate it once one is learnt
     unestimated_after: int | None = None
@@ -210,6 +216,7 @@ class Step:
         self.sync_calls += b.sync_calls
         self.query_polls += b.query_polls
         self.bursts += 1
+        self.end_unseen = b.reason in UNSEEN_ENDS
         self.end_ts = max(self.end_ts, b.last_ts)
         self.bursts_ns += max(0, b.last_ts - b.first_ts)
         self.work.add(Work.of_burst(b, time_ns=0))

@@ -287,9 +287,12 @@ class CaptureSession:
         assert self.gpu is not None
         fraction = self.config.gpu_sample
         if self.gpu.launches_on:
+            # stamped before the gates close, as after they open: a span counted is
+            # never wider than the gates were open (the two map writes take ~10 us)
+            off = GpuSampling(ts=time.monotonic_ns(), enabled=False, fraction=fraction,
+                              **self._switched())
             self._gates(closed=True)
-            self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=False, fraction=fraction,
-                                  **self._switched()))
+            self.sink(off)
             self.gpu.detach_launch_probes()
             share = 1.0 - fraction
         else:
@@ -397,9 +400,10 @@ class CaptureSession:
                 self.sink(name)
         if self.gpu is not None and self.config.gpu_sample < 1.0:
             # the end of the sampled span: no launch after this is counted
+            off = GpuSampling(ts=time.monotonic_ns(), enabled=False,
+                              fraction=self.config.gpu_sample, **self._switched())
             self._gates(closed=True)
-            self.sink(GpuSampling(ts=time.monotonic_ns(), enabled=False,
-                                  fraction=self.config.gpu_sample, **self._switched()))
+            self.sink(off)
         if self.tls is not None:
             self.tls.close()
         if self.gpu is not None:
