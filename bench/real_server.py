@@ -471,11 +471,12 @@ class Server:
     ``env``: more environment (a replica's ``CUDA_VISIBLE_DEVICES``); ``model``: an HF
     kind's model directory, built already (default: the tiny Llama built in ``work``);
     ``wait=False``: return once started, ``ready()`` waits for it to serve (several
-    servers start at once)."""
+    servers start at once). ``gpu_sharers``: how many servers share its GPU
+    (``cb_memory_args``)."""
 
     def __init__(self, kind: str, device: str, work: Path, cpus: set[int],
                  keep_eos: bool = False, env: dict[str, str] | None = None,
-                 model: Path | None = None, wait: bool = True) -> None:
+                 model: Path | None = None, wait: bool = True, gpu_sharers: int = 1) -> None:
         self.kind = kind
         self.log = work / f"{kind}.log"
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -487,7 +488,8 @@ class Server:
             self.model = str(model if model is not None else tiny_llama(work, keep_eos))
             cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", self.model,
                    "--device", device, "--port", str(self.port), "--host", "127.0.0.1",
-                   *(["--continuous-batching"] if kind == "hf-cb" else [])]
+                   *(["--continuous-batching"] if kind == "hf-cb" else []),
+                   *(cb_memory_args(gpu_sharers) if kind == "hf-cb" and device == "cuda" else [])]
         elif kind == "batching":
             from samples.gpu.build import build as build_gpu
             cmd = [sys.executable, "-m", "samples.batching.server", "--port", str(self.port),
@@ -1183,6 +1185,21 @@ class Lane:
         return int(self.gpu) if self.gpu.isdigit() else None
 
 
+def cb_memory_args(gpu_sharers: int) -> list[str]:
+    """HF serve CB's options for one of ``gpu_sharers`` servers on one GPU. Its KV cache
+    is sized at 0.9 of the GPU's memory less what its own process holds (transformers
+    5.17 on the H200 hosts, 5.24 here: ``total - max(allocated, reserved)`` from torch's
+    own counters, not the device's free memory), so two servers on one GPU each size
+    theirs for the whole GPU. Two of three calls on 2026-11-29 and two of three on
+    2026-12-02 had one of the two answer 503 (transformers' "CB worker dead") to every
+    request, a restart no help: the second cache not fitting is the likely cause (not
+    yet seen in a log: the bench printed only the log's tail, now its errors too). Each
+    server is given its share of 0.8 instead."""
+    if gpu_sharers <= 1:
+        return []
+    return ["--cb-max-memory-percent", f"{0.8 / gpu_sharers:.3f}"]
+
+
 def start_lanes(kind: str, args: argparse.Namespace, work: Path, plan: CpuPlan,
                 gpus: list[str | None], lanes: list[Lane]) -> None:
     """Start every replica's server (all at once, then wait for each), each in its own
@@ -1191,6 +1208,7 @@ def start_lanes(kind: str, args: argparse.Namespace, work: Path, plan: CpuPlan,
     ``lanes`` is filled as they start, so that a failure stops those started."""
     model = (tiny_llama(work, args.keep_eos, args.model_shape)
              if kind in ("hf-cb", "hf-plain") else None)
+    sharers = Counter(gpus[:len(plan.lanes)])
     for i, cpus in enumerate(plan.lanes):
         rwork = work / f"replica-{i}"
         rwork.mkdir()
@@ -1198,7 +1216,8 @@ def start_lanes(kind: str, args: argparse.Namespace, work: Path, plan: CpuPlan,
         if len(plan.lanes) > 1 and gpus[i] is not None:  # NVML's order, for its clocks
             env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": str(gpus[i])}
         server = Server(kind, args.device, rwork, cpus["server"], keep_eos=args.keep_eos,
-                        env=env, model=model, wait=False)
+                        env=env, model=model, wait=False,
+                        gpu_sharers=sharers[gpus[i]] if gpus[i] is not None else 1)
         lanes.append(Lane(i, server, gpu=gpus[i]))
     for lane in lanes:
         lane.server.ready()
@@ -1223,9 +1242,13 @@ def start_loads(lanes: list[Lane], args: argparse.Namespace, out: dict[str, Any]
         # HF serve CB stalled before its first token in two of three runs with two
         # replicas on a GPU (H200 hosts, 2026-11-29; the agent not yet started): a
         # replica whose tokens do not come is started once more, and the run says so
-        tail = lane.server.log.read_text(errors="replace")[-1500:]
-        print(f"replica {lane.replica}: {why}; its server's log ends:\n{tail}\n"
-              "restarting it", file=sys.stderr, flush=True)
+        log = lane.server.log.read_text(errors="replace")
+        errors = [line for line in log.splitlines()
+                  if any(w in line for w in ("Error", "error", "out of memory", "Traceback"))
+                  and " 503 " not in line]
+        print(f"replica {lane.replica}: {why}; its server's log's errors:\n"
+              + "\n".join(errors[:20]) + f"\nand its end:\n{log[-1500:]}\nrestarting it",
+              file=sys.stderr, flush=True)
         lane.client.close()
         lane.server.restart()
         lane.server.ready()

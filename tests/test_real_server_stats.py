@@ -488,3 +488,16 @@ def test_variants_take_the_crossover_and_modes_an_agent_sets_alone() -> None:
         with pytest.raises(SystemExit) as e:
             rs.main(argv)
         assert e.value.code == 2
+
+
+def test_hf_cb_servers_sharing_a_gpu_split_its_cache_memory() -> None:
+    """HF serve CB sizes its KV cache from its own process's memory counters, as if the
+    GPU were its alone: servers sharing one are each given a share, together 0.8 of it;
+    one alone keeps transformers' own default."""
+    from bench.real_server import cb_memory_args
+
+    assert cb_memory_args(1) == []
+    for n in (2, 4):
+        flag, share = cb_memory_args(n)
+        assert flag == "--cb-max-memory-percent"
+        assert n * float(share) == pytest.approx(0.8, abs=1e-3)
