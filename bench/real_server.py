@@ -1192,9 +1192,10 @@ def cb_memory_args(gpu_sharers: int) -> list[str]:
     own counters, not the device's free memory), so two servers on one GPU each size
     theirs for the whole GPU. Two of three calls on 2026-11-29 and two of three on
     2026-12-02 had one of the two answer 503 (transformers' "CB worker dead") to every
-    request, a restart no help: the second cache not fitting is the likely cause (not
-    yet seen in a log: the bench printed only the log's tail, now its errors too). Each
-    server is given its share of 0.8 instead."""
+    request, the bench's restart of it no help this time (it was, once, before). The
+    second cache not fitting is a likely cause, not yet seen in a log: the bench
+    printed only the log's tail, now its errors too. Each server is given its share of
+    0.8 instead."""
     if gpu_sharers <= 1:
         return []
     return ["--cb-max-memory-percent", f"{0.8 / gpu_sharers:.3f}"]
