@@ -287,12 +287,7 @@ class CaptureSession:
         assert self.gpu is not None
         fraction = self.config.gpu_sample
         if self.gpu.launches_on:
-            # stamped before the gates close, as after they open: a span counted is
-            # never wider than the gates were open (the two map writes take ~10 us)
-            off = GpuSampling(ts=time.monotonic_ns(), enabled=False, fraction=fraction,
-                              **self._switched())
-            self._gates(closed=True)
-            self.sink(off)
+            self._switch_off()
             self.gpu.detach_launch_probes()
             share = 1.0 - fraction
         else:
@@ -305,6 +300,16 @@ class CaptureSession:
                                   **self._switched()))
             share = fraction
         self._next_sample_toggle = time.monotonic() + self.sample_period_s() * share
+
+    def _switch_off(self) -> None:
+        """Close the kernel's gates of what --gpu-sample switches, said by an "off"
+        switch stamped before they close, as an "on" one is after they open: a span
+        counted is never wider than the gates were open (the two map writes take ~10
+        us)."""
+        off = GpuSampling(ts=time.monotonic_ns(), enabled=False,
+                          fraction=self.config.gpu_sample, **self._switched())
+        self._gates(closed=True)
+        self.sink(off)
 
     def _switched(self) -> dict[str, bool]:
         """What goes on and off with the launch probes, as a switch event says it."""
@@ -399,11 +404,7 @@ class CaptureSession:
             for name in self.gpu.stubs.resolve():
                 self.sink(name)
         if self.gpu is not None and self.config.gpu_sample < 1.0:
-            # the end of the sampled span: no launch after this is counted
-            off = GpuSampling(ts=time.monotonic_ns(), enabled=False,
-                              fraction=self.config.gpu_sample, **self._switched())
-            self._gates(closed=True)
-            self.sink(off)
+            self._switch_off()  # the end of the sampled span: no launch after it counted
         if self.tls is not None:
             self.tls.close()
         if self.gpu is not None:
