@@ -6,6 +6,21 @@
  */
 #include <uapi/linux/ptrace.h>
 
+/*
+ * The user-memory read helpers, called by names BCC does not check. BCC checks every
+ * call of bpf_probe_read_user(_str) by that name against the kernel's symbols, and
+ * each check rebuilds its table of every kernel symbol (kallsyms has names twice, so
+ * the table never looks complete): ~60 ms a call site with 122k symbols, 2.5 s of
+ * compiling all the concerns' 43 call sites (bench/compile_time.py). The helpers are
+ * in every kernel these probes load on (Linux 5.5; the ring buffer needs 5.8).
+ */
+static int (*tt_read_user)(void *dst, __u32 size, const void *unsafe_ptr) =
+    (void *)BPF_FUNC_probe_read_user;
+static int (*tt_read_user_str)(void *dst, __u32 size, const void *unsafe_ptr) =
+    (void *)BPF_FUNC_probe_read_user_str;
+#define bpf_probe_read_user tt_read_user
+#define bpf_probe_read_user_str tt_read_user_str
+
 #ifndef TT_RINGBUF_PAGES
 #define TT_RINGBUF_PAGES 8192
 #endif
