@@ -689,10 +689,11 @@ struct copy_ctx {
     u64 base;   /* user address of the current buffer */
     u64 left;   /* bytes left in it */
     u64 iov;    /* iovec array, 0 for a plain buffer */
-    u64 done;   /* bytes captured so far */
+    u64 done;   /* bytes captured so far, the record being filled included */
     u64 want;   /* bytes to capture: min(ret, capture limit) */
     u32 idx;    /* next iovec to load */
     u32 iovcnt;
+    u32 fill;   /* bytes in the record being filled, not yet sent */
     u8 trunc;
 };
 
@@ -704,7 +705,19 @@ struct copy_ctx {
  */
 BPF_PERCPU_ARRAY(copy_state, struct copy_ctx, 1);
 
-/* One pass: load the next iovec, or send one chunk. Returns 1 to stop the loop. */
+/*
+ * One pass: load the next iovec, or copy a piece of the current buffer into the record
+ * being filled; the record goes out once it holds TT_CHUNK / 2 bytes or more, or the
+ * syscall's bytes are all in. So the iovecs of one sendmsg (gRPC's frame headers and
+ * messages: five a call) share a record instead of taking one each. Returns 1 to stop
+ * the loop.
+ *
+ * Why half: the verifier cannot relate a piece's length to the fill, so each copy must
+ * fit the payload whatever both are within their bounds. An empty record takes a piece
+ * of up to TT_CHUNK at its start; a part-filled one (fill below TT_CHUNK / 2, masked to
+ * say so) takes a piece of up to TT_CHUNK / 2. A large buffer still goes out in
+ * records of TT_CHUNK.
+ */
 static __always_inline int copy_step(struct copy_ctx *c, struct tt_data *d)
 {
     if (c->done >= c->want)
@@ -725,17 +738,58 @@ static __always_inline int copy_step(struct copy_ctx *c, struct tt_data *d)
     u64 n = c->want - c->done;
     if (n > c->left)
         n = c->left;
-    u32 len = n > TT_CHUNK ? TT_CHUNK : (u32)n;
-    if (len == 0 || len > TT_CHUNK)
-        return 1;
-    if (bpf_probe_read_user(d->payload, len, (void *)c->base) != 0)
-        return 1; /* unmapped buffer: the caller reports the rest as truncated */
-    u8 last = (c->done + len >= c->want) ? TT_FLAG_LAST : 0;
-    emit_chunk(d, c->done, len, c->trunc | last);
+    u32 fill = c->fill;
+    u32 len;
+    if (fill == 0) {
+        len = n > TT_CHUNK ? TT_CHUNK : (u32)n;
+        if (len == 0 || len > TT_CHUNK)
+            return 1;
+        if (bpf_probe_read_user(d->payload, len, (void *)c->base) != 0)
+            return 1; /* unmapped buffer: copy_out reports the rest as truncated */
+    } else {
+        fill &= TT_CHUNK / 2 - 1; /* below TT_CHUNK / 2 here: the record went out else */
+        len = n > TT_CHUNK / 2 ? TT_CHUNK / 2 : (u32)n;
+        if (len == 0 || len > TT_CHUNK / 2)
+            return 1;
+        if (bpf_probe_read_user(&d->payload[fill], len, (void *)c->base) != 0)
+            return 1;
+    }
+    fill += len;
     c->done += len;
     c->base += len;
     c->left -= len;
+    c->fill = fill;
+    if (fill >= TT_CHUNK / 2 || c->done >= c->want) {
+        u8 last = c->done >= c->want ? TT_FLAG_LAST : 0;
+        emit_chunk(d, c->done - fill, fill, c->trunc | last);
+        c->fill = 0;
+    }
     return 0;
+}
+
+/*
+ * Send ``want`` bytes from ``c``'s buffers as DATA records of ``d``: the copy loop,
+ * then what the last record holds, then, if the loop ran out of iterations or iovecs
+ * or met an unmapped buffer, a marker at the first byte not sent, so the agent knows
+ * exactly how many it did not get. ``cut_flags`` go on that marker (TLS's flag).
+ */
+static __always_inline void copy_out(struct copy_ctx *c, struct tt_data *d, u8 cut_flags)
+{
+    c->done = 0;
+    c->idx = 0;
+    c->fill = 0;
+    for (int i = 0; i < TT_MAX_ITER; i++) {
+        if (copy_step(c, d))
+            break;
+    }
+    u64 done = c->done;
+    if (done >= c->want)
+        return;
+    u32 fill = c->fill & (TT_CHUNK / 2 - 1); /* a part-filled record is below half */
+    if (fill)
+        emit_chunk(d, done - fill, fill, c->trunc);
+    count(TT_CNT_IOV_CUT);
+    emit_chunk(d, done, 0, TT_FLAG_LAST | TT_FLAG_TRUNCATED | cut_flags);
 }
 
 /* Send the syscall's record(s): its bytes in TT_CHUNK pieces (DATA), and forget it. */
@@ -761,8 +815,6 @@ static __always_inline int io_send(u64 id, struct io_args *a, struct tt_data *d,
     }
     c->want = want;
     c->trunc = trunc;
-    c->done = 0;
-    c->idx = 0;
     if (a->shape == SHAPE_BUF) {
         c->base = a->buf;
         c->left = ret;
@@ -774,17 +826,7 @@ static __always_inline int io_send(u64 id, struct io_args *a, struct tt_data *d,
         c->iov = a->buf;
         c->iovcnt = a->iovcnt;
     }
-    for (int i = 0; i < TT_MAX_ITER; i++) {
-        if (copy_step(c, d))
-            break;
-    }
-    u64 done = c->done;
-    if (done < want) {
-        /* Ran out of iterations or iovecs: close the syscall with a marker so Python
-         * knows exactly how many bytes it did not get. */
-        count(TT_CNT_IOV_CUT);
-        emit_chunk(d, done, 0, TT_FLAG_LAST | TT_FLAG_TRUNCATED);
-    }
+    copy_out(c, d, 0);
     io_call_done(id, a);
     return 0;
 }

@@ -40,7 +40,7 @@
  * (TT_FLAG_CIPHER): the handshake's own bytes are captured in full, so user space can
  * read the TLS version from the ServerHello.
  *
- * Appended after sockets.c (it uses `conns`, struct io_args and copy_step()); sockets.c
+ * Appended after sockets.c (it uses `conns`, struct io_args and copy_out()); sockets.c
  * calls tls_io_enter() and tls_io_exit() when compiled with TT_TLS.
  */
 
@@ -305,20 +305,11 @@ static __always_inline void tls_data(u64 id, struct tls_call *c, struct tls_ssl 
         count(TT_CNT_TRUNCATED);
     cc->want = want;
     cc->trunc = trunc | TT_FLAG_TLS;
-    cc->done = 0;
-    cc->idx = 0;
     cc->base = c->buf;
     cc->left = n;
     cc->iov = 0;
     cc->iovcnt = 0;
-    for (int i = 0; i < TT_MAX_ITER; i++) {
-        if (copy_step(cc, d))
-            break;
-    }
-    if (cc->done < want) {
-        count(TT_CNT_IOV_CUT);
-        emit_chunk(d, cc->done, 0, TT_FLAG_LAST | TT_FLAG_TRUNCATED | TT_FLAG_TLS);
-    }
+    copy_out(cc, d, TT_FLAG_TLS);
 }
 
 /* The return of every probed SSL call (one handler: the call's op says what it was). */
