@@ -792,7 +792,8 @@ static __always_inline void copy_out(struct copy_ctx *c, struct tt_data *d, u8 c
     emit_chunk(d, done, 0, TT_FLAG_LAST | TT_FLAG_TRUNCATED | cut_flags);
 }
 
-/* Send the syscall's record(s): its bytes in TT_CHUNK pieces (DATA), and forget it. */
+/* Send the syscall's record(s): its bytes in DATA records of up to TT_CHUNK (copy_out),
+ * and forget it. */
 static __always_inline int io_send(u64 id, struct io_args *a, struct tt_data *d, long ret)
 {
     if (ret <= 0) {
