@@ -104,6 +104,22 @@ def off_by(span_s: float, client_s: float, attrs: dict[str, Any]) -> float:
     return max(span_s - client_s, client_s - span_s - unknown, 0.0)
 
 
+def timing_rows(pairs: list[tuple[dict[str, Any], dict[str, Any]]], key: str = "ttft",
+                span_key: str = "tokentrace.time_to_first_token") -> str:
+    """One line per (client result, span attributes): the signed difference span -
+    client and the span's network timing, so a failed bar says which request was off,
+    which way and by what the tracer explained (a hold, a socket wait)."""
+    lines = []
+    for c, a in pairs:
+        if c.get(key) is None or span_key not in a:
+            continue
+        net = {k.removeprefix("tokentrace.network."): v for k, v in a.items()
+               if k.startswith("tokentrace.network.") and k != "tokentrace.network.timing"}
+        lines.append(f"{(a[span_key] - c[key]) * 1e3:+8.3f} ms  client {c[key] * 1e3:8.3f}"
+                     f"  port {c.get('client_port')}  {net}")
+    return "\n".join(lines)
+
+
 def bounded(spans: list[dict[str, Any]]) -> int:
     """How many spans' departures were bounded, not timed (``off_by``)."""
     return sum(1 for s in spans if s["attributes"].get("tokentrace.network.departure_unknown"))
