@@ -104,11 +104,11 @@ def off_by(span_s: float, client_s: float, attrs: dict[str, Any]) -> float:
     return max(span_s - client_s, client_s - span_s - unknown, 0.0)
 
 
-def timing_rows(pairs: list[tuple[dict[str, Any], dict[str, Any]]], key: str = "ttft",
-                span_key: str = "tokentrace.time_to_first_token") -> str:
+def timing_rows(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
     """One line per (client result, span attributes): the signed difference span -
     client and the span's network timing, so a failed bar says which request was off,
     which way and by what the tracer explained (a hold, a socket wait)."""
+    key, span_key = "ttft", "tokentrace.time_to_first_token"
     lines = []
     for c, a in pairs:
         if c.get(key) is None or span_key not in a:
