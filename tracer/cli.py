@@ -16,6 +16,9 @@ from tracer.autosample import MIN_RATE as AUTO_MIN_RATE
 from tracer.autosample import MIN_WINDOW_STEPS as AUTO_MIN_WINDOW_STEPS
 from tracer.autosample import SHORT_FRACTION as AUTO_SHORT_FRACTION
 from tracer.autosample import AutoSample
+from tracer.duty import DEFAULT_PERIOD_S as DUTY_PERIOD_S
+from tracer.duty import DutyCycle
+from tracer.duty import parse as parse_duty
 from tracer.correlate.connections import TrackerOptions
 from tracer.events import capture
 from tracer.events.wire import CONSTANTS
@@ -226,6 +229,13 @@ def _add_export_args(p: argparse.ArgumentParser) -> None:
     add_metric_args(g)
 
 
+def _duty_arg(text: str) -> tuple[float, float]:
+    try:
+        return parse_duty(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokentrace",
@@ -249,6 +259,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export_args(run)
     run.add_argument("--record", metavar="FILE",
                      help="also write the raw events to FILE for `tokentrace replay`")
+    run.add_argument("--duty-cycle", metavar="F[/PERIOD]", type=_duty_arg,
+                     help="trace for F of every PERIOD seconds (default period: %g) and "
+                          "take every probe out for the rest, so the servers pay F of "
+                          "tracing's cost; only requests wholly inside a window are traced "
+                          "whole (their spans say tokentrace.duty_cycle=F), those a window's "
+                          "end cuts are counted (requests_cut_by_duty_cycle). Default: "
+                          "trace all the time (docs/overhead.md, \"the duty cycle\")"
+                          % DUTY_PERIOD_S)
     run.set_defaults(func=cmd_run)
 
     rec = sub.add_parser(
@@ -314,7 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "counts estimated "
                     "with the launches), probe-stats on|off (the "
                     "kernel's run counts and run time per BPF program while on; "
-                    "probe-stats alone prints them as name=runs/ns). Exit status 1 if it "
+                    "probe-stats alone prints them as name=runs/ns), duty-cycle "
+                    "F[/PERIOD]|off (run's --duty-cycle set, changed or ended; a pause "
+                    "holds it, the resume opens a window). Exit status 1 if it "
                     "answered with an error.",
         epilog="examples:\n  sudo tokentrace ctl /run/tokentrace.sock pause\n"
                "  sudo tokentrace ctl /run/tokentrace.sock resume\n",
@@ -395,7 +415,7 @@ def _report(pipeline: Pipeline, console: Any) -> None:
                 "bytes_lost", "capture.truncated", "capture.iov_cut", "capture.inflight_full",
                 "capture.conns_full", "capture.verbs_cut", "capture.verbs_full",
                 "capture.kcounts_full", "capture.bursts_full", "capture.unanalysed_records",
-                "requests_cut_by_pause", "capture.tls.lost", "capture.tls.inflight_full",
+                "requests_cut_by_pause", "requests_cut_by_duty_cycle", "capture.tls.lost", "capture.tls.inflight_full",
                 "capture.tls.state_full", "capture.tls.stale",
                 "http_protocol_errors", "undecodable_records",
                 "in_flight_at_exit", "identity.k8s_errors")
@@ -663,8 +683,12 @@ def cmd_run(args: argparse.Namespace) -> int:
                              max_connections=max(1, args.max_connections),
                              max_buffered=max(1 << 20, int(args.max_buffered_mb * 2**20)))
     auto = AutoSample() if args.gpu_sample == "auto" and "cuda" in targets.concerns else None
+    duty = DutyCycle(*args.duty_cycle) if args.duty_cycle else None
     run = TraceRun(targets, sinks, options, record=args.record, ctx=ctx, header=header,
-                   pricing=pricing, keep_secrets=args.capture_secrets, auto_sample=auto)
+                   pricing=pricing, keep_secrets=args.capture_secrets, auto_sample=auto,
+                   duty=duty)
+    if duty is not None:
+        _say(f"duty cycle: {duty.describe()}")
     gpu_table = console is not None and getattr(args, "gpu_every", 0) > 0
     if gpu_table:
         console.gpu, console.gpu_every_s = run.pipeline.gpu, args.gpu_every

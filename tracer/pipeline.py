@@ -81,11 +81,13 @@ class Pipeline:
         self.gpu.same_thread = self.attribution.same_thread
         self.ctx.flame_resolver = self.resolve_flame
         self.tls_libraries: list[TlsLibrary] = []  # found in traced processes
+        self.duty_cycle = 0.0  # run --duty-cycle's fraction in force (TracingPaused)
         self._tls_paths: dict[int, set[str]] = {}
 
     def _emit(self, rec: RequestRecord) -> None:
         """A finished record: held by the GPU attribution until its bursts are in."""
         self._wake = 0
+        rec.duty_cycle = self.duty_cycle
         self.attribution.finished(rec)
 
     def _kernel_name(self, pid: int, handle: int) -> str:
@@ -265,8 +267,9 @@ class Pipeline:
         elif isinstance(ev, schema.TracingPaused):
             self.last_ts = max(self.last_ts, ev.ts)
             self.gpu.paused(ev.ts, ev.paused)
+            self.duty_cycle = ev.duty
             if ev.paused:
-                t.pause(ev.ts)
+                t.pause(ev.ts, sampled=ev.duty > 0)
         elif isinstance(ev, schema.DropReport):
             self.last_ts = max(self.last_ts, ev.ts)
             self.ctx.drops = dict(ev.counters)

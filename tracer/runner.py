@@ -9,9 +9,10 @@ import threading
 import time
 from typing import Any
 
+from tracer import duty as duty_cycle
 from tracer.autosample import AutoSample
 from tracer.correlate.connections import TrackerOptions
-from tracer.events import capture
+from tracer.events import capture, schema
 from tracer.export.context import ExportContext
 from tracer.pipeline import Pipeline
 from tracer.probes.session import CaptureConfig, CaptureSession
@@ -24,7 +25,8 @@ class TraceRun:
                  options: TrackerOptions | None = None, record: str | None = None,
                  ctx: ExportContext | None = None, header: dict[str, Any] | None = None,
                  pricing: Any = None, keep_secrets: bool = False,
-                 auto_sample: AutoSample | None = None) -> None:
+                 auto_sample: AutoSample | None = None,
+                 duty: duty_cycle.DutyCycle | None = None) -> None:
         self.header = header or capture.new_header(command="run")
         options = options or TrackerOptions()
         if options.tenant_salt is None:  # tenants hashed as the capture's replay will
@@ -47,6 +49,12 @@ class TraceRun:
         # --gpu-sample auto: counting every launch until sampling pays (tracer/autosample.py)
         self.auto_sample = auto_sample
         self._next_auto = time.monotonic() + (auto_sample.check_s if auto_sample else 0.0)
+        # --duty-cycle: traced for a share of every period, paused the rest (tracer/duty.py);
+        # its phase counts from the first cycle set; a pause by hand holds it
+        self.duty: duty_cycle.DutyCycle | None = None
+        self._pending_duty = duty
+        self._duty_origin: float | None = None
+        self._hand_paused = False
         # control commands from other threads, applied by the polling one
         self._commands: queue.Queue[tuple[str, threading.Event, list[str]]] = queue.Queue()
 
@@ -58,6 +66,8 @@ class TraceRun:
     def open(self) -> None:
         """Load probes and attach (raises ProbeSetupError with a fix on failure)."""
         self.session.start()
+        if self._pending_duty is not None:
+            self._set_duty(self._pending_duty)
 
     def control(self, command: str, timeout: float = 60.0) -> str:
         """A ``--control`` command (``CaptureSession.control``), applied by the thread
@@ -81,6 +91,8 @@ class TraceRun:
         if now >= self._next_unnamed:
             self._next_unnamed = now + UNNAMED_CHECK_S
             self.ask_unnamed()
+        if self.duty is not None:
+            self._follow_duty(now)
         if self.auto_sample is not None and now >= self._next_auto:
             self._next_auto = now + self.auto_sample.check_s
             self.check_sampling(now)
@@ -88,7 +100,22 @@ class TraceRun:
     def apply(self, command: str) -> str:
         """A control command applied now, on the calling thread (the one that polls):
         ``CaptureSession.control``'s reply. Setting ``gpu-sample`` by hand stands
-        ``--gpu-sample auto`` down."""
+        ``--gpu-sample auto`` down. ``duty-cycle F[/PERIOD]|off`` is the run's own
+        (``--duty-cycle``); a ``pause`` holds the cycle until the ``resume``, which
+        gives the probes back to it, in its phase."""
+        words = command.split()
+        if words[:1] == ["duty-cycle"]:
+            return self._duty_command(words[1:])
+        if words in (["pause"], ["resume"]):
+            self._hand_paused = words == ["pause"]
+        if self.duty is not None and words == ["resume"]:
+            now = time.monotonic()
+            if not self.duty.in_window(now):
+                return (f"ok resumed 0.000s (the duty cycle's next window opens in "
+                        f"{self.duty.next_window(now) - now:.1f}s)")
+            took = self.session.resume(duty=self.duty.fraction)
+            self._after_resume()
+            return f"ok resumed {took:.3f}s"
         reply = self.session.control(command)
         if self.auto_sample is not None and reply.startswith("ok"):
             verb = command.split()[0] if command.split() else ""
@@ -101,6 +128,67 @@ class TraceRun:
                 self.auto_sample.restart()
                 self._follow_auto()
         return reply
+
+    def _after_resume(self) -> None:
+        if self.auto_sample is not None:
+            self.auto_sample.restart()
+            self._follow_auto()
+
+    def _duty_command(self, args: list[str]) -> str:
+        """``duty-cycle F[/PERIOD]`` or ``duty-cycle off``: set, change or end it. The
+        cycle's phase is the run's (counted from the first cycle it had), so a cycle
+        set or changed goes on where that phase is."""
+        if args == ["off"]:
+            self.duty = None
+            if self.session.paused and not self._hand_paused:
+                self.session.resume()  # the cycle's pause ends with it
+                self._after_resume()
+            else:
+                self._announce_duty(0.0)
+            return "ok duty-cycle off"
+        if len(args) != 1:
+            return "error: duty-cycle F[/PERIOD] or duty-cycle off"
+        try:
+            fraction, period = duty_cycle.parse(args[0])
+        except ValueError as e:
+            return f"error: {e}"
+        self._set_duty(duty_cycle.DutyCycle(fraction, period))
+        return f"ok duty-cycle {self.duty.describe()}"  # type: ignore[union-attr]
+
+    def _set_duty(self, duty: duty_cycle.DutyCycle) -> None:
+        """Put ``duty`` in force, on the run's phase: the probes go out or back now
+        where it says so (unless paused by hand)."""
+        now = time.monotonic()
+        if self._duty_origin is None:
+            self._duty_origin = now
+        duty.start = self._duty_origin
+        self.duty = duty
+        self._announce_duty(duty.fraction)
+        if not self._hand_paused:
+            self._follow_duty(now)
+
+    def _announce_duty(self, fraction: float) -> None:
+        """The fraction in force changed with the probes where they are: a switch
+        record that switches nothing, so a replay labels the spans alike."""
+        if not self.session.paused:
+            self.session.sink(schema.TracingPaused(ts=time.monotonic_ns(), paused=False,
+                                                   duty=fraction))
+
+    def _follow_duty(self, now: float) -> None:
+        """Pause or resume where ``--duty-cycle``'s phase says so (counted); nothing
+        while paused by hand."""
+        duty = self.duty
+        assert duty is not None
+        if self._hand_paused:
+            return
+        action = duty.due(now, self.session.paused)
+        if action == "pause":
+            self.session.pause(duty=duty.fraction)
+            self.pipeline.stats["duty_cycle_switches"] += 1
+        elif action == "resume":
+            self.session.resume(duty=duty.fraction)
+            self.pipeline.stats["duty_cycle_switches"] += 1
+            self._after_resume()
 
     def _follow_auto(self) -> None:
         """Put ``--gpu-sample auto``'s share in force where it changed without a check

@@ -358,11 +358,13 @@ class ConnectionTracker:
             c.close_reason = "process exited before the response completed"
             self._close_guarded(c, ts)
 
-    def pause(self, ts: int) -> None:
+    def pause(self, ts: int, sampled: bool = False) -> None:
         """The agent took its probes out (``schema.TracingPaused``): every connection
         is forgotten, its open requests end here, incomplete (what comes after the
-        resume is followed afresh, as at attach)."""
-        reason = "tracing paused before the response completed"
+        resume is followed afresh, as at attach). ``sampled``: the end of a
+        ``--duty-cycle`` window, not a pause by hand."""
+        reason = ("the duty cycle's window closed before the response completed" if sampled
+                  else "tracing paused before the response completed")
         for key in list(self.conns):
             c = self.conns.pop(key)
             exchanges, c.exchanges = list(c.exchanges.values()), {}
@@ -375,8 +377,8 @@ class ConnectionTracker:
                     self._emit_guarded(lambda rec=rec: rec)
             if self.ipc is not None:
                 self.ipc.closed(c.pid, c.fd, c.conn_id)
-            self.stats["requests_cut_by_pause"] += cut
-        self.stats["pauses"] += 1
+            self.stats["requests_cut_by_duty_cycle" if sampled else "requests_cut_by_pause"] += cut
+        self.stats["duty_cycle_pauses" if sampled else "pauses"] += 1
 
     def finish(self, ts: int) -> int:
         """End of capture: count exchanges still open (they are not emitted)."""

@@ -142,6 +142,9 @@ class RequestRecord:
     tls: TlsSession | None = None  # came over TLS, read through the TLS library's probes
     # its share of the launch-site stacks (tracer.correlate.stacks.Flame), if sampled
     flame: Any = None
+    # traced under `run --duty-cycle F` (tracer/duty.py): one of the requests seen while
+    # the probes were in, F of the time (0: every request was followed)
+    duty_cycle: float = 0.0
 
     @cached_property
     def key(self) -> tuple[int, int, int, int]:

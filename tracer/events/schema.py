@@ -208,11 +208,14 @@ class TracingPaused:
     (``tokentrace run``: SIGUSR1/SIGUSR2 or ``--control``). Nothing is captured in
     between: requests open at a pause end there, incomplete; sockets are adopted
     afresh at the resume, as at attach. ``switch_s``: how long taking the probes out
-    (or putting them back) took."""
+    (or putting them back) took. ``duty``: the ``run --duty-cycle`` fraction in force
+    from this switch on (tracer/duty.py), 0 for none; a pause with it is the cycle's,
+    not one by hand: the requests it cuts are counted apart."""
 
     ts: int
     paused: bool
     switch_s: float = 0.0
+    duty: float = 0.0
 
 
 Event = (ConnEvent | DataEvent | ProcEvent | ProcessInfo | SocketInfo | DropReport | ClockSync

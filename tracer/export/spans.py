@@ -207,6 +207,8 @@ def span_attributes(rec: RequestRecord) -> dict[str, Any]:
     a["thread.id"] = rec.tids[0] if rec.tids else None
     a["tokentrace.thread_ids"] = list(rec.tids) if rec.tids else None
     a["tokentrace.tenant"] = rec.tenant
+    if rec.duty_cycle:  # a sample: counts scale by 1 / this
+        a["tokentrace.duty_cycle"] = rec.duty_cycle
     if rec.request_incomplete:
         a["tokentrace.request.incomplete"] = True
     if rec.response_incomplete:

@@ -448,11 +448,12 @@ class CaptureSession:
                          b"tls_calls", b"tls_ssls", b"tls_socks", b"tls_rbios", b"tls_bios",
                          b"tls_last_in", b"tls_egress", b"run_arms", b"run_stages")
 
-    def pause(self) -> float:
+    def pause(self, duty: float = 0.0) -> float:
         """Take every probe out but the process-lifecycle tracepoints, so the traced
         processes run as if untraced; the agent keeps its state (names, models, counts)
-        and goes on polling. Open requests end at the pause (``TracingPaused``). Returns
-        the seconds the switch took."""
+        and goes on polling. Open requests end at the pause (``TracingPaused``;
+        ``duty``: a ``--duty-cycle`` switch, its fraction). Returns the seconds the
+        switch took."""
         if self.paused or self.bpf is None:
             return 0.0
         t0 = time.perf_counter()
@@ -470,7 +471,8 @@ class CaptureSession:
         self._take_staged_runs()  # ...and what they staged
         self._drain_bursts()
         took = time.perf_counter() - t0
-        self.sink(schema.TracingPaused(ts=time.monotonic_ns(), paused=True, switch_s=took))
+        self.sink(schema.TracingPaused(ts=time.monotonic_ns(), paused=True, switch_s=took,
+                                       duty=duty))
         return took
 
     def _detach_tracepoints(self, tps: list[bytes]) -> None:
@@ -483,9 +485,10 @@ class CaptureSession:
         """Attach ``tp`` (``category:name``) again to its TRACEPOINT_PROBE program."""
         self.bpf.attach_tracepoint(tp=tp, fn_name=b"tracepoint__" + tp.replace(b":", b"__"))
 
-    def resume(self) -> float:
+    def resume(self, duty: float = 0.0) -> float:
         """Put the probes back (after ``pause``); sockets are adopted afresh, as at
-        attach. Returns the seconds the switch took."""
+        attach. ``duty``: the ``--duty-cycle`` fraction in force from here (0: none).
+        Returns the seconds the switch took."""
         if not self.paused or self.bpf is None:
             return 0.0
         t0 = time.perf_counter()
@@ -506,7 +509,8 @@ class CaptureSession:
                 attacher.resume(errors)
         self.paused = False
         took = time.perf_counter() - t0
-        self.sink(schema.TracingPaused(ts=time.monotonic_ns(), paused=False, switch_s=took))
+        self.sink(schema.TracingPaused(ts=time.monotonic_ns(), paused=False, switch_s=took,
+                                       duty=duty))
         for pid in sorted(self.pids):
             self._adopt_sockets(pid)
         return took
