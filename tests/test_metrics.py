@@ -307,3 +307,39 @@ def test_metric_flags_fail_clearly(openai_capture: Path) -> None:
         sink.close()
     assert r.returncode != 0 and "cannot serve metrics" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_requests_a_duty_cycle_cut_are_no_failures_and_the_share_is_served(tmp_path):
+    """`run --duty-cycle`: a request open when a window closes is cut by the tracer, not
+    failed by the server: out of the metrics; the share traced is a gauge to divide by."""
+    from bench.streamgen import generate
+    from tracer.correlate.records import DUTY_CYCLE_CUT
+    from tracer.events import schema
+
+    items, _ = generate(rate=40, tokens=20, seconds=1.0, servers=1, gpu=False)
+    half = len(items) // 2
+    at = max(i.ts_exit for i in (schema.decode(x) for x in items[:half] if isinstance(x, bytes))
+             if isinstance(i, schema.DataEvent))
+    items = ([schema.TracingPaused(ts=0, paused=False, duty=0.5)] + items[:half]
+             + [schema.TracingPaused(ts=at + 1, paused=True, switch_s=0.5, duty=0.5),
+                schema.TracingPaused(ts=at + 10**10, paused=False, duty=0.5)])
+    path = tmp_path / "duty.ttcap"
+    w = capture.CaptureWriter(path, capture.new_header(), keep_secrets=True)
+    for it in items:
+        w.write(it)
+    w.close()
+    keep, prom = Keep(), PrometheusSink(free_port())
+    try:
+        spans = replay(path, keep, prom)
+        got = scrape(prom.port)
+    finally:
+        prom.close()
+    cut = [r for r in keep.records if r.cut_by_duty_cycle]
+    whole = [r for r in keep.records if r.is_llm and not r.error]
+    assert cut and whole and all(r.error == DUTY_CYCLE_CUT for r in cut)
+    assert all(r.duty_cycle == 0.5 for r in keep.records)
+    assert all(s["attributes"]["tokentrace.duty_cycle"] == 0.5 for s in spans)
+    assert got[("tokentrace_traced_share", ())] == 0.5
+    assert not [k for k in got if k[0].startswith("tokentrace_request_failure")]
+    assert sum(v for k, v in got.items()
+               if k[0] == "tokentrace_request_success_total") == len(whole)

@@ -28,7 +28,7 @@ from protocols.openai import ResponseFollower, operation_for, parse_request
 from tracer.correlate.arrivals import Arrivals
 from tracer.correlate.h2calls import H2Calls
 from tracer.correlate.ipc import IpcGraph
-from tracer.correlate.records import SAFE_HEADERS, RequestRecord, tenant_of
+from tracer.correlate.records import DUTY_CYCLE_CUT, SAFE_HEADERS, RequestRecord, tenant_of
 from tracer.correlate.tokenruns import ConnRuns, TokenRuns, armed, take_run
 from tracer.events import schema, wire
 from tracer.events.runs import RunArmed, TokenRun
@@ -363,8 +363,7 @@ class ConnectionTracker:
         is forgotten, its open requests end here, incomplete (what comes after the
         resume is followed afresh, as at attach). ``sampled``: the end of a
         ``--duty-cycle`` window, not a pause by hand."""
-        reason = ("the duty cycle's window closed before the response completed" if sampled
-                  else "tracing paused before the response completed")
+        reason = DUTY_CYCLE_CUT if sampled else "tracing paused before the response completed"
         for key in list(self.conns):
             c = self.conns.pop(key)
             exchanges, c.exchanges = list(c.exchanges.values()), {}

@@ -95,6 +95,10 @@ class NetTiming:
         return None if ts is None else self.departures.get(ts, ts)
 
 
+# the error of a request open when a --duty-cycle window closed (tracer/duty.py)
+DUTY_CYCLE_CUT = "the duty cycle's window closed before the response completed"
+
+
 @dataclass
 class RequestRecord:
     pid: int
@@ -150,6 +154,12 @@ class RequestRecord:
     def key(self) -> tuple[int, int, int, int]:
         """(pid, fd, conn_id, exchange): fixed once the record exists (looked up often)."""
         return (self.pid, self.fd, self.conn_id, self.exchange)
+
+    @property
+    def cut_by_duty_cycle(self) -> bool:
+        """Ended by a ``--duty-cycle`` window's close, not by the server: a sample's
+        artefact, left out of the metrics (a failure there would be the tracer's)."""
+        return self.error == DUTY_CYCLE_CUT
 
     @property
     def is_llm(self) -> bool:

@@ -112,7 +112,8 @@ class PrometheusSink:
 
     def __init__(self, port: int, addr: str = DEFAULT_ADDR,
                  max_label_values: int = MAX_LABEL_VALUES) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+        from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
+                                       start_http_server)
 
         self.caps = {name: LabelCap(max_label_values)
                      for name in ("model_name", "error_type", "finished_reason")}
@@ -151,12 +152,18 @@ class PrometheusSink:
                               "Observations whose label value was replaced by 'other': the "
                               "label had its most distinct values already.", ["label"],
                               registry=r)
+        self.traced_share = Gauge("tokentrace_traced_share",
+                                  "Share of the time the probes are in (run --duty-cycle; 1: "
+                                  "all the time): the counts above cover that share of the "
+                                  "requests, so divide rates by it.", registry=r)
+        self.traced_share.set(1.0)
         self._server, self._thread = start_http_server(port, addr, registry=r)
         self.port: int = self._server.server_port
 
     def on_record(self, rec: RequestRecord) -> None:
-        if not rec.is_llm:
+        if not rec.is_llm or rec.cut_by_duty_cycle:
             return
+        self.traced_share.set(rec.duty_cycle or 1.0)
         f = RequestFacts(rec)
         m = self._label("model_name", f.model)
         self.e2e.labels(m).observe(f.duration)
@@ -246,7 +253,7 @@ class OtlpMetricsSink:
         return provider, inst
 
     def on_record(self, rec: RequestRecord) -> None:
-        if not rec.is_llm:
+        if not rec.is_llm or rec.cut_by_duty_cycle:
             return
         f = RequestFacts(rec)
         inst = self._instruments(rec.pid)
