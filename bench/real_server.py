@@ -990,6 +990,10 @@ MODES = {  # name -> control commands that set it up from "full" (the default tr
     "period-4": ["sample-period 4"],
     # census at period-2: what each probe fires per token with the windows half as often
     "census-period-2": ["probe-stats on", "sample-period 2"],
+    # run --duty-cycle (tracer/duty.py): every probe in for 0.2 (0.5) of each 10 s, on
+    # the agent's own phase, so the slices fall at every phase of the cycle alike
+    "duty-0.2": ["duty-cycle 0.2/10"],
+    "duty-0.5": ["duty-cycle 0.5/10"],
     # no probe of ours, only a do-nothing syscall tracepoint held by the bench: what the
     # kernel's syscall slow path (on while any syscall tracepoint is) costs the server
     "slow-path": ["pause", "bench:slow-path on"],
@@ -1007,6 +1011,7 @@ UNDO = {"untraced": ["resume"], "full": [], "no-payload": ["capture-limit 262144
         "sampled-memsets": ["gpu-sample 1"],
         "period-2": ["sample-period default"], "period-4": ["sample-period default"],
         "census-period-2": ["probe-stats off", "sample-period default"],
+        "duty-0.2": ["duty-cycle off"], "duty-0.5": ["duty-cycle off"],
         "slow-path": ["bench:slow-path off", "resume"],
         "agent-load": ["bench:agent-load off", "resume"]}
 # the bench's own switches ("bench:NAME on|off": slow-path, agent-load), set up by
@@ -1286,7 +1291,7 @@ def choose_modes(args: argparse.Namespace, gpu: bool) -> list[str]:
     modes = ["untraced", "full"]
     if args.breakdown:
         parts = ["no-payload", "no-analysis", "net-syscall", "census", "slow-path",
-                 "agent-load"]
+                 "agent-load", "duty-0.2", "duty-0.5"]
         if gpu:
             parts += ["no-launch-probes", "sockets-only", "burst-min-1ms", "stub-naming-open",
                       "alias-lookups-open", "sampled", "sampled-p5", "sampled-copies",
@@ -2314,7 +2319,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--breakdown-modes", metavar="M,M", default="",
                     help="only these parts of --breakdown (no-payload, no-analysis, "
                          "net-syscall, census, "
-                         "slow-path, agent-load, no-launch-probes, sockets-only, burst-min-1ms, "
+                         "slow-path, agent-load, duty-0.2, duty-0.5, no-launch-probes, "
+                         "sockets-only, burst-min-1ms, "
                          "stub-naming-open, alias-lookups-open, sampled, sampled-p5, "
                          "sampled-copies, period-2, period-4, census-period-2)")
     ap.add_argument("--sample-fraction", type=float, default=0.1, metavar="F",

@@ -277,3 +277,29 @@ def test_a_switch_while_running_times_held_records_in_their_mode_and_forgets_the
     assert out[2].net.timing == "syscall"
     assert out[2].net.reason == "connection opened before attach"
     assert t.stats["net_timing_switches"] == 2
+
+
+def test_a_first_arrival_an_unseen_read_took_and_was_answered_is_not_the_next_requests():
+    """A keep-alive connection met at a resume (or attach) with its server thread
+    already in a read: request 1's bytes came at 10 ms, that read was not seen, its
+    response was (20 ms). Request 2 came at 40 ms; its read, the first seen, carries
+    the burst's oldest arrival, request 1's: taken, request 2 would have waited 32 ms
+    in the socket. Its timing stays the syscall's, and says why; a later request on
+    the connection, with an ARRIVAL of its own, is timed at the socket again. Where
+    nothing was written in between, the oldest arrival is the request's own."""
+    out: list[RequestRecord] = []
+    t = timer(out)
+    t.data(write(20 * MS, 0, 300))  # request 1's response; no log for the connection yet
+    t.netwait(nw("arrival", 10 * MS, 42 * MS, 120, first=True))
+    t.finished(rec(42 * MS, 43 * MS, 44 * MS))
+    t.netwait(nw("arrival", 60 * MS, 61 * MS, 240))
+    t.finished(rec(61 * MS, 62 * MS, 63 * MS))
+    t.close()
+    assert out[0].net.timing == "syscall" and "earlier request" in out[0].net.reason
+    assert out[1].net.timing == "socket" and out[1].net.arrival_ns == 60 * MS
+    assert t.stats["net_timing.first_arrival_stale"] == 1
+    t2 = timer(out := [])
+    t2.netwait(nw("arrival", 10 * MS, 42 * MS, 0, first=True))  # the server was busy
+    t2.finished(rec(42 * MS, 43 * MS, 44 * MS))
+    t2.close()
+    assert out[0].net.timing == "socket" and out[0].net.arrival_ns == 10 * MS

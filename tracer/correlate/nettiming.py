@@ -56,6 +56,7 @@ _FLAG_TLS = wire.CONSTANTS["FLAG_TLS"]
 WAIT_NS = 250_000_000  # a peer ACKs within its delayed-ACK time (40-200 ms on Linux)
 HOLD_MAX_NS = 2_000_000_000
 MAX_LOG = 8192  # writes and arrivals remembered per connection
+MAX_EARLY = 65536  # connections whose last write is kept before their first ARRIVAL
 # ...forgotten this many at a time once over: a busy keep-alive connection writes every
 # token, and dropping one entry off the front of an 8,192-long list per write would
 # move the whole list each time
@@ -107,6 +108,10 @@ class ConnLog:
     unseen: list[Unseen] = field(default_factory=list)
     last_ns: int = 0  # its last record
     closed_ns: int = 0
+    # the server wrote on it after the first ARRIVAL's oldest bytes came and before
+    # that read: a read the probes did not see (one begun before attach or a resume)
+    # took them and was answered, so that arrival is not the next request's
+    first_stale: bool = False
 
 
 class NetTimer:
@@ -121,6 +126,8 @@ class NetTimer:
         self.mode: NetTimingMode | None = None
         self.conns: dict[tuple[int, int, int], ConnLog] = {}
         self.accepts: dict[tuple[int, int, int], int] = {}
+        # the last write of each connection with no log yet (before its first ARRIVAL)
+        self.early_writes: dict[tuple[int, int, int], int] = {}
         self._pending: list[tuple[int, int, RequestRecord]] = []
         self._seq = itertools.count()
         self.now = 0
@@ -142,6 +149,7 @@ class NetTimer:
             self.close()
             self.conns.clear()
             self.accepts.clear()
+            self.early_writes.clear()
             self.stats["net_timing_switches"] += 1
         self.mode = mode
 
@@ -153,6 +161,7 @@ class NetTimer:
             self.accepts[ev.key] = ev.ts
         elif ev.op == wire.CONSTANTS["CONN_CLOSE"]:
             self.accepts.pop(ev.key, None)
+            self.early_writes.pop(ev.key, None)
             c = self.conns.get(ev.key)
             if c is not None:  # kept a while: its last records may still be on their way
                 c.closed_ns = ev.ts
@@ -192,10 +201,16 @@ class NetTimer:
         """``data`` of a DATA record's fields (``key``: its (pid, fd, conn_id)).
         ``Pipeline.feed``'s fast path calls it, then perhaps ``data`` with the same
         record: taken once."""
-        if direction == _DIR_IN or not flags & _FLAG_LAST or ret <= 0 or not self.conns:
+        if direction == _DIR_IN or not flags & _FLAG_LAST or ret <= 0:
             return
         c = self.conns.get(key)
-        if c is None or not c.anchored:
+        if c is None:
+            if self.socket_mode and not flags & _FLAG_TLS:
+                if len(self.early_writes) >= MAX_EARLY and key not in self.early_writes:
+                    self.early_writes.clear()  # connections that never got a log
+                self.early_writes[key] = ts_exit
+            return
+        if not c.anchored:
             return
         if ts_exit > c.last_ns:
             c.last_ns = ts_exit
@@ -232,6 +247,7 @@ class NetTimer:
             c = self.conns[ev.key] = ConnLog(anchored=ev.anchored, estab_ns=ev.estab_ts,
                                              accept_ns=self.accepts.pop(ev.key, 0),
                                              first_read_ns=ev.ref_ts)
+            c.first_stale = 0 < ev.ts < self.early_writes.pop(ev.key, 0) <= ev.ref_ts
         c.last_ns = max(c.last_ns, ev.ts, ev.ref_ts)
         if ev.op == "arrival":
             c.anchored = c.anchored or ev.anchored  # late: anchored after attach
@@ -353,6 +369,13 @@ class NetTimer:
         if not arrival:
             return NetTiming(timing="syscall", reason="arrival not seen")
         later = _later(c, rec.start_off, rec.start_ns)
+        if c.first_stale and later <= arrival and \
+                c.arrival_refs[bisect.bisect_right(c.arrival_refs, rec.start_ns) - 1] \
+                == c.first_read_ns:
+            self.stats["net_timing.first_arrival_stale"] += 1
+            return NetTiming(timing="syscall", reason="the first arrival seen on the "
+                             "connection was an earlier request's, read before the probes "
+                             "were in (attach, resume)")
         if later > arrival:
             self.stats["net_timing.arrival_later"] += 1
             arrival = later
