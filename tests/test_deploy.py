@@ -278,7 +278,8 @@ def exposed_sample_names() -> set[str]:
     for fam in text_string_to_metric_families(text):
         if not fam.name.startswith("tokentrace_"):
             continue
-        suffixes = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",)}
+        suffixes = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",),
+                    "gauge": ("",)}
         names.update(fam.name + s for s in suffixes[fam.type])
     return names
 
@@ -300,4 +301,6 @@ def test_dashboard_queries_use_metrics_the_exporter_exposes() -> None:
         assert p["datasource"]["type"] == "prometheus" and p["targets"]
         for t in p["targets"]:
             assert t["expr"].count("(") == t["expr"].count(")")
-            assert 'model_name=~"$model"' in t["expr"]
+            # every panel is per model but the agent's own share traced (no model label)
+            assert 'model_name=~"$model"' in t["expr"] or t["expr"] == \
+                "min by (instance) (tokentrace_traced_share)"
