@@ -334,7 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "kernel's run counts and run time per BPF program while on; "
                     "probe-stats alone prints them as name=runs/ns), duty-cycle "
                     "F[/PERIOD]|off (run's --duty-cycle set, changed or ended; a pause "
-                    "holds it, the resume opens a window). Exit status 1 if it "
+                    "holds it, the resume hands the probes back to it, on its phase). "
+                    "Exit status 1 if it "
                     "answered with an error.",
         epilog="examples:\n  sudo tokentrace ctl /run/tokentrace.sock pause\n"
                "  sudo tokentrace ctl /run/tokentrace.sock resume\n",
@@ -415,7 +416,8 @@ def _report(pipeline: Pipeline, console: Any) -> None:
                 "bytes_lost", "capture.truncated", "capture.iov_cut", "capture.inflight_full",
                 "capture.conns_full", "capture.verbs_cut", "capture.verbs_full",
                 "capture.kcounts_full", "capture.bursts_full", "capture.unanalysed_records",
-                "requests_cut_by_pause", "requests_cut_by_duty_cycle", "capture.tls.lost", "capture.tls.inflight_full",
+                "requests_cut_by_pause", "requests_cut_by_duty_cycle", "capture.tls.lost",
+                "capture.tls.inflight_full",
                 "capture.tls.state_full", "capture.tls.stale",
                 "http_protocol_errors", "undecodable_records",
                 "in_flight_at_exit", "identity.k8s_errors")

@@ -118,15 +118,14 @@ class TraceRun:
             return f"ok resumed {took:.3f}s"
         reply = self.session.control(command)
         if self.auto_sample is not None and reply.startswith("ok"):
-            verb = command.split()[0] if command.split() else ""
+            verb = words[0] if words else ""
             if verb == "gpu-sample":
                 self.auto_sample.hand_set()
             elif verb == "sample-period":
                 self.auto_sample.set_period(self.session.sample_period_s())
                 self._follow_auto()
             elif verb == "resume":
-                self.auto_sample.restart()
-                self._follow_auto()
+                self._after_resume()
         return reply
 
     def _after_resume(self) -> None:
@@ -157,15 +156,14 @@ class TraceRun:
 
     def _set_duty(self, duty: duty_cycle.DutyCycle) -> None:
         """Put ``duty`` in force, on the run's phase: the probes go out or back now
-        where it says so (unless paused by hand)."""
+        where it says so (``_follow_duty``: not while paused by hand)."""
         now = time.monotonic()
         if self._duty_origin is None:
             self._duty_origin = now
         duty.start = self._duty_origin
         self.duty = duty
         self._announce_duty(duty.fraction)
-        if not self._hand_paused:
-            self._follow_duty(now)
+        self._follow_duty(now)
 
     def _announce_duty(self, fraction: float) -> None:
         """The fraction in force changed with the probes where they are: a switch

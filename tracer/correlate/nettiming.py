@@ -369,9 +369,11 @@ class NetTimer:
         if not arrival:
             return NetTiming(timing="syscall", reason="arrival not seen")
         later = _later(c, rec.start_off, rec.start_ns)
-        if c.first_stale and later <= arrival and \
-                c.arrival_refs[bisect.bisect_right(c.arrival_refs, rec.start_ns) - 1] \
-                == c.first_read_ns:
+        # it drew from the connection's first burst (an arrival was found: the log holds
+        # a read at or before it)
+        first_burst = c.arrival_refs[bisect.bisect_right(c.arrival_refs, rec.start_ns) - 1] \
+            == c.first_read_ns
+        if c.first_stale and later <= arrival and first_burst:
             self.stats["net_timing.first_arrival_stale"] += 1
             return NetTiming(timing="syscall", reason="the first arrival seen on the "
                              "connection was an earlier request's, read before the probes "
@@ -383,8 +385,7 @@ class NetTimer:
         llm_arrival = (max(_arrival(c, rec.llm_start_ns), arrival) if rec.llm_start_ns
                        else arrival)
         n = NetTiming(timing="socket", arrival_ns=arrival, llm_arrival_ns=llm_arrival)
-        i = bisect.bisect_right(c.arrival_refs, rec.start_ns) - 1
-        if c.estab_ns and c.arrival_refs and c.arrival_refs[i] == c.first_read_ns:
+        if c.estab_ns and first_burst:
             n.estab_ns = c.estab_ns  # the connection's first request: its setup counts
             n.accept_ns = c.accept_ns or None
         times = _write_times(rec)
