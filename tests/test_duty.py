@@ -15,7 +15,7 @@ def test_windows_open_and_close_on_the_cycles_phase():
     assert d.due(101.9, paused=False) is None
     assert d.due(102.0, paused=False) == "pause"
     assert d.due(107.9, paused=True) is None
-    assert d.due(108.0, paused=True) == "resume" and d.windows == 1
+    assert d.due(108.0, paused=True) == "resume"
     # a switch that came late (a slow poll, a long pause) keeps the phase: at 113 the
     # window of 108-110 is long closed and the next opens at 116
     assert d.due(113.0, paused=False) == "pause"

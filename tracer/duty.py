@@ -37,13 +37,11 @@ MIN_WINDOW_S = 1.0
 @dataclass
 class DutyCycle:
     """When to pause and resume: ``fraction`` of every ``period_s`` traced, a window
-    opening at ``start`` and every period after. ``windows``: windows opened by a
-    resume (the first, at ``start``, was open already)."""
+    opening at ``start`` and every period after."""
 
     fraction: float
     period_s: float = DEFAULT_PERIOD_S
     start: float = 0.0
-    windows: int = 0
 
     def __post_init__(self) -> None:
         check(self.fraction, self.period_s)
@@ -66,7 +64,6 @@ class DutyCycle:
         if want_paused and not paused:
             return "pause"
         if not want_paused and paused:
-            self.windows += 1
             return "resume"
         return None
 
