@@ -106,6 +106,17 @@ def off_by(span_s: float, client_s: float, attrs: dict[str, Any]) -> float:
     return max(span_s - client_s, client_s - span_s - unknown, 0.0)
 
 
+def client_output_tokens(c: dict[str, Any]) -> int | None:
+    """The output tokens a client's result says: the usage it got, else its text chunks
+    (a token each, as the tracer counts a stream without usage). None for a stream with
+    neither: the model's first token ended it (HF's tiny random Llama does, now and
+    then: a role chunk, then ``finish_reason: stop``), and the tracer leaves the count
+    unset rather than invent one."""
+    if c["output_tokens"] is not None:
+        return c["output_tokens"]
+    return c["text_chunks"] or None
+
+
 def timing_rows(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
     """One line per (client result, span attributes): the signed difference span -
     client and the span's network timing, so a failed bar says which request was off,

@@ -75,6 +75,22 @@ def test_stream_without_usage_counts_text_chunks():
     assert (r.output_tokens, r.usage_source, r.first_token_ts) == (4, "stream_chunks", 0)
 
 
+def test_stream_ended_by_its_first_token_has_no_text_and_no_invented_count():
+    """HF ``transformers serve`` when the model's first token is end-of-text (seen in
+    CI with a tiny random Llama): a role chunk, then ``finish_reason: stop``, no usage,
+    no [DONE]. No token times, no TTFT, and the output count left unset."""
+    f = ResponseFollower("chat")
+    f.head(0, 200, {"content-type": "text/event-stream; charset=utf-8"})
+    f.data(10, sse({"id": "8616708b", "choices": [{"delta": {"role": "assistant"}, "index": 0}],
+                    "object": "chat.completion.chunk"}))
+    f.data(20, sse({"id": "8616708b", "choices": [{"delta": {}, "index": 0,
+                                                  "finish_reason": "stop"}]}))
+    r = f.end(30)
+    assert (r.text_chunks, r.token_ts, r.first_token_ts) == (0, [], None)
+    assert r.output_tokens is None and r.usage_source is None
+    assert r.finish_reasons == ["stop"] and not r.done_marker and not r.parse_errors
+
+
 def test_reasoning_and_tool_call_deltas_are_tokens():
     f = ResponseFollower("chat")
     f.head(0, 200, {"content-type": "text/event-stream"})
