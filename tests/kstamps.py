@@ -150,6 +150,17 @@ class StampedSocket:
         data, anc, _, _ = self.sock.recvmsg(n, _CMSG)
         return data, _stamp(anc), time.time_ns()
 
+    def recv_exactly(self, n: int) -> tuple[bytes, int | None, int]:
+        """``n`` bytes, reading again after a short read (fewer only where the stream
+        ended first); stamps as ``recv``'s, of the read that took the last of them."""
+        got, at, user = b"", None, 0
+        while len(got) < n:
+            data, at, user = self.recv(n - len(got))
+            if not data:
+                break
+            got += data
+        return got, at, user
+
     def close(self) -> None:
         self.sock.close()
 

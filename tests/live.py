@@ -176,26 +176,18 @@ class _StampedTLS:
         self.stamped.sock.sendall(data)
         return self.stamped.sent(len(data))
 
-    def _exactly(self, n: int) -> tuple[bytes, int | None]:
-        """``n`` bytes off the socket (b"" at the end of the stream) and the arrival of
-        the segment holding the last of them."""
-        got, at = b"", None
-        while len(got) < n:
-            data, at, _ = self.stamped.recv(n - len(got))
-            if not data:
-                if got:
-                    raise ConnectionError("the server closed the connection mid-record")
-                return b"", None
-            got += data
-        return got, at
-
     def _record(self) -> int | None:
-        """One TLS record into OpenSSL; its arrival stamp (None at the end of the
-        stream)."""
-        header, _ = self._exactly(5)
+        """One TLS record into OpenSSL; the arrival of the segment holding its last
+        byte (None at the end of the stream)."""
+        header, _, _ = self.stamped.recv_exactly(5)
         if not header:
             return None
-        body, at = self._exactly(int.from_bytes(header[3:5], "big"))
+        if len(header) < 5:
+            raise ConnectionError("the server closed the connection mid-record")
+        size = int.from_bytes(header[3:5], "big")
+        body, at, _ = self.stamped.recv_exactly(size)
+        if len(body) < size:
+            raise ConnectionError("the server closed the connection mid-record")
         self._in.write(header + body)
         return at
 

@@ -210,12 +210,8 @@ class WireClient:
                 elif isinstance(ev, h2.events.TrailersReceived) and ev.stream_id == c["sid"]:
                     c["status"] = int(dict(ev.headers)[b"grpc-status"])
             at = end
-        got, last, user = self.ssock.recv(len(peeked))
-        while len(got) < len(peeked):  # a read may come back short: take the rest
-            more, last, user = self.ssock.recv(len(peeked) - len(got))
-            assert more, "server closed the connection"
-            got += more
-        assert got == peeked and last is not None
+        got, last, user = self.ssock.recv_exactly(len(peeked))  # a read may come back short
+        assert got == peeked and last is not None, "server closed the connection"
         c["waits"].append(user - last)
         self.partial = data[at:]
         pending = self.conn.data_to_send()

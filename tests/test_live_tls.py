@@ -235,10 +235,7 @@ def test_hf_transformers_serve_over_https_50_requests(hf_https, trust, tmp_path)
     for stream, c in calls:
         a = spans[c["id"]]["attributes"]
         assert a["tokentrace.request.stream"] is stream
-        if c["output_tokens"] is not None:
-            assert a["gen_ai.usage.output_tokens"] == c["output_tokens"]
-        else:
-            assert a.get("gen_ai.usage.output_tokens") == client_output_tokens(c)
+        assert a.get("gen_ai.usage.output_tokens") == client_output_tokens(c)
         assert a["tls.protocol.version"] == "1.3" and a["url.scheme"] == "https"
         if c["ttft"] is None:  # random weights: a reply can be all end-of-text, no text
             assert "tokentrace.time_to_first_token" not in a
