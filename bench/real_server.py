@@ -1316,6 +1316,7 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
     on_gpus = Counter(g for g in gpus if g is not None)
     lanes: list[Lane] = []
     agent = watch = meters = load = None
+    own_cpus = os.sched_getaffinity(0)
     agents: list[Agent] = []
     crossover = args.design == "crossover"
     out: dict[str, Any] = {"server": kind, "device": args.device, "mode": args.mode,
@@ -1351,6 +1352,9 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
                           args.agent_args.split())
             agents.append(agent)
         t_attached = time.monotonic()
+        # the bench's own work between slices (the clients' slices asked, the progress,
+        # the switches) beside the agent, off the servers' and clients' CPUs
+        os.sched_setaffinity(0, plan.agent)
         for lane in lanes:  # threads the servers started since
             pin(lane.server.pid, plan.lanes[lane.replica]["server"])
         gpu = int(agent.ctl("status").rsplit("gpu_libs=", 1)[1].split()[0]) > 0
@@ -1414,6 +1418,7 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
         if load is not None:
             load.close()
         BENCH_SWITCHES.clear()
+        os.sched_setaffinity(0, own_cpus)
         summaries = [a.stop() for a in agents]
         for lane in lanes:
             if lane.client is not None:
@@ -1540,7 +1545,7 @@ def run_windows(kind: str, agent: Agent, client: Client, server: Server,
             windows.append(w)
             for cmd in UNDO[mode]:
                 switch_time(command(agent, cmd), cmd, switches)
-        stats = summarise(windows, modes)
+        stats = headline(windows)
         elapsed = time.monotonic() - t_start
         progress(kind, order, elapsed, stats)
         hw = stats["tokens_per_s"].get("half_width")
@@ -1686,7 +1691,7 @@ def run_rounds(kind: str, lanes: list[Lane], args: argparse.Namespace, modes: li
                                                       "switches": switches}) + "\n")
         complete = [w for w in slices if "tokens" in w]
         if complete:
-            stats = summarise(complete, modes)
+            stats = headline(complete)
             progress(kind, order - 1, elapsed, stats)
             hw = stats["tokens_per_s"].get("half_width")  # the interval over rounds
             if order - 1 >= args.min_pairs and hw is not None and hw <= args.target:
@@ -1895,7 +1900,29 @@ def switch_effects(slices: list[dict[str, Any]]) -> dict[str, Any]:
     return {"traced_next_vs_after_resume": clustered_ci(blocks["full"]),
             "untraced_next_vs_after_pause": clustered_ci(blocks["untraced"]),
             "tokens_per_s_pairs_traced_after_resume": clustered_ci(kinds["full"]),
-            "tokens_per_s_pairs_untraced_after_pause": clustered_ci(kinds["untraced"])}
+            "tokens_per_s_pairs_untraced_after_pause": clustered_ci(kinds["untraced"]),
+            "by_position": by_position(slices)}
+
+
+def by_position(slices: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each slice's tokens/s over its round's geometric mean (of its replica's slices
+    of that round), by mode and place in the round (``MODE@0``: the round's first): a
+    slowness of a place that every mode in it shares is the run's, not a mode's (the
+    pairs' order alternates, so it weighs on full and untraced alike). Only rounds with
+    every slice measured."""
+    rounds: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for w in slices:
+        rounds.setdefault((w["round"], w.get("replica", 0)), []).append(w)
+    size = max((len(ws) for ws in rounds.values()), default=0)
+    values: dict[str, list[tuple[int, float]]] = {}
+    for (rnd, _), ws in rounds.items():
+        if len(ws) < size or not all(tps(w) for w in ws):
+            continue
+        mean = statistics.fmean(math.log(tps(w)) for w in ws)
+        for place, w in enumerate(ws):
+            values.setdefault(f"{w['mode']}@{place}", []).append(
+                (rnd, math.exp(math.log(tps(w)) - mean)))
+    return {key: clustered_mean(v) for key, v in sorted(values.items())}
 
 
 LaneRounds = dict[tuple[int, int], dict[str, dict[str, Any]]]  # (round, replica) -> mode -> record
@@ -1934,24 +1961,39 @@ def per_replica(full: list[tuple[tuple[int, int], dict[str, Any], dict[str, Any]
             for rep, ps in sorted(reps.items())]
 
 
+def full_pairs(rounds: LaneRounds) -> list[tuple[tuple[int, int], dict[str, Any], dict[str, Any]]]:
+    """Each (round, replica) with both a full and an untraced slice: (key, full, untraced)."""
+    return [(key, r["full"], r["untraced"]) for key, r in rounds.items()
+            if "full" in r and "untraced" in r]
+
+
+def headline(windows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Full against untraced, tokens/s and server CPU per token: what a run's progress
+    and its stopping rule read after every round (``summarise`` has the rest; its TTFT
+    bootstraps take seconds late in a run, which the load would spend waiting)."""
+    full = full_pairs(lane_rounds(windows))
+    return {"tokens_per_s": clustered_ci([(*k, tps(t) / tps(u)) for k, t, u in full if tps(u)]),
+            "server_cpu_per_token": clustered_ci([(*k, cpt(t) / cpt(u)) for k, t, u in full
+                                                  if cpt(u)])}
+
+
 def summarise(windows: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
     """Per round and replica, each mode against that round's untraced slice (window) of
     the same replica; intervals over rounds (``clustered_ci``)."""
     rounds = lane_rounds(windows)
-    full = [(key, r["full"], r["untraced"]) for key, r in rounds.items()
-            if "full" in r and "untraced" in r]
+    full = full_pairs(rounds)
     by_round: dict[int, list[SlicePair]] = {}
     for (rnd, _), t, u in full:
         by_round.setdefault(rnd, []).append((t, u))
     clusters = list(by_round.values())
 
     rng = random.Random(0)
+    head = headline(windows)
     out: dict[str, Any] = {
-        "tokens_per_s": clustered_ci([(*k, tps(t) / tps(u)) for k, t, u in full if tps(u)]),
+        "tokens_per_s": head["tokens_per_s"],
         "ttft_p50": ttft_ratios(clusters, 0.5, rng) if full else {},
         "ttft_p99": ttft_ratios(clusters, 0.99, rng) if full else {},
-        "server_cpu_per_token": clustered_ci([(*k, cpt(t) / cpt(u)) for k, t, u in full
-                                              if cpt(u)]),
+        "server_cpu_per_token": head["server_cpu_per_token"],
         "tokens_per_s_untraced": round(statistics.fmean(tps(u) for _, _, u in full), 1) if full else None,
         "errors": sum(w["errors"] for w in windows),
         "short_requests": sum(w.get("short_requests", 0) for w in windows),
@@ -2017,7 +2059,21 @@ def part_ratios(rows: list[PartRow]) -> dict[str, Any]:
     # full tracing adds over untraced: a part's share of the overhead
     added = [cpt(f) - cpt(uf) for _, _, f, _, uf in rows]
     saved = [(cpt(f) - cpt(uf)) - (cpt(p) - cpt(u)) for _, p, f, u, uf in rows]
-    return {"tokens_per_s_vs_untraced": clustered_ci([(*k, tps(p) / tps(u))
+    # TTFT quantiles pooled over the part's slices, against its untraced slices and
+    # against full's slices of the same rounds (resampled by round, as for full)
+    vs_untraced: dict[int, list[SlicePair]] = {}
+    vs_full: dict[int, list[SlicePair]] = {}
+    for (rnd, _), p, f, u, _ in rows:
+        vs_untraced.setdefault(rnd, []).append((p, u))
+        vs_full.setdefault(rnd, []).append((p, f))
+    ttft: dict[str, Any] = {}
+    if all("ttft_ms" in p for _, p, _, _, _ in rows):
+        for q, name in ((0.5, "p50"), (0.99, "p99")):
+            ttft[f"ttft_{name}_vs_untraced"] = ttft_ratios(list(vs_untraced.values()), q,
+                                                           random.Random(0))
+            ttft[f"ttft_{name}_vs_full"] = ttft_ratios(list(vs_full.values()), q,
+                                                       random.Random(0))
+    return {**ttft, "tokens_per_s_vs_untraced": clustered_ci([(*k, tps(p) / tps(u))
                                                       for k, p, _, u, _ in rows if tps(u)]),
             "tokens_per_s_vs_full": clustered_ci([
                 (*k, (tps(p) / tps(u)) / (tps(f) / tps(uf)))

@@ -501,3 +501,38 @@ def test_hf_cb_servers_sharing_a_gpu_split_its_cache_memory() -> None:
         flag, share = cb_memory_args(n)
         assert flag == "--cb-max-memory-percent"
         assert n * float(share) == pytest.approx(0.8, abs=1e-3)
+
+
+def test_a_part_has_its_own_ttft_quantiles_against_untraced_and_full() -> None:
+    """A duty-cycle slice each round: its TTFTs pooled against the round's untraced
+    slices and against its full slices, not left to full's ratios alone."""
+    ws = slices([[0.0]] * 6)
+    for w in ws:
+        if w["mode"] == "full":
+            w["ttft_ms"] = [12.0, 24.0]  # full 1.2x untraced's [10, 20]
+    for k in range(1, 7):
+        ws.append(record("duty-0.2", k, 10000.0, ttft_ms=[11.0, 22.0]))
+    part = rs.summarise(ws, ["untraced", "full", "duty-0.2"])["breakdown"]["duty-0.2"]
+    assert part["ttft_p50_vs_untraced"]["ratio"] == pytest.approx(16.5 / 15.0, abs=1e-4)
+    assert part["ttft_p50_vs_full"]["ratio"] == pytest.approx(16.5 / 18.0, abs=1e-4)
+    assert part["ttft_p99_vs_untraced"]["ratio"] == pytest.approx(21.89 / 19.9, abs=1e-3)
+    # the same in every round: every resample gives the point
+    assert part["ttft_p50_vs_full"]["ci95"] == [part["ttft_p50_vs_full"]["ratio"]] * 2
+
+
+def test_a_slow_first_place_in_the_round_is_told_apart_from_the_modes() -> None:
+    """Each round's first slice 2% slow, whatever its mode (the pairs' order alternates,
+    so it is full's in half the rounds): by place, untraced@0 and full@0 are both ~2%
+    under the round's mean and @1 above it, while the pair ratios alone would split
+    into 0.98 and 1/0.98 by which slice came first."""
+    ws = slices([[0.0]] * 8)
+    for w in ws:
+        first = ("untraced" if w["round"] % 2 else "full") == w["mode"]
+        if first:
+            w["tokens"] = round(w["tokens"] * 0.98)
+    places = rs.summarise(ws, ["untraced", "full"])["switch_effects"]["by_position"]
+    assert set(places) == {"untraced@0", "untraced@1", "full@0", "full@1"}
+    for mode in ("untraced", "full"):
+        assert places[f"{mode}@0"]["mean"] == pytest.approx(math.sqrt(0.98), abs=2e-4)
+        assert places[f"{mode}@1"]["mean"] == pytest.approx(1 / math.sqrt(0.98), abs=2e-4)
+        assert places[f"{mode}@0"]["rounds"] == 4
