@@ -14,6 +14,14 @@ inflated is counted and keeps no bytes.
 A stream that is not gRPC (other content type, or plain HTTP/2) is still a call, with
 its headers and byte counts and no messages. A stream whose start was never seen (the
 observer attached late) is counted, not reported: its method would be a guess.
+
+After a late attach, a client that reuses its HPACK dynamic table (grpc-core does,
+for every call on a channel) sends header blocks of which nothing but ``:method`` can
+be decoded: neither ``:path`` nor ``content-type``. Such a call is taken for gRPC by
+its request bytes alone when they are length-prefixed messages that fill its first
+DATA frame exactly (``grpc_framed``; ``Call.framing_inferred``, a ``CallRecognised``
+event before its first message). Its method stays unknown here; the layer above may
+name it from its messages (``protocols.kserve``), and says so.
 """
 
 from __future__ import annotations
@@ -102,24 +110,39 @@ class Call:
     request_incomplete: bool = False  # bytes of this call were lost
     response_incomplete: bool = False
     error: str | None = None
+    # gRPC by its request's framing alone: its :path and content-type were unknown
+    framing_inferred: bool = False
+    # ``/package.Service/Method`` told by the layer above from the call's messages
+    # (its :path was unknown); None: not inferred
+    inferred_path: str | None = None
 
     @property
     def path(self) -> str | None:
-        return self.request_headers.get(":path")
+        return self.request_headers.get(":path") or self.inferred_path
 
     @property
     def is_grpc(self) -> bool:
         """``content-type: application/grpc...``; or, when the content type could not
         be decoded (a late attach), a decoded ``:path`` of the gRPC form
-        ``/package.Service/Method`` (see ``content_type_unknown``)."""
+        ``/package.Service/Method`` (see ``content_type_unknown``), or neither decoded
+        and the request framed as gRPC (``framing_inferred``)."""
         ct = self.request_headers.get("content-type")
         if ct is not None:
             return ct.startswith("application/grpc")
+        if self.framing_inferred:
+            return True
         return self.content_type_unknown and bool(GRPC_PATH.fullmatch(self.path or ""))
 
     @property
     def content_type_unknown(self) -> bool:
         return "content-type" not in self.request_headers and self.unknown_header_fields > 0
+
+    @property
+    def headers_unknown(self) -> bool:
+        """Neither ``:path`` nor ``content-type`` decoded, some fields not: a late
+        attach's call on a connection that reuses its header table."""
+        h = self.request_headers
+        return self.content_type_unknown and ":path" not in h
 
     @property
     def service_method(self) -> tuple[str | None, str | None]:
@@ -134,6 +157,14 @@ class Call:
 
 @dataclass(frozen=True, slots=True)
 class CallStarted:
+    call: Call
+
+
+@dataclass(frozen=True, slots=True)
+class CallRecognised:
+    """A call that started with unknown headers is gRPC by its framing
+    (``Call.framing_inferred``): its messages follow."""
+
     call: Call
 
 
@@ -155,7 +186,7 @@ class CallEnded:
     call: Call
 
 
-CallEvent = CallStarted | CallMessage | CallResponseHeaders | CallEnded
+CallEvent = CallStarted | CallRecognised | CallMessage | CallResponseHeaders | CallEnded
 
 
 class MessageReader:
@@ -351,10 +382,15 @@ class GrpcConnection:
             self.stats["http2_data_unseen_stream"] += len(e.data)
             return
         call = st.call
+        first = e.from_client and call.request_bytes == 0
         if e.from_client:
             call.request_bytes += len(e.data)
         else:
             call.response_bytes += len(e.data)
+        if first and call.headers_unknown and not call.is_grpc and grpc_framed(e.data):
+            call.framing_inferred = True
+            self.stats["grpc_calls_by_framing"] += 1
+            out.append(CallRecognised(call))
         if call.is_grpc:
             for m in st.readers[e.from_client].feed(e.data, e.ts):
                 if m.from_client:
@@ -417,6 +453,26 @@ class GrpcConnection:
         elif call.is_grpc and call.grpc_status is None and call.unknown_header_fields == 0:
             call.error = "the response ended without grpc-status"
         return CallEnded(call)
+
+
+MIN_MAX_FRAME = 16384  # the smallest SETTINGS_MAX_FRAME_SIZE a peer may set
+
+
+def grpc_framed(data: bytes) -> bool:
+    """``data`` (a request's first DATA frame) is length-prefixed gRPC messages: each a
+    flag byte of 0 or 1 and a 4-byte length, the last one ending exactly at the frame's
+    end, or, in a frame of at least the 16 KiB every peer allows, running past it (a
+    message too large for one frame). gRPC clients write a message in one frame while
+    it fits; a prefix split from its message is not taken."""
+    pos, n = 0, len(data)
+    if n < 5:
+        return False
+    while pos + 5 <= n:
+        flag, length = struct.unpack_from(">BI", data, pos)
+        if flag > 1 or length > MAX_MESSAGE:
+            return False
+        pos += 5 + length
+    return pos == n or (pos > n and n >= MIN_MAX_FRAME)
 
 
 def decompress(data: bytes, encoding: str | None, limit: int | None = None

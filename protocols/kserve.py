@@ -16,6 +16,14 @@ records the OpenAI path makes, so spans carry the same attribute names:
   unknown. Input tokens: ``num_input_tokens`` where returned.
 - TTFT counts from the first byte of the first request message (``request_ts``):
   a client may open a ModelStreamInfer stream well before it sends a request on it.
+
+A call whose ``:path`` could not be decoded (a late attach; ``protocols.grpc``'s
+``framing_inferred``) is followed with ``method=None``: it is taken for a KServe call
+only if its first request message is a ``ModelInferRequest`` naming a model, with
+every input named and of a KServe datatype (``inference_request``), and its method
+is told by the first response (``method_of_response``): a ``ModelStreamInferResponse``
+whose ``infer_response`` names the same model, or a ``ModelInferResponse`` that does.
+Anything else is not followed (``rejected``): no LLM fields rather than wrong ones.
 """
 
 from __future__ import annotations
@@ -40,8 +48,51 @@ STRUCT_FORMATS = {"INT8": "b", "INT16": "h", "INT32": "i", "INT64": "q", "UINT8"
                   "BOOL": "?"}
 
 
+# the tensor datatypes of the KServe v2 protocol
+DATATYPES = frozenset({"BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16",
+                       "INT32", "INT64", "FP16", "FP32", "FP64", "BF16", "BYTES"})
+
+
 def is_kserve(service: str | None, method: str | None) -> bool:
     return service == SERVICE and method in METHODS
+
+
+def inference_request(data: bytes) -> Any | None:
+    """``data`` as a ``ModelInferRequest`` that names a model (printable, at most
+    ``MAX_NAME`` long) and has inputs, each named and of a KServe datatype; else None.
+    Protobuf decodes many byte strings as some message: these fields are the proof."""
+    try:
+        m = messages().ModelInferRequest.FromString(data)
+    except DecodeError:
+        return None
+    name = m.model_name
+    if not name or len(name) > MAX_NAME or not name.isprintable():
+        return None
+    if not m.inputs or any(not t.name or t.datatype not in DATATYPES for t in m.inputs):
+        return None
+    return m
+
+
+def method_of_response(data: bytes, model: str | None) -> str | None:
+    """The method a call's first response message says it is, for a request that
+    named ``model``: ``ModelStreamInfer`` for a ``ModelStreamInferResponse`` whose
+    ``infer_response`` names it, ``ModelInfer`` for a ``ModelInferResponse`` that
+    does; None when neither holds (a stream's error-only response reads as a bare
+    ``ModelInferResponse`` whose model name is the error text: not told)."""
+    if not model:
+        return None
+    try:
+        sm = messages().ModelStreamInferResponse.FromString(data)
+        if sm.HasField("infer_response") and sm.infer_response.model_name == model:
+            return "ModelStreamInfer"
+    except DecodeError:
+        pass
+    try:
+        if messages().ModelInferResponse.FromString(data).model_name == model:
+            return "ModelInfer"
+    except DecodeError:
+        pass
+    return None
 
 
 @dataclass
@@ -118,8 +169,12 @@ def _param(params: Any, name: str) -> Any:
 class KServeFollower:
     """Follows one ModelInfer / ModelStreamInfer call, message by message."""
 
-    def __init__(self, method: str, keep_content: bool = False) -> None:
+    def __init__(self, method: str | None, keep_content: bool = False) -> None:
+        """``method``: the call's, from its ``:path``; None: unknown, to be told by
+        its messages (see the module's docstring)."""
         self.method = method
+        self.inferred = method is None
+        self.rejected = False  # inferred, and its messages say it is not KServe
         self.keep = keep_content
         self.streamed = method == "ModelStreamInfer"
         self.req = KServeRequest(operation="inference", stream=self.streamed)
@@ -141,13 +196,22 @@ class KServeFollower:
         if self.req.requests > 1:
             return
         if data is None:
+            if self.inferred:  # nothing to tell it by
+                self.rejected = True
+                return
             self.req.error = f"request {unreadable or 'message unreadable'}"
             return
-        try:
-            m = messages().ModelInferRequest.FromString(data)
-        except DecodeError as e:
-            self.req.error = f"request is not a ModelInferRequest: {e}"
-            return
+        if self.inferred:
+            m = inference_request(data)
+            if m is None:
+                self.rejected = True
+                return
+        else:
+            try:
+                m = messages().ModelInferRequest.FromString(data)
+            except DecodeError as e:
+                self.req.error = f"request is not a ModelInferRequest: {e}"
+                return
         q = self.req
         q.parsed = True
         q.model = m.model_name[:MAX_NAME] or None
@@ -181,6 +245,8 @@ class KServeFollower:
 
     def response_message(self, ts: int, data: bytes | None) -> None:
         """One response message (inflated if it was compressed); None: unreadable."""
+        if self.method is None and not self._tell_method(data):
+            return
         r = self.r
         r.chunks += 1
         if r.first_chunk_ts is None:
@@ -242,6 +308,19 @@ class KServeFollower:
             r.token_at(ts)
         if _param(m.parameters, "triton_final_response") is True:
             r.done_marker = True
+
+    def _tell_method(self, data: bytes | None) -> bool:
+        """An inferred call's method from its first response; False (and rejected)
+        when that does not tell it."""
+        method = method_of_response(data, self.req.model) if data is not None else None
+        if method is None:
+            self.rejected = True
+            return False
+        self.method = method
+        self.streamed = method == "ModelStreamInfer"
+        self.req.stream = self.req.stream or self.streamed
+        self.r.streamed = self.streamed
+        return True
 
     def end(self, ts: int) -> tuple[KServeRequest, LLMResponse]:
         r = self.r

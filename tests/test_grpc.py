@@ -293,14 +293,101 @@ def test_existing_connection_found_at_attach_is_traced_from_its_next_request():
     (rec,) = records
     assert rec.role == "server"
     # the repeated :path and content-type were inserted into the table before the
-    # attach: not decodable, so the call is not named (never guessed) but counted
+    # attach: not decodable, and counted; the call is gRPC by its framing and named
+    # by its messages (a ModelInferRequest, then a ModelStreamInferResponse of its
+    # model), which the span says
     assert rec.rpc.unknown_header_fields > 0
     assert t.stats["http2_header_blocks_undecodable"] >= 1
-    assert rec.target == "" and rec.llm_request is None and rec.rpc.grpc_status is None
+    assert t.stats["grpc_calls_by_framing"] == 1 and t.stats["kserve_methods_inferred"] == 1
+    assert rec.rpc.framing_inferred and rec.rpc.service_method == (
+        "inference.GRPCInferenceService", "ModelStreamInfer")
+    assert rec.llm_request.request_id == "late" and rec.llm_request.stream
+    assert rec.rpc.grpc_status is None  # its trailers' fields were not decodable
     (span,) = spans
-    assert span["name"] == "POST" and "rpc.method" not in span["attributes"]
-    assert span["attributes"]["tokentrace.http2.unknown_header_fields"] == 6
+    a = span["attributes"]
+    assert span["name"] == "text_completion tiny-gpt"
+    assert a["rpc.method"] == "ModelStreamInfer"
+    assert a["tokentrace.grpc.framing_inferred"] and a["tokentrace.grpc.method_inferred"]
+    assert a["gen_ai.usage.output_tokens"] == 1
+    assert a["tokentrace.time_to_first_token"] > 0
+    assert a["tokentrace.http2.unknown_header_fields"] == 6
     assert span["status"] != "ERROR"  # unknown status is not reported as a failure
+
+
+def late_calls(*calls):
+    """A connection's calls after one that built its header table, as a late attach
+    sees them: ``calls`` are (path, request body, response messages)."""
+    w = Wire()
+    a = w.request(INFER, body=grpc_message(infer_request(rid="early")))
+    w.respond(a, [grpc_message(infer_response(b" x", rid="early").SerializeToString())])
+    w.request("/pkg.Other/Thing", body=grpc_message(b"early"), end=True)
+    before = len(w.chunks)
+    for path, body, responses in calls:
+        sid = w.request(path, body=body)
+        w.respond(sid, responses)
+    return track(w.chunks[before:], existing=True)
+
+
+def test_a_late_unary_call_is_named_by_its_response_and_keeps_its_counts():
+    t, (rec,), (span,) = late_calls(
+        (INFER, grpc_message(infer_request(rid="u9", counts=True)),
+         [grpc_message(infer_response(b" a b", rid="u9", out_tokens=2).SerializeToString())]))
+    assert rec.rpc.service_method[1] == "ModelInfer" and not rec.llm_request.stream
+    a = span["attributes"]
+    assert (a["rpc.method"], a["gen_ai.usage.output_tokens"]) == ("ModelInfer", 2)
+    assert a["tokentrace.kserve.request_id"] == "u9"
+
+
+def test_a_late_call_of_another_service_is_grpc_but_not_named():
+    """Messages that are not a KServe request: gRPC by their framing, no method, no
+    model, no tokens (rejected, counted), rather than a wrong name."""
+    t, (rec,), (span,) = late_calls(
+        ("/pkg.Other/Thing", grpc_message(b"\x0a\x03abc"), [grpc_message(b"ok")]))
+    assert rec.rpc.framing_inferred and rec.rpc.service_method == (None, None)
+    assert rec.llm_request is None and t.stats["kserve_inferred_rejected"] == 1
+    a = span["attributes"]
+    assert a["rpc.system"] == "grpc" and "rpc.method" not in a
+    assert a["tokentrace.grpc.request_messages"] == 1
+    assert "tokentrace.grpc.method_inferred" not in a
+
+
+def test_a_late_call_that_is_not_framed_as_grpc_stays_plain_http2():
+    t, (rec,), (span,) = late_calls(
+        ("/pkg.Other/Thing", b'{"prompt": "hi"}', [b"ok"]))
+    assert not rec.rpc.is_grpc and rec.protocol == "http/2"
+    assert t.stats["grpc_calls_by_framing"] == 0
+    assert "rpc.system" not in span["attributes"]
+
+
+def test_grpc_framing_is_whole_prefixed_messages():
+    one, two = grpc_message(b"abc"), grpc_message(b"", compressed=True)
+    assert grpc.grpc_framed(one) and grpc.grpc_framed(one + two)
+    assert not grpc.grpc_framed(one[:-1])  # ends inside its message in a small frame
+    assert not grpc.grpc_framed(one + b"\x00")  # a prefix cut short
+    assert not grpc.grpc_framed(b"\x02" + one[1:])  # no such flag
+    assert not grpc.grpc_framed(b"") and not grpc.grpc_framed(b"{\"a\": 1}")
+    big = grpc_message(b"x" * 40000)
+    assert grpc.grpc_framed(big[:16384])  # a message larger than its frame
+    rng = random.Random(3)
+    for _ in range(2000):  # fuzz: never raises
+        grpc.grpc_framed(bytes(rng.randrange(256) for _ in range(rng.randrange(12))))
+
+
+def test_a_response_tells_the_method_only_when_it_names_the_model():
+    unary = infer_response(b" a").SerializeToString()
+    stream = M.ModelStreamInferResponse(infer_response=infer_response(b" a")).SerializeToString()
+    assert kserve.method_of_response(unary, "tiny-gpt") == "ModelInfer"
+    assert kserve.method_of_response(stream, "tiny-gpt") == "ModelStreamInfer"
+    assert kserve.method_of_response(stream, "other") is None
+    err = M.ModelStreamInferResponse(error_message="tiny-gpt").SerializeToString()
+    # an error-only stream response is wire-identical to a bare ModelInferResponse
+    assert kserve.method_of_response(err, "tiny-gpt") == "ModelInfer"
+    assert kserve.method_of_response(b"\xff\xff", "tiny-gpt") is None
+    assert kserve.inference_request(infer_request()) is not None
+    assert kserve.inference_request(b"\x0a\x03abc") is None  # a name, no inputs
+    bad = M.ModelInferRequest(model_name="m")
+    bad.inputs.add(name="x", datatype="STRING", shape=[1])  # no such KServe datatype
+    assert kserve.inference_request(bad.SerializeToString()) is None
 
 
 # ---- compressed messages -----------------------------------------------------------------

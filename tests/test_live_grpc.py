@@ -431,29 +431,35 @@ def test_64_concurrent_streams_on_one_connection_neither_lost_nor_merged(server)
     assert got.report.get("bytes_lost", 0) == 0
 
 
-def test_attaching_to_an_open_connection_traces_later_calls_without_guessing(server):
+def test_attaching_to_an_open_connection_names_later_calls_by_their_messages(server):
+    """tritonclient's channel (grpc-core) used before the tracer exists: every later
+    call's header block refers to the table built before the attach, so neither its
+    :path nor its content-type can be read. The calls are gRPC by their framing and
+    KServe by their messages; the spans say both were inferred."""
     client = Client(server.target)
     for _ in range(3):
-        client.unary(2)  # connected and used before the tracer exists
+        client.unary(2, counts=True)  # connected and used before the tracer exists
     with traced(pids=[server.pid]) as got:
-        later = [client.unary(3), client.unary(4)]
+        later = [client.unary(3, counts=True), client.unary(4, counts=True)]
         streamed = client.stream(5)  # a method the connection never called before
     client.close()
     assert got.report.get("connections_existing", 0) >= 1
     assert got.report.get("http2_header_blocks_undecodable", 0) >= 2
+    assert got.report.get("grpc_calls_by_framing", 0) == len(later)
     spans = got.spans
     assert len(spans) == 3
-    # the ModelInfer calls reuse a :path from the table built before the attach: the
-    # tracer cannot name them and does not: no method, no model, the unknown counted
-    unnamed = [s for s in spans if "rpc.method" not in s["attributes"]]
-    assert len(unnamed) == len(later) == 2
-    for s in unnamed:
-        assert s["attributes"]["tokentrace.http2.unknown_header_fields"] > 0
-        assert "gen_ai.request.model" not in s["attributes"]
-    (named,) = [s for s in spans if "rpc.method" in s["attributes"]]
-    a = named["attributes"]
-    assert a["rpc.method"] == "ModelStreamInfer"
-    assert a["tokentrace.kserve.request_id"] == streamed["id"]
+    by_id = {s["attributes"].get("tokentrace.kserve.request_id"): s for s in spans}
+    for c in later:
+        a = by_id[c["id"]]["attributes"]
+        assert a["tokentrace.http2.unknown_header_fields"] > 0
+        assert a["tokentrace.grpc.framing_inferred"] and a["tokentrace.grpc.method_inferred"]
+        assert (a["rpc.service"], a["rpc.method"]) == ("inference.GRPCInferenceService",
+                                                      "ModelInfer")
+        assert a["gen_ai.request.model"] == MODEL
+        assert a["gen_ai.usage.output_tokens"] == c["output_tokens"]
+    # the stream's :path was new to the table: read, not inferred
+    a = by_id[streamed["id"]]["attributes"]
+    assert a["rpc.method"] == "ModelStreamInfer" and "tokentrace.grpc.method_inferred" not in a
     assert a["gen_ai.usage.output_tokens"] == 5 and a["gen_ai.request.model"] == MODEL
 
 

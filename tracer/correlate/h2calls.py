@@ -112,6 +112,11 @@ class H2Calls:
             rec = self.records.get(sid)
             if rec is None:
                 continue
+            if isinstance(e, grpc.CallRecognised):
+                # gRPC by its framing, its :path unknown: maybe KServe, told by its
+                # messages (KServeFollower with no method)
+                rec.protocol = "grpc"
+                self.followers[sid] = kserve.KServeFollower(None, self.options.keep_content)
             if tid and tid not in rec.tids:
                 rec.tids.append(tid)
             f = self.followers.get(sid)
@@ -121,6 +126,13 @@ class H2Calls:
                     f.request_message(m.ts, m.data, m.unreadable, m.first_ts)
                 else:
                     f.response_message(m.ts, m.data)
+                if f.rejected:
+                    self.grpc.stats["kserve_inferred_rejected"] += 1
+                    del self.followers[sid]
+                elif f.inferred and f.method is not None and call.inferred_path is None:
+                    call.inferred_path = f"/{kserve.SERVICE}/{f.method}"
+                    rec.target = call.inferred_path
+                    self.grpc.stats["kserve_methods_inferred"] += 1
             elif isinstance(e, grpc.CallResponseHeaders):
                 rec.response_start_ns = call.response_start_ns
                 rec.status = call.http_status

@@ -317,8 +317,12 @@ def rpc_attributes(rec: RequestRecord) -> dict[str, Any]:
         a["tokentrace.grpc.status_message"] = call.grpc_message
     a["tokentrace.grpc.request_messages"] = call.request_messages
     a["tokentrace.grpc.response_messages"] = call.response_messages
-    if call.content_type_unknown:
+    if call.framing_inferred:
+        a["tokentrace.grpc.framing_inferred"] = True  # gRPC by its request's framing
+    elif call.content_type_unknown:
         a["tokentrace.grpc.content_type_unknown"] = True  # gRPC by its decoded :path
+    if call.inferred_path is not None:
+        a["tokentrace.grpc.method_inferred"] = True  # named by its messages (KServe)
     if call.trailers_only:
         a["tokentrace.grpc.trailers_only"] = True
     if call.reset_code is not None:
