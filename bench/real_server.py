@@ -2260,6 +2260,31 @@ def partial_seconds_per_round(slices: list[dict[str, Any]]) -> float:
     return round((max(t0s) - min(t0s)) / (rounds - 1), 2)
 
 
+def combine_ratios(per_run: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Runs' own ratios (``{"ratio", "ci95"}`` each, a 95% interval) as one: their log
+    ratios averaged with weights 1 / variance, the variance read off each interval's
+    width (a fixed-effect meta-analysis: each run's quantiles are its own, only the
+    ratios are pooled). ``q``: Cochran's heterogeneity statistic, about ``runs - 1``
+    when the runs agree within their intervals; much more and the interval is too
+    narrow for them. None below two runs with an interval."""
+    logs = []
+    for r in per_run:
+        ci = (r or {}).get("ci95")
+        if not r or not r.get("ratio") or not ci or ci[0] <= 0 or ci[1] <= ci[0]:
+            continue
+        se = (math.log(ci[1]) - math.log(ci[0])) / (2 * 1.96)
+        logs.append((math.log(r["ratio"]), 1 / se ** 2))
+    if len(logs) < 2:
+        return None
+    total = sum(w for _, w in logs)
+    mean = sum(x * w for x, w in logs) / total
+    hw = 1.96 / math.sqrt(total)
+    q = sum(w * (x - mean) ** 2 for x, w in logs)
+    return {"runs": len(logs), "ratio": round(math.exp(mean), 4),
+            "ci95": [round(math.exp(mean - hw), 4), round(math.exp(mean + hw), 4)],
+            "q": round(q, 2)}
+
+
 def pool(files: list[str], target: float) -> dict[str, Any]:
     """Several runs' pairs as one sample (their rounds numbered apart, their replicas
     kept; records of old, without ``replica``, are replica 0's). A ``--partial`` file
@@ -2295,6 +2320,11 @@ def pool(files: list[str], target: float) -> dict[str, Any]:
         if len(files) > 1:  # a quantile of runs of different speeds pooled is neither's:
             del stats["ttft_p50"], stats["ttft_p99"]  # each file's own
             stats.update(ttft[key])
+            for q in ("ttft_p50", "ttft_p99"):
+                stats[q + "_combined"] = combine_ratios(ttft[key][q + "_per_file"])
+            for part in stats.get("breakdown", {}).values():  # the parts' alike
+                for q in [q for q in part if q.startswith("ttft_")]:
+                    del part[q]
         rounds = stats["tokens_per_s"].get("rounds") or 0
         for k in ("tokens_per_s", "server_cpu_per_token"):
             add_targets(stats[k], target, seconds[key] / rounds if seconds[key] and rounds

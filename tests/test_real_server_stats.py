@@ -223,6 +223,8 @@ def test_pool_keeps_the_parts_of_the_runs_that_had_them(tmp_path: Path) -> None:
     assert part["rounds"] == 8
     assert part["ratio"] == pytest.approx(math.exp(-0.01), abs=1e-4)
     assert pooled["server_sys"]["sockets-only_added_per_s"]["rounds"] == 8
+    # a TTFT quantile pooled over runs of different speeds is neither's: none for a part
+    assert not [k for k in pooled["breakdown"]["sockets-only"] if k.startswith("ttft_")]
 
 
 def test_census_is_per_token_of_every_replica() -> None:
@@ -536,3 +538,18 @@ def test_a_slow_first_place_in_the_round_is_told_apart_from_the_modes() -> None:
         assert places[f"{mode}@0"]["mean"] == pytest.approx(math.sqrt(0.98), abs=2e-4)
         assert places[f"{mode}@1"]["mean"] == pytest.approx(1 / math.sqrt(0.98), abs=2e-4)
         assert places[f"{mode}@0"]["rounds"] == 4
+
+
+def test_runs_quantile_ratios_combine_by_their_intervals() -> None:
+    """Two runs' own p99 ratios: the narrower interval weighs more; agreeing runs give
+    a heterogeneity q under their number less one, a run far off a large one."""
+    a = {"ratio": 1.02, "ci95": [1.00, 1.04]}
+    b = {"ratio": 0.98, "ci95": [0.90, 1.06]}
+    c = rs.combine_ratios([a, b, None])
+    assert c is not None and c["runs"] == 2
+    assert 0.98 < c["ratio"] < 1.02 and abs(c["ratio"] - 1.02) < abs(c["ratio"] - 0.98)
+    assert c["ci95"][0] < c["ratio"] < c["ci95"][1]
+    assert c["ci95"][1] - c["ci95"][0] < 0.04  # narrower than either run's
+    far = rs.combine_ratios([a, {"ratio": 1.3, "ci95": [1.28, 1.32]}])
+    assert far["q"] > 10 > c["q"]
+    assert rs.combine_ratios([a]) is None
