@@ -19,8 +19,8 @@ After a late attach, a client that reuses its HPACK dynamic table (grpc-core doe
 for every call on a channel) sends header blocks of which nothing but ``:method`` can
 be decoded: neither ``:path`` nor ``content-type``. Such a call is taken for gRPC by
 its request bytes alone when they are length-prefixed messages that fill its first
-DATA frame exactly (``grpc_framed``; ``Call.framing_inferred``, a ``CallRecognised``
-event before its first message). Its method stays unknown here; the layer above may
+DATA frame exactly, or run past a full-size one (``grpc_framed``;
+``Call.framing_inferred``, a ``CallRecognised`` event before its first message). Its method stays unknown here; the layer above may
 name it from its messages (``protocols.kserve``), and says so.
 """
 

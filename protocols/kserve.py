@@ -77,8 +77,9 @@ def method_of_response(data: bytes, model: str | None) -> str | None:
     """The method a call's first response message says it is, for a request that
     named ``model``: ``ModelStreamInfer`` for a ``ModelStreamInferResponse`` whose
     ``infer_response`` names it, ``ModelInfer`` for a ``ModelInferResponse`` that
-    does; None when neither holds (a stream's error-only response reads as a bare
-    ``ModelInferResponse`` whose model name is the error text: not told)."""
+    does; None when neither holds. A stream's error-only response reads as a bare
+    ``ModelInferResponse`` whose model name is the error text: not told (unless that
+    text is the model's name)."""
     if not model:
         return None
     try:
