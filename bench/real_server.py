@@ -10,7 +10,7 @@ agent kept running and only its probes taken out and put back (`tokentrace run
         [--breakdown-modes M,M] [--sample-fraction F] [--breakdown-every N] [--keep-eos]
         [--partial FILE] [--replicas N] [--agent-cpus K] [--model-shape LAYERS,HIDDEN]
         [--design alternate|crossover] [--null-every N] [--variants M,M]
-        [--first-tokens-s 240] [--out bench/results/real_server.json]
+        [--first-tokens-s 240] [--window-log DIR] [--out bench/results/real_server.json]
     python bench/real_server.py --pool RESULT.json [RESULT.json ...]
 
 On an H100/H200 host (after `eval "$(.gpu/setup-bcc.sh)"`, as bench/accuracy.py runs
@@ -62,6 +62,14 @@ inverted), agent CPU per 1k requests and per 1M kernel launches (slices: launche
 counted over the run, prorated to the traced slices), records the agent read per
 second, and the switch times. ``--pool`` takes the pairs of several result files of
 the same design together (TTFT quantiles stay per file).
+
+A slice also holds the server's stalls (``server_stalls``: every stream silent at once
+far longer than its tokens' ordinary gaps; HF serve CB stops for ~0.3 s every 85-100 s
+whether traced or not) and the TTFTs of the requests that waited through one: the
+output counts them by mode (``stalls``, with full's rate over untraced's) and gives the
+p99 TTFT ratio without those requests too (``ttft_p99_outside_stalls``). ``--window-log
+DIR`` keeps what a request-by-request reading needs (each agent's capture, every
+token's and request's times, the slices' spans) for ``bench/window_effect.py``.
 
 ``--replicas N`` (slices only): N servers of the same kind at once, each with its own
 client, work directory, port and CPUs (``--agent-cpus`` for the agent first, then per
@@ -556,7 +564,8 @@ def client_main(args: argparse.Namespace) -> int:
     ``start``: keep ``--concurrency`` requests in flight from then on, the mix repeated,
     every token chunk time-stamped (``--mode slices``). ``slice T0 T1`` (monotonic
     seconds, the clock is the host's): the tokens that arrived in [T0, T1) and the
-    requests sent in it. ``stop``: no new requests; the totals."""
+    requests sent in it. ``stop``: no new requests; the totals. ``dump PATH``: every
+    token's arrival and every request's send time and TTFT so far, to PATH (JSON)."""
     from samples.batching.load import Mix, make_jobs
     lo, hi = (int(x) for x in args.max_tokens.split(":"))
     jobs = make_jobs(args.requests, 7, Mix(model=args.model, max_tokens=(lo, hi),
@@ -580,6 +589,8 @@ def client_main(args: argparse.Namespace) -> int:
             reply = load.slice(float(words[1]), float(words[2]))
         elif words[0] == "stop" and load is not None:
             reply = load.stop()
+        elif words[0] == "dump" and load is not None and len(words) == 2:
+            reply = load.dump(Path(words[1]))
         else:
             reply = {"error": f"unknown command {line.strip()!r}"}
         print(json.dumps(reply), flush=True)
@@ -619,6 +630,59 @@ def window(one: Any, jobs: list[Any], concurrency: int) -> dict[str, Any]:
     return {"wall_s": wall, "requests": len(results), "errors": errors[0],
             "short_requests": short[0], "tokens": sum(n for _, n in results),
             "ttft_ms": [round(t * 1e3, 3) for t, _ in results if t is not None]}
+
+
+# A stall of the whole server: no stream had a token for STALL_FACTOR times the 99th
+# percentile of the gaps between tokens of every stream merged (over the STALL_BASIS_S
+# before the slice's end), and at least STALL_MIN_S. HF serve CB on an H200 (8 streams)
+# merges to a p99 of 12-13 ms and a longest ordinary silence of 37 ms, and stops every
+# 85-100 s for 290-375 ms in every mode, untraced and between slices too
+# (docs/overhead.md).
+STALL_FACTOR = 10.0
+STALL_MIN_S = 0.05
+STALL_BASIS_S = 30.0
+STALL_MIN_GAPS = 200  # fewer merged gaps than this in the basis: no threshold
+
+
+def server_stalls(stamps: Sequence[Sequence[float]], t0: float, t1: float
+                  ) -> tuple[list[tuple[float, float]], float | None]:
+    """The server's stalls overlapping [t0, t1) (monotonic seconds, start and end),
+    from each stream's token arrival times (each list sorted), and the silence that
+    counted as one (None: too few tokens to say; then no stalls)."""
+    from bisect import bisect_left
+    merged = sorted(t for s in stamps
+                    for t in s[bisect_left(s, t1 - STALL_BASIS_S):bisect_left(s, t1 + 1.0)])
+    gaps = sorted(b - a for a, b in itertools.pairwise(merged))
+    if len(gaps) < STALL_MIN_GAPS:
+        return [], None
+    threshold = max(STALL_MIN_S, STALL_FACTOR * gaps[int(0.99 * (len(gaps) - 1))])
+    return [(a, b) for a, b in itertools.pairwise(merged)
+            if b - a >= threshold and a < t1 and b > t0], threshold
+
+
+def touches(a: float, b: float, spans: Sequence[tuple[float, float]]) -> bool:
+    """Whether [a, b] overlaps any of ``spans``."""
+    return any(a < e and b > s for s, e in spans)
+
+
+def slice_stalls(stamps: Sequence[Sequence[float]],
+                 first: Sequence[Sequence[tuple[float, float | None]]], t0: float,
+                 t1: float) -> dict[str, Any]:
+    """A slice's stalls of the whole server (``server_stalls``: start from ``t0`` and
+    length, seconds; the silence that counted as one) and the TTFTs (ms) of the
+    requests sent in it that waited through one, from each stream's token times and
+    its requests' (sent, TTFT) (``Load``)."""
+    from bisect import bisect_left
+    stalls, threshold = server_stalls(stamps, t0, t1)
+    stalled = []
+    for reqs in first:
+        keys = [f[0] for f in reqs]
+        for sent, wait in reqs[bisect_left(keys, t0):bisect_left(keys, t1)]:
+            if wait is not None and touches(sent, sent + wait, stalls):
+                stalled.append(round(wait * 1e3, 3))
+    return {"stalls": [[round(a - t0, 4), round(b - a, 4)] for a, b in stalls],
+            "stall_threshold_s": round(threshold, 4) if threshold else None,
+            "ttft_stalled_ms": stalled}
 
 
 class Load:
@@ -670,7 +734,9 @@ class Load:
 
     def slice(self, t0: float, t1: float) -> dict[str, Any]:
         """Tokens that arrived in [t0, t1); TTFTs of the requests sent in it that have
-        had their first token; errors and short requests among those that ended."""
+        had their first token; errors and short requests among those that ended; the
+        server's stalls in it (``server_stalls``: start from t0 and length, seconds)
+        and the TTFTs among those of requests that waited through one."""
         from bisect import bisect_left
         while time.monotonic() < t1 + 0.05:  # a chunk stamped just before t1 is listed
             time.sleep(0.01)
@@ -689,7 +755,15 @@ class Load:
                 errors += err
                 short += (not err and n != mx)
         return {"tokens": tokens, "requests": started, "errors": errors,
-                "short_requests": short, "ttft_ms": ttft}
+                "short_requests": short, "ttft_ms": ttft,
+                **slice_stalls(self.stamps, self.first, t0, t1)}
+
+    def dump(self, path: Path) -> dict[str, Any]:
+        """Each thread's token arrival times and (sent, TTFT) of its requests
+        (monotonic seconds), to ``path`` as JSON (``--window-log``)."""
+        path.write_text(json.dumps({"stamps": self.stamps, "first": self.first},
+                                   separators=(",", ":")))
+        return {"dumped": str(path), "tokens": sum(len(s) for s in self.stamps)}
 
     def stop(self) -> dict[str, Any]:
         self.running = False
@@ -1154,13 +1228,15 @@ SlicePair = tuple[dict[str, Any], dict[str, Any]]  # (traced, untraced) slice re
 
 
 def ttft_ratios(rounds: list[list[SlicePair]], q: float, rng: random.Random,
-                draws: int = 400) -> dict[str, Any]:
+                draws: int = 400,
+                ttfts: Callable[[dict[str, Any]], list[float]] = lambda w: w["ttft_ms"]
+                ) -> dict[str, Any]:
     """Pooled TTFT quantile ``q`` traced / untraced, and a 95% interval from resampling
     whole rounds (each with all its replicas' pairs: they are not independent; one
-    replica: resampling the pairs)."""
+    replica: resampling the pairs). ``ttfts``: a slice's TTFTs (e.g. ``unstalled``)."""
     def ratio(sample: list[list[SlicePair]]) -> float | None:
-        t = [x for rnd in sample for tr, _ in rnd for x in tr["ttft_ms"]]
-        u = [x for rnd in sample for _, un in rnd for x in un["ttft_ms"]]
+        t = [x for rnd in sample for tr, _ in rnd for x in ttfts(tr)]
+        u = [x for rnd in sample for _, un in rnd for x in ttfts(un)]
         a, b = pct(t, q), pct(u, q)
         return a / b if a and b else None
 
@@ -1169,6 +1245,58 @@ def ttft_ratios(rounds: list[list[SlicePair]], q: float, rng: random.Random,
                               for _ in range(draws)) if r is not None)
     ci = [round(pct(boot, 0.025), 4), round(pct(boot, 0.975), 4)] if boot else None
     return {"ratio": round(point, 4) if point else None, "ci95": ci}
+
+
+def unstalled(w: dict[str, Any]) -> list[float]:
+    """A slice's TTFTs but those of requests that waited through a stall of the whole
+    server (``server_stalls``)."""
+    left = Counter(w.get("ttft_stalled_ms", ()))
+    out = []
+    for x in w["ttft_ms"]:
+        if left[x]:
+            left[x] -= 1
+        else:
+            out.append(x)
+    return out
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson's 95% interval of a proportion k / n."""
+    p = k / n
+    mid, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return (mid - half) / (1 + z * z / n), (mid + half) / (1 + z * z / n)
+
+
+def stall_rates(windows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The server's stalls (``server_stalls``) by mode: how many, in how many seconds
+    of slices, how long; and full against untraced, the ratio of their rates with a
+    95% interval (Wilson's, of full's share of both modes' stalls, given their
+    seconds). A tracer that made a server stall more often shows here, whatever the
+    TTFT quantiles outside stalls say."""
+    windows = [w for w in windows if "stalls" in w]  # older records have none
+    if not windows:
+        return None
+    by: dict[str, dict[str, Any]] = {}
+    for w in windows:
+        m = by.setdefault(w["mode"], {"stalls": 0, "slice_s": 0.0, "stall_s": 0.0,
+                                      "requests_stalled": 0})
+        m["stalls"] += len(w["stalls"])
+        m["slice_s"] += w["wall_s"]
+        m["stall_s"] += sum(d for _, d in w["stalls"])
+        m["requests_stalled"] += len(w.get("ttft_stalled_ms", ()))
+    for m in by.values():
+        m["per_minute"] = round(60 * m["stalls"] / m["slice_s"], 3) if m["slice_s"] else None
+        m["slice_s"], m["stall_s"] = round(m["slice_s"], 1), round(m["stall_s"], 3)
+    out: dict[str, Any] = {"by_mode": by}
+    f, u = by.get("full"), by.get("untraced")
+    if f and u and f["stalls"] + u["stalls"] and u["stalls"] and f["slice_s"] and u["slice_s"]:
+        n, exposure = f["stalls"] + u["stalls"], u["slice_s"] / f["slice_s"]
+        lo, hi = wilson(f["stalls"], n)
+        out["full_over_untraced"] = {
+            "ratio": round(f["stalls"] / u["stalls"] * exposure, 3),
+            "ci95": [round(lo / (1 - lo) * exposure, 3),
+                     round(hi / (1 - hi) * exposure, 3) if hi < 1 else None]}
+    return out
 
 
 @dataclass
@@ -1281,6 +1409,35 @@ def stop_loads(lanes: list[Lane], out: dict[str, Any]) -> None:
     out["load"] = replies[0] if len(replies) == 1 else total
 
 
+def window_record(args: argparse.Namespace, name: str) -> list[str]:
+    """``--window-log DIR``: the agent's own capture (``--record``), whose
+    ``GpuSampling`` switches say when its launch probes went in and out."""
+    if not args.window_log:
+        return []
+    return ["--record", str(Path(args.window_log) / f"agent{name}.ttcap")]
+
+
+def dump_loads(lanes: list[Lane], args: argparse.Namespace) -> None:
+    """``--window-log DIR``: each replica's token and request times (``Load.dump``)."""
+    if not args.window_log:
+        return
+    for lane in lanes:
+        if lane.client is not None:
+            lane.client.ask(f"dump {Path(args.window_log) / f'client-{lane.replica}.json'}")
+
+
+def log_slices(args: argparse.Namespace, slices: Records) -> None:
+    """``--window-log DIR``: each slice's replica, mode and span in monotonic seconds
+    (the result's ``t0`` are from the first slice's), and each replica's agent."""
+    if not args.window_log:
+        return
+    rows = [{k: w[k] for k in ("replica", "mode", "round", "t0", "wall_s")} for w in slices]
+    crossover = args.design == "crossover"
+    doc = {"slices": rows, "agent_of_replica": {str(i): f"agent-{i % 2}" if crossover
+                                                else "agent" for i in range(args.replicas)}}
+    Path(args.window_log, "slices.json").write_text(json.dumps(doc) + "\n")
+
+
 def is_census(mode: str) -> bool:
     """Whether slices of ``mode`` take the kernel's per-program statistics."""
     return mode == "census" or mode.startswith("census-")
@@ -1345,11 +1502,12 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
         if crossover:  # an agent per half of the replicas
             for g in (0, 1):
                 agents.append(Agent([lane.server for lane in lanes[g::2]], work, plan.agent,
-                                    args.agent_args.split(), name=f"-{g}"))
+                                    args.agent_args.split() + window_record(args, f"-{g}"),
+                                    name=f"-{g}"))
             agent = agents[0]
         else:
             agent = Agent([lane.server for lane in lanes], work, plan.agent,
-                          args.agent_args.split())
+                          args.agent_args.split() + window_record(args, ""))
             agents.append(agent)
         t_attached = time.monotonic()
         # the bench's own work between slices (the clients' slices asked, the progress,
@@ -1385,6 +1543,7 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
             windows, switches, elapsed, halves_s = run_crossover(kind, agents, lanes, args,
                                                                  modes)
             stop_loads(lanes, out)
+            dump_loads(lanes, args)
             loaded = False
             for h in halves_s:
                 h["all"] = time.monotonic() - t_attached
@@ -1392,6 +1551,7 @@ def run_server(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any
             windows, switches, elapsed, mode_s = run_slices(kind, agent, lanes, args, modes,
                                                             watch, meters)
             stop_loads(lanes, out)
+            dump_loads(lanes, args)
             loaded = False
             mode_s["all"] = time.monotonic() - t_attached
         stats = summarise(windows, modes)
@@ -1701,6 +1861,7 @@ def run_rounds(kind: str, lanes: list[Lane], args: argparse.Namespace, modes: li
     fill_slices(lanes, pending)
     for clock in clocks.values():
         clock.running = False
+    log_slices(args, slices)
     t0 = slices[0]["t0"] if slices else t_start
     for w in slices:
         w["t0"] = round(w["t0"] - t0, 3)
@@ -1993,6 +2154,11 @@ def summarise(windows: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]
         "tokens_per_s": head["tokens_per_s"],
         "ttft_p50": ttft_ratios(clusters, 0.5, rng) if full else {},
         "ttft_p99": ttft_ratios(clusters, 0.99, rng) if full else {},
+        # the same without the requests that waited through a stall of the whole server
+        # (stall_rates: whether the tracer makes them more often)
+        "ttft_p99_outside_stalls": ttft_ratios(clusters, 0.99, rng, ttfts=unstalled)
+        if full and "stalls" in full[0][1] else {},
+        "stalls": stall_rates(windows),
         "server_cpu_per_token": head["server_cpu_per_token"],
         "tokens_per_s_untraced": round(statistics.fmean(tps(u) for _, _, u in full), 1) if full else None,
         "errors": sum(w["errors"] for w in windows),
@@ -2260,6 +2426,9 @@ def partial_seconds_per_round(slices: list[dict[str, Any]]) -> float:
     return round((max(t0s) - min(t0s)) / (rounds - 1), 2)
 
 
+TTFT_QUANTILES = ("ttft_p50", "ttft_p99", "ttft_p99_outside_stalls")  # each run's own
+
+
 def combine_ratios(per_run: list[dict[str, Any] | None]) -> dict[str, Any] | None:
     """Runs' own ratios (``{"ratio", "ci95"}`` each, a 95% interval) as one: their log
     ratios averaged with weights 1 / variance, the variance read off each interval's
@@ -2309,7 +2478,7 @@ def pool(files: list[str], target: float) -> dict[str, Any]:
             per_round = r.get("seconds_per_round", r.get("seconds_per_pair", 0.0))
             seconds[key] = seconds.get(key, 0.0) + per_round * max(
                 (w["round"] for w in ws), default=0)
-            for q in ("ttft_p50", "ttft_p99"):
+            for q in TTFT_QUANTILES:
                 ttft.setdefault(key, {}).setdefault(q + "_per_file", []).append(r.get(q))
     out: dict[str, Any] = {"files": files}
     for key, ws in runs.items():
@@ -2318,9 +2487,10 @@ def pool(files: list[str], target: float) -> dict[str, Any]:
         parts = sorted({w["mode"] for w in ws} - {"untraced", "full"})
         stats = summarise(ws, ["untraced", "full", *parts])
         if len(files) > 1:  # a quantile of runs of different speeds pooled is neither's:
-            del stats["ttft_p50"], stats["ttft_p99"]  # each file's own
+            for q in TTFT_QUANTILES:  # each file's own
+                stats.pop(q, None)
             stats.update(ttft[key])
-            for q in ("ttft_p50", "ttft_p99"):
+            for q in TTFT_QUANTILES:
                 stats[q + "_combined"] = combine_ratios(ttft[key][q + "_per_file"])
             for part in stats.get("breakdown", {}).values():  # the parts' alike
                 for q in [q for q in part if q.startswith("ttft_")]:
@@ -2429,6 +2599,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool", nargs="+", metavar="JSON",
                     help="no run: the pairs of these result files (the same server and "
                          "design) taken together, printed as JSON")
+    ap.add_argument("--window-log", metavar="DIR",
+                    help="slices: each agent's capture (--record), each replica's token "
+                         "and request times, and the slices' spans, in DIR, for "
+                         "bench/window_effect.py (what --gpu-sample's windows cost the "
+                         "requests they touch)")
     ap.add_argument("--partial", metavar="FILE",
                     help="slices: the slices so far, rewritten after every round")
     ap.add_argument("--model-shape", default=(2, 128), metavar="LAYERS,HIDDEN",
@@ -2465,8 +2640,12 @@ def main(argv: list[str] | None = None) -> int:
                  "servers (not census, slow-path or agent-load): " + ",".join(args.variants))
     if args.null_every < 0 or (args.null_every and args.design != "crossover"):
         ap.error("--null-every takes --design crossover and N >= 0")
+    if args.window_log and (args.mode != "slices" or "," in args.servers):
+        ap.error("--window-log takes --mode slices and one server kind")
     if os.geteuid() != 0:
         raise SystemExit("needs root (BPF)")
+    if args.window_log:
+        Path(args.window_log).mkdir(parents=True, exist_ok=True)
     results = []
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tt-real-") as tmp:

@@ -57,6 +57,10 @@ def test_each_time_slice_traces_one_half_and_each_replica_pairs_with_itself(tmp_
     assert "net-syscall_minus_full_added_us_per_token" in r["server_sys"]
     t = r["tokens_per_s"]
     assert t["replicas"] == 2 and t["rounds"] >= 2 and t["pairs"] == 2 * t["rounds"]
+    # each slice's stalls of its server, counted by mode (this server does not stall)
+    assert all("stalls" in w and "ttft_stalled_ms" in w for w in r["slices"])
+    assert {"full", "untraced", "none-traced"} <= set(r["stalls"]["by_mode"])
+    assert r["ttft_p99_outside_stalls"]["ratio"] > 0
     # each agent traced its own replica, and only while its half was traced
     assert len(r["agents"]) == 2
     for g, a in enumerate(r["agents"]):
@@ -96,6 +100,51 @@ def test_a_replica_whose_tokens_do_not_come_is_restarted_once(tmp_path):
         assert "restarted on port" in server.log.read_text()
         rs.stop_loads([lane], out)
         assert out["load"]["tokens"] > 0 and out["load"]["errors"] == 0
+    finally:
+        if lane.client is not None:
+            lane.client.close()
+        server.stop()
+
+
+def test_a_server_stopped_mid_load_is_one_stall_of_its_slice(tmp_path):
+    """The batching sample under the bench's load, stopped (SIGSTOP) for 0.4 s: the
+    client's slice finds one stall of the whole server of about that length, where its
+    streams went silent, and none in a slice without the stop; a request that waited
+    through it for its first token is listed apart."""
+    import argparse
+    import os
+    import signal
+
+    sys.path.insert(0, str(ROOT))
+    from bench import real_server as rs
+
+    args = argparse.Namespace(requests=16, concurrency=4, max_tokens="16:32", keep_eos=False,
+                              first_tokens_s=60.0, warmup_s=3.0)
+    work = tmp_path / "replica-0"
+    work.mkdir()
+    server = rs.Server("batching", "cpu", work, {0, 1})
+    lane = rs.Lane(0, server)
+    try:
+        lane.client = rs.Client(server, args, {0, 1})
+        rs.start_loads([lane], args, {})
+        t0 = time.monotonic()
+        time.sleep(1.0)
+        os.killpg(server.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        time.sleep(0.4)
+        os.killpg(server.pid, signal.SIGCONT)
+        time.sleep(1.5)
+        t1 = time.monotonic()
+        time.sleep(2.0)
+        stalled = lane.client.slice(t0, t1)
+        quiet = lane.client.slice(t1 + 0.2, time.monotonic() - 0.1)
+        assert stalled["stall_threshold_s"] is not None
+        assert len(stalled["stalls"]) == 1, stalled["stalls"]
+        start, length = stalled["stalls"][0]
+        assert 0.35 < length < 0.6 and abs(t0 + start - stopped) < 0.1
+        assert quiet["stalls"] == [] and quiet["tokens"] > 0
+        assert all(x > 300 for x in stalled["ttft_stalled_ms"])
+        assert len(stalled["ttft_stalled_ms"]) <= stalled["requests"]
     finally:
         if lane.client is not None:
             lane.client.close()
