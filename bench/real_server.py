@@ -1928,14 +1928,17 @@ def baseline_of(mode: str) -> str:
     return "untraced" if mode == "full" else f"untraced@{mode}"
 
 
-def crossover_plan(order: int, variants: Sequence[str], null: bool) -> list[tuple[int | None, str]]:
+def crossover_plan(order: int, variants: Sequence[str], null: int | None = None
+                   ) -> list[tuple[int | None, str]]:
     """Round ``order``'s (1, 2, ...) slices in ``--design crossover``: (the half traced,
     its mode). Each traced mode (``full``, then the ``--variants``; reversed in even
     rounds) takes two slices, one half traced in each; the halves snake (0 1 | 1 0 |
     0 1 ...) over the sequence, so that the traced agent changes only within a mode's
     two slices and a mode change comes on the agent already tracing. Without variants
     that is the ABBA order (0 1 | 1 0 | ...). ``null``: a slice with neither half
-    traced (``none-traced``) ends the round."""
+    traced (``none-traced``) at that place of the round (modulo its slices + 1;
+    ``null_place`` turns it through every place, the first to the last, so that what a
+    slice leaves to the next weighs on the null slices as on the others)."""
     modes = ["full", *variants]
     if order % 2 == 0:
         modes.reverse()
@@ -1943,9 +1946,17 @@ def crossover_plan(order: int, variants: Sequence[str], null: bool) -> list[tupl
     for k, mode in enumerate(modes):
         s = (order - 1) * len(modes) + k  # this mode's place in the whole run
         plan += [(h, mode) for h in ((0, 1) if s % 2 == 0 else (1, 0))]
-    if null:
-        plan.append((None, NONE_TRACED))
+    if null is not None:
+        plan.insert(null % (len(plan) + 1), (None, NONE_TRACED))
     return plan
+
+
+def null_place(order: int, every: int) -> int | None:
+    """``--null-every N``: round ``order``'s null slice's place (``crossover_plan``),
+    the k-th null round's at place k - 1; None in a round without one."""
+    if not every or order % every:
+        return None
+    return order // every - 1
 
 
 def run_crossover(kind: str, agents: list[Agent], lanes: list[Lane],
@@ -2008,9 +2019,9 @@ def run_crossover(kind: str, agents: list[Agent], lanes: list[Lane],
         time.sleep(args.settle_resume_s if resumed else args.settle_s)
 
     def take_round(order: int, clocks: dict[int, GpuClocks]) -> Records:
-        null = bool(args.null_every) and order % args.null_every == 0
         records: Records = []
-        for half, mode in crossover_plan(order, args.variants, null):
+        for half, mode in crossover_plan(order, args.variants,
+                                         null_place(order, args.null_every)):
             go(half, mode)
             lane_modes = [NONE_TRACED if half is None else mode if i % 2 == half
                           else baseline_of(mode) for i in range(len(lanes))]

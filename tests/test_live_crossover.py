@@ -34,18 +34,19 @@ def test_each_time_slice_traces_one_half_and_each_replica_pairs_with_itself(tmp_
         assert w["tokens"] > 0
     # every time slice: replica 0 and replica 1 in opposite modes (full or the
     # variant against the untraced slice of its own moments), but for each round's
-    # fifth slice (--null-every 1), where neither is traced
+    # null slice (--null-every 1), where neither is traced
     null = [t for t, m in by_slice.items() if set(m.values()) == {"none-traced"}]
     rounds = len({w["round"] for w in r["slices"]})
     assert len(null) == rounds >= 2
     assert all(sorted(m.values()) in (["full", "untraced"],
                                       ["net-syscall", "untraced@net-syscall"])
                for t, m in by_slice.items() if t not in null)
-    # the halves snake through each mode's two slices, the modes' order turned each round
+    # the halves snake through each mode's two slices, the modes' order turned each round;
+    # the null slice first in the first round, second in the next
     firsts = [m[0] for _, m in sorted(by_slice.items())]
-    assert firsts[:10] == ["full", "untraced", "untraced@net-syscall", "net-syscall",
-                           "none-traced", "net-syscall", "untraced@net-syscall", "untraced",
-                           "full", "none-traced"]
+    assert firsts[:10] == ["none-traced", "full", "untraced", "untraced@net-syscall",
+                           "net-syscall", "net-syscall", "none-traced",
+                           "untraced@net-syscall", "untraced", "full"]
     # the null slices against each replica's untraced one: what the traced half's
     # probes cost the untraced half
     assert "none-traced_added_per_s" in r["server_sys"]

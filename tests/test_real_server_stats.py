@@ -420,14 +420,24 @@ def test_crossover_needs_an_even_number_of_replicas_and_no_breakdown() -> None:
 def test_crossover_plan_snakes_the_halves_through_each_modes_two_slices() -> None:
     """Without variants the plan is the ABBA order of before; with one, each mode takes
     both halves in turn, the traced agent changing only within a mode's two slices
-    (F0 F1 V1 V0 | V0 V1 F1 F0 | ...), and a null slice ends the round."""
-    assert [rs.crossover_plan(k, [], False) for k in (1, 2, 3)] == [
+    (F0 F1 V1 V0 | V0 V1 F1 F0 | ...), and a null slice takes each place in turn."""
+    assert [rs.crossover_plan(k, []) for k in (1, 2, 3)] == [
         [(0, "full"), (1, "full")], [(1, "full"), (0, "full")], [(0, "full"), (1, "full")]]
     v = "net-syscall"
-    assert rs.crossover_plan(1, [v], True) == [(0, "full"), (1, "full"), (1, v), (0, v),
-                                               (None, "none-traced")]
-    assert rs.crossover_plan(2, [v], False) == [(0, v), (1, v), (1, "full"), (0, "full")]
-    seq = [p for k in range(1, 5) for p in rs.crossover_plan(k, [v], False)]
+    null = (None, "none-traced")
+    assert rs.crossover_plan(1, [v], 4) == [(0, "full"), (1, "full"), (1, v), (0, v), null]
+    assert rs.crossover_plan(1, [v], 0) == [null, (0, "full"), (1, "full"), (1, v), (0, v)]
+    assert rs.crossover_plan(3, [], 4) == [(0, "full"), null, (1, "full")]
+    # --null-every 4: the k-th null round (round 4k) has it at place k - 1, every place
+    # of a round's three in turn
+    places = [rs.null_place(k, 4) for k in range(1, 25)]
+    assert [p for p in places if p is not None] == list(range(6))
+    assert [k for k, p in enumerate(places, 1) if p is not None] == [4, 8, 12, 16, 20, 24]
+    assert [[w[0] for w in rs.crossover_plan(k, [], rs.null_place(k, 4))].index(None)
+            for k in (4, 8, 12, 16)] == [0, 1, 2, 0]
+    assert rs.null_place(3, 0) is None
+    assert rs.crossover_plan(2, [v]) == [(0, v), (1, v), (1, "full"), (0, "full")]
+    seq = [p for k in range(1, 5) for p in rs.crossover_plan(k, [v])]
     # a pause and a resume only where the half changes: once per mode, never between
     changes = sum(a[0] != b[0] for a, b in zip(seq, seq[1:]))
     assert changes == 8 and all(a[0] == b[0] for a, b in zip(seq[1::2], seq[2::2]))
@@ -441,7 +451,7 @@ def variant_slices(rounds: int, full: float, variant: float, seed: int) -> list[
     rng = random.Random(seed)
     out: list[Record] = []
     for k in range(1, rounds + 1):
-        for half, mode in rs.crossover_plan(k, ["net-syscall"], False):
+        for half, mode in rs.crossover_plan(k, ["net-syscall"]):
             host = rng.gauss(0.0, 0.15)
             for i in range(4):
                 traced = i % 2 == half
