@@ -7,14 +7,39 @@ same moments."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@contextmanager
+def one_lane(tmp_path: Path, args: argparse.Namespace) -> Iterator[tuple[Any, Any, Any]]:
+    """The bench's batching sample on the CPU as one replica with its load client
+    (not started): (the bench module, the server, its lane); both stopped after."""
+    sys.path.insert(0, str(ROOT))
+    from bench import real_server as rs
+    work = tmp_path / "replica-0"
+    work.mkdir()
+    server = rs.Server("batching", "cpu", work, {0, 1})
+    lane = rs.Lane(0, server)
+    try:
+        lane.client = rs.Client(server, args, {0, 1})
+        yield rs, server, lane
+    finally:
+        if lane.client is not None:
+            lane.client.close()
+        server.stop()
 
 
 def test_each_time_slice_traces_one_half_and_each_replica_pairs_with_itself(tmp_path):
@@ -76,21 +101,9 @@ def test_a_replica_whose_tokens_do_not_come_is_restarted_once(tmp_path):
     SIGSTOP; HF serve CB has stalled so before its first token on shared GPUs) is
     restarted on a new port once its first tokens are overdue, and the load goes on
     from the new one; the run says which replica it restarted."""
-    import argparse
-    import os
-    import signal
-
-    sys.path.insert(0, str(ROOT))
-    from bench import real_server as rs
-
     args = argparse.Namespace(requests=8, concurrency=2, max_tokens="4:8", keep_eos=False,
                               first_tokens_s=6.0, warmup_s=0.0)
-    work = tmp_path / "replica-0"
-    work.mkdir()
-    server = rs.Server("batching", "cpu", work, {0, 1})
-    lane = rs.Lane(0, server)
-    try:
-        lane.client = rs.Client(server, args, {0, 1})
+    with one_lane(tmp_path, args) as (rs, server, lane):
         old_port, old_pid = server.port, server.pid
         os.killpg(server.pid, signal.SIGSTOP)
         out: dict = {}
@@ -101,10 +114,6 @@ def test_a_replica_whose_tokens_do_not_come_is_restarted_once(tmp_path):
         assert "restarted on port" in server.log.read_text()
         rs.stop_loads([lane], out)
         assert out["load"]["tokens"] > 0 and out["load"]["errors"] == 0
-    finally:
-        if lane.client is not None:
-            lane.client.close()
-        server.stop()
 
 
 def test_a_server_stopped_mid_load_is_one_stall_of_its_slice(tmp_path):
@@ -112,21 +121,9 @@ def test_a_server_stopped_mid_load_is_one_stall_of_its_slice(tmp_path):
     client's slice finds one stall of the whole server of about that length, where its
     streams went silent, and none in a slice without the stop; a request that waited
     through it for its first token is listed apart."""
-    import argparse
-    import os
-    import signal
-
-    sys.path.insert(0, str(ROOT))
-    from bench import real_server as rs
-
     args = argparse.Namespace(requests=16, concurrency=4, max_tokens="16:32", keep_eos=False,
                               first_tokens_s=60.0, warmup_s=3.0)
-    work = tmp_path / "replica-0"
-    work.mkdir()
-    server = rs.Server("batching", "cpu", work, {0, 1})
-    lane = rs.Lane(0, server)
-    try:
-        lane.client = rs.Client(server, args, {0, 1})
+    with one_lane(tmp_path, args) as (rs, server, lane):
         rs.start_loads([lane], args, {})
         t0 = time.monotonic()
         time.sleep(1.0)
@@ -146,7 +143,3 @@ def test_a_server_stopped_mid_load_is_one_stall_of_its_slice(tmp_path):
         assert quiet["stalls"] == [] and quiet["tokens"] > 0
         assert all(x > 300 for x in stalled["ttft_stalled_ms"])
         assert len(stalled["ttft_stalled_ms"]) <= stalled["requests"]
-    finally:
-        if lane.client is not None:
-            lane.client.close()
-        server.stop()
