@@ -113,8 +113,14 @@ against the other half's at the same moment, so the host's own drift, shared by 
 replicas, cancels: on 4 H100s the noise of a round's mean fell from 0.089 to
 0.012-0.031 (docs/overhead.md, "a crossover design"). What it leaves out: the untraced
 half runs beside the traced half's global probes (the socket and TCP tracepoints'
-early returns); ``--null-every N`` adds to every Nth round a slice with neither half
-traced (``none-traced``) to measure that.
+early returns), and on a GPU the two halves share, beside its work; ``--null-every N``
+adds to every Nth round a slice with neither half traced (``none-traced``) to measure
+that, at each place of its round in turn. ``place_adjusted`` in the output takes the
+places out (a round's first slice can be slower in every mode): each mode against
+untraced, and ``full_vs_none-traced``, full tracing against a host where nothing is
+traced, which is what a node whose every server is traced pays when the untraced half
+is itself slowed by the other's tracing (two servers on one H100/H200: 1.021 faster
+with nothing traced, docs/overhead.md, "the untraced half is not a clean baseline").
 
 ``--breakdown`` adds slices (windows) with one part of the tracer off while the rest
 traces (payload copies: capture-limit 1 byte; the agent's analysis: records read and
@@ -2097,6 +2103,90 @@ def by_position(slices: list[dict[str, Any]]) -> dict[str, Any]:
     return {key: clustered_mean(v) for key, v in sorted(values.items())}
 
 
+def place_adjusted(slices: list[dict[str, Any]], draws: int = 300,
+                   seed: int = 0) -> dict[str, Any] | None:
+    """Each mode's tokens/s over untraced's with what a slice's place in its round
+    costs taken out: log tokens/s = its (round, replica) + its place (for rounds of
+    its size; the first place is the reference) + its mode (untraced the reference),
+    by least squares within each (round, replica); 95% intervals from resampling
+    whole rounds. The pair ratios assume that the places weigh on every mode alike,
+    which the ABBA order makes true of full and untraced, but not of a slice that
+    always takes one place: the nine H200 calls' null slices always came last, where
+    the round's first slice was 1-2% slow in every mode. ``full_vs_none-traced``: full
+    against a host where nothing is traced. ``identified``: False where a mode and a
+    place go together in every round (nothing tells them apart: no ratio then)."""
+    import numpy as np
+
+    cells: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for w in slices:
+        if "t0" in w and tps(w) > 0:
+            cells.setdefault((w["round"], w.get("replica", 0)), []).append(w)
+    rows = []  # (round, cell, log tokens/s, (round size, place), mode)
+    for c, (key, ws) in enumerate(sorted(cells.items())):
+        if len(ws) < 2:
+            continue
+        for place, w in enumerate(sorted(ws, key=lambda w: w["t0"])):
+            rows.append((key[0], c, math.log(tps(w)), (len(ws), place), w["mode"]))
+    if not rows or "untraced" not in {r[4] for r in rows}:
+        return None
+    modes = sorted({r[4] for r in rows} - {"untraced"})
+    places = sorted({r[3] for r in rows if r[3][1] > 0})
+    x = np.array([[float(r[4] == m) for m in modes] + [float(r[3] == p) for p in places]
+                  for r in rows])
+    y = np.array([r[2] for r in rows])
+    cell = np.array([r[1] for r in rows])
+    by_round: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        by_round.setdefault(r[0], []).append(i)
+
+    def fit(index: np.ndarray) -> np.ndarray | None:
+        # each (round, replica) demeaned: its own level drops out; a resampled round
+        # is its cells again, demeaned alike
+        xs, ys, cs = x[index], y[index], cell[index]
+        _, inverse = np.unique(cs, return_inverse=True)
+        counts = np.bincount(inverse).astype(float)
+        sums = np.zeros((len(counts), xs.shape[1]))
+        np.add.at(sums, inverse, xs)
+        xd = xs - sums[inverse] / counts[inverse, None]
+        yd = ys - np.bincount(inverse, weights=ys)[inverse] / counts[inverse]
+        if np.linalg.matrix_rank(xd) < xd.shape[1]:
+            return None
+        return np.linalg.lstsq(xd, yd, rcond=None)[0]
+
+    point = fit(np.arange(len(rows)))
+    if point is None:
+        return {"identified": False, "slices": len(rows)}
+    rng = random.Random(seed)
+    keys = sorted(by_round)
+    boot = []
+    for _ in range(draws):
+        pick = [i for k in (rng.choice(keys) for _ in keys) for i in by_round[k]]
+        b = fit(np.array(pick))
+        if b is not None:
+            boot.append(b)
+
+    def effect(weights: dict[int, float]) -> dict[str, Any]:
+        value = sum(w * point[j] for j, w in weights.items())
+        drawn = sorted(sum(w * b[j] for j, w in weights.items()) for b in boot)
+        out: dict[str, Any] = {"ratio": round(math.exp(value), 4)}
+        if len(drawn) >= 20:
+            out["ci95"] = [round(math.exp(pct(drawn, 0.025) or 0.0), 4),
+                           round(math.exp(pct(drawn, 0.975) or 0.0), 4)]
+        return out
+
+    out: dict[str, Any] = {"identified": True, "slices": len(rows), "rounds": len(keys),
+                           "draws": len(boot)}
+    for j, m in enumerate(modes):
+        out[f"{m}_vs_untraced"] = effect({j: 1.0})
+    # a place against the first of rounds of its size ("3@2": the third of three)
+    out["places"] = {f"{n}@{p}": effect({len(modes) + j: 1.0})
+                     for j, (n, p) in enumerate(places)}
+    if "full" in modes and NONE_TRACED in modes:
+        out[f"full_vs_{NONE_TRACED}"] = effect({modes.index("full"): 1.0,
+                                                modes.index(NONE_TRACED): -1.0})
+    return out
+
+
 LaneRounds = dict[tuple[int, int], dict[str, dict[str, Any]]]  # (round, replica) -> mode -> record
 
 
@@ -2213,6 +2303,9 @@ def summarise(windows: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]
                                                 sum(w["wall_s"] for w in counted))
     if windows and "t0" in windows[0]:
         out["switch_effects"] = switch_effects(windows)
+        adjusted = place_adjusted(windows)
+        if adjusted:
+            out["place_adjusted"] = adjusted
     return out
 
 

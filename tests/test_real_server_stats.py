@@ -563,3 +563,52 @@ def test_runs_quantile_ratios_combine_by_their_intervals() -> None:
     far = rs.combine_ratios([a, {"ratio": 1.3, "ci95": [1.28, 1.32]}])
     assert far["q"] > 10 > c["q"]
     assert rs.combine_ratios([a]) is None
+
+
+def placed_slices(null_places: list[int | None], modes_effect: dict[str, float],
+                  place_effect: dict[tuple[int, int], float]) -> list[Record]:
+    """One replica's slices, round r (1, 2, ...) full and untraced in ABBA order with a
+    null slice at ``null_places[r - 1]`` (None: no null that round); each slice's
+    tokens its mode's effect x its place's (by round size) x a level of the round's
+    own (the host's drift), and its t0 its place."""
+    ws: list[Record] = []
+    for r, null in enumerate(null_places, start=1):
+        plan = ["full", "untraced"] if r % 2 else ["untraced", "full"]
+        if null is not None:
+            plan.insert(null, rs.NONE_TRACED)
+        level = 1e7 * (1.0 + 0.1 * math.sin(r))  # large: rounding to whole tokens is noise
+        for place, mode in enumerate(plan):
+            w = record(mode, r, level * modes_effect[mode]
+                       * place_effect.get((len(plan), place), 1.0))
+            w["t0"] = r * 10.0 + place
+            ws.append(w)
+    return ws
+
+
+def test_place_adjusted_takes_the_null_slices_place_out() -> None:
+    """Null slices always last in their round, where no first-place slowness reaches
+    them: the pair ratio puts that slowness into the null's effect; the fit with the
+    places recovers each mode's own (here exactly: no noise), given rounds whose null
+    takes another place. With the null last in every round nothing tells its place from
+    its mode: not identified."""
+    modes = {"untraced": 1.0, "full": 0.99, rs.NONE_TRACED: 1.005}
+    places = {(3, 0): 0.97, (2, 1): 0.995}
+    fixed = [2 if r % 2 == 0 else None for r in range(1, 41)]
+    rotating = [(r // 2) % 3 if r % 2 == 0 else None for r in range(1, 41)]
+    ws = placed_slices(fixed + rotating, modes, places)
+    out = rs.place_adjusted(ws, draws=50)
+    assert out is not None and out["identified"]
+    assert out["full_vs_untraced"]["ratio"] == pytest.approx(0.99, abs=2e-4)
+    assert out[f"{rs.NONE_TRACED}_vs_untraced"]["ratio"] == pytest.approx(1.005, abs=2e-4)
+    assert out[f"full_vs_{rs.NONE_TRACED}"]["ratio"] == pytest.approx(0.99 / 1.005, abs=2e-4)
+    assert out["places"]["2@1"]["ratio"] == pytest.approx(0.995, abs=2e-4)
+    assert out["places"]["3@1"]["ratio"] == pytest.approx(1 / 0.97, abs=2e-4)
+    lo, hi = out["full_vs_untraced"]["ci95"]
+    assert lo <= 0.99 <= hi
+    # the pair ratios of the same slices: the null's, biased by the first place's 3%
+    naive = rs.summarise(ws, ["untraced", "full", rs.NONE_TRACED])["breakdown"][
+        rs.NONE_TRACED]["tokens_per_s_vs_untraced"]["ratio"]
+    assert naive > 1.01
+    # the null always last: its place and its mode go together
+    alone = rs.place_adjusted(placed_slices(fixed, modes, places), draws=20)
+    assert alone == {"identified": False, "slices": len(placed_slices(fixed, modes, places))}
