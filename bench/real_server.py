@@ -2082,15 +2082,24 @@ def switch_effects(slices: list[dict[str, Any]]) -> dict[str, Any]:
             "by_position": by_position(slices)}
 
 
+def round_cells(slices: list[dict[str, Any]]) -> dict[tuple[int, int], list[dict[str, Any]]]:
+    """Each replica's slices of each round, in the order they ran (records of old,
+    without ``replica``, are replica 0's): a slice's index is its place in the round."""
+    cells: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for w in slices:
+        cells.setdefault((w["round"], w.get("replica", 0)), []).append(w)
+    for ws in cells.values():
+        ws.sort(key=lambda w: w.get("t0", 0.0))
+    return cells
+
+
 def by_position(slices: list[dict[str, Any]]) -> dict[str, Any]:
     """Each slice's tokens/s over its round's geometric mean (of its replica's slices
     of that round), by mode and place in the round (``MODE@0``: the round's first): a
     slowness of a place that every mode in it shares is the run's, not a mode's (the
     pairs' order alternates, so it weighs on full and untraced alike). Only rounds with
     every slice measured."""
-    rounds: dict[tuple[int, int], list[dict[str, Any]]] = {}
-    for w in slices:
-        rounds.setdefault((w["round"], w.get("replica", 0)), []).append(w)
+    rounds = round_cells(slices)
     size = max((len(ws) for ws in rounds.values()), default=0)
     values: dict[str, list[tuple[int, float]]] = {}
     for (rnd, _), ws in rounds.items():
@@ -2117,15 +2126,12 @@ def place_adjusted(slices: list[dict[str, Any]], draws: int = 300,
     place go together in every round (nothing tells them apart: no ratio then)."""
     import numpy as np
 
-    cells: dict[tuple[int, int], list[dict[str, Any]]] = {}
-    for w in slices:
-        if "t0" in w and tps(w) > 0:
-            cells.setdefault((w["round"], w.get("replica", 0)), []).append(w)
+    cells = round_cells([w for w in slices if "t0" in w and tps(w) > 0])
     rows = []  # (round, cell, log tokens/s, (round size, place), mode)
     for c, (key, ws) in enumerate(sorted(cells.items())):
         if len(ws) < 2:
             continue
-        for place, w in enumerate(sorted(ws, key=lambda w: w["t0"])):
+        for place, w in enumerate(ws):
             rows.append((key[0], c, math.log(tps(w)), (len(ws), place), w["mode"]))
     if not rows or "untraced" not in {r[4] for r in rows}:
         return None
@@ -2142,13 +2148,12 @@ def place_adjusted(slices: list[dict[str, Any]], draws: int = 300,
     def fit(index: np.ndarray) -> np.ndarray | None:
         # each (round, replica) demeaned: its own level drops out; a resampled round
         # is its cells again, demeaned alike
-        xs, ys, cs = x[index], y[index], cell[index]
-        _, inverse = np.unique(cs, return_inverse=True)
-        counts = np.bincount(inverse).astype(float)
-        sums = np.zeros((len(counts), xs.shape[1]))
-        np.add.at(sums, inverse, xs)
-        xd = xs - sums[inverse] / counts[inverse, None]
-        yd = ys - np.bincount(inverse, weights=ys)[inverse] / counts[inverse]
+        xy = np.column_stack([x[index], y[index]])
+        _, inverse = np.unique(cell[index], return_inverse=True)
+        sums = np.zeros((inverse.max() + 1, xy.shape[1]))
+        np.add.at(sums, inverse, xy)
+        demeaned = xy - sums[inverse] / np.bincount(inverse)[inverse, None]
+        xd, yd = demeaned[:, :-1], demeaned[:, -1]
         if np.linalg.matrix_rank(xd) < xd.shape[1]:
             return None
         return np.linalg.lstsq(xd, yd, rcond=None)[0]

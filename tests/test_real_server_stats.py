@@ -610,5 +610,5 @@ def test_place_adjusted_takes_the_null_slices_place_out() -> None:
         rs.NONE_TRACED]["tokens_per_s_vs_untraced"]["ratio"]
     assert naive > 1.01
     # the null always last: its place and its mode go together
-    alone = rs.place_adjusted(placed_slices(fixed, modes, places), draws=20)
-    assert alone == {"identified": False, "slices": len(placed_slices(fixed, modes, places))}
+    last = placed_slices(fixed, modes, places)
+    assert rs.place_adjusted(last, draws=20) == {"identified": False, "slices": len(last)}
