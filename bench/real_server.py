@@ -116,11 +116,12 @@ half runs beside the traced half's global probes (the socket and TCP tracepoints
 early returns), and on a GPU the two halves share, beside its work; ``--null-every N``
 adds to every Nth round a slice with neither half traced (``none-traced``) to measure
 that, at each place of its round in turn. ``place_adjusted`` in the output takes the
-places out (a round's first slice can be slower in every mode): each mode against
-untraced, and ``full_vs_none-traced``, full tracing against a host where nothing is
-traced, which is what a node whose every server is traced pays when the untraced half
-is itself slowed by the other's tracing (two servers on one H100/H200: 1.021 faster
-with nothing traced, docs/overhead.md, "the untraced half is not a clean baseline").
+places out (a round's first slice can be slower in every mode; each run pooled has
+its own): each mode against untraced, and ``full_vs_none-traced``, full tracing
+against a host where nothing is traced, which is what a node whose every server is
+traced pays if the untraced half is itself slowed by the other's tracing (two servers
+on one H100, six calls: 1.004 (0.983-1.020) with nothing traced, not resolved;
+docs/overhead.md, "a null slice in every round").
 
 ``--breakdown`` adds slices (windows) with one part of the tracer off while the rest
 traces (payload copies: capture-limit 1 byte; the agent's analysis: records read and
@@ -2121,22 +2122,27 @@ def place_adjusted(slices: list[dict[str, Any]], draws: int = 300,
     whole rounds. The pair ratios assume that the places weigh on every mode alike,
     which the ABBA order makes true of full and untraced, but not of a slice that
     always takes one place: the nine H200 calls' null slices always came last, where
-    the round's first slice was 1-2% slow in every mode. ``full_vs_none-traced``: full
-    against a host where nothing is traced. ``identified``: False where a mode and a
-    place go together in every round (nothing tells them apart: no ratio then)."""
+    the round's first slice was 1-2% slow in every mode. The places are fitted per run
+    (``run``, which ``pool`` sets: runs on other hosts and loads weigh their places
+    differently), so a run whose null always takes one place tells nothing of the
+    null's effect and does not bend it; ``places`` are then ``RUN:SIZE@PLACE``.
+    ``full_vs_none-traced``: full against a host where nothing is traced.
+    ``identified``: False where a mode and a place go together in every round of every
+    run (nothing tells them apart: no ratio then)."""
     import numpy as np
 
     cells = round_cells([w for w in slices if "t0" in w and tps(w) > 0])
-    rows = []  # (round, cell, log tokens/s, (round size, place), mode)
+    rows = []  # (round, cell, log tokens/s, (run, round size, place), mode)
     for c, (key, ws) in enumerate(sorted(cells.items())):
         if len(ws) < 2:
             continue
         for place, w in enumerate(ws):
-            rows.append((key[0], c, math.log(tps(w)), (len(ws), place), w["mode"]))
+            rows.append((key[0], c, math.log(tps(w)), (w.get("run", 0), len(ws), place),
+                         w["mode"]))
     if not rows or "untraced" not in {r[4] for r in rows}:
         return None
     modes = sorted({r[4] for r in rows} - {"untraced"})
-    places = sorted({r[3] for r in rows if r[3][1] > 0})
+    places = sorted({r[3] for r in rows if r[3][2] > 0})
     x = np.array([[float(r[4] == m) for m in modes] + [float(r[3] == p) for p in places]
                   for r in rows])
     y = np.array([r[2] for r in rows])
@@ -2183,9 +2189,11 @@ def place_adjusted(slices: list[dict[str, Any]], draws: int = 300,
                            "draws": len(boot)}
     for j, m in enumerate(modes):
         out[f"{m}_vs_untraced"] = effect({j: 1.0})
-    # a place against the first of rounds of its size ("3@2": the third of three)
-    out["places"] = {f"{n}@{p}": effect({len(modes) + j: 1.0})
-                     for j, (n, p) in enumerate(places)}
+    # a place against the first of rounds of its size ("3@2": the third of three;
+    # "1:3@2" that of the second run pooled)
+    n_runs = len({p[0] for p in places})
+    out["places"] = {(f"{run}:" if n_runs > 1 else "") + f"{n}@{p}": effect({len(modes) + j: 1.0})
+                     for j, (run, n, p) in enumerate(places)}
     if "full" in modes and NONE_TRACED in modes:
         out[f"full_vs_{NONE_TRACED}"] = effect({modes.index("full"): 1.0,
                                                 modes.index(NONE_TRACED): -1.0})
@@ -2582,7 +2590,7 @@ def pool(files: list[str], target: float) -> dict[str, Any]:
             design = r.get("design", "alternate")  # designs differ in noise: apart
             key = f"{r['server']} ({r.get('mode', 'windows')}" + (
                 ")" if design == "alternate" else f", {design})")
-            runs.setdefault(key, []).extend(dict(w, round=w["round"] + 100000 * i,
+            runs.setdefault(key, []).extend(dict(w, round=w["round"] + 100000 * i, run=i,
                                                  replica=w.get("replica", 0)) for w in ws)
             per_round = r.get("seconds_per_round", r.get("seconds_per_pair", 0.0))
             seconds[key] = seconds.get(key, 0.0) + per_round * max(

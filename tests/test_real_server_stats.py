@@ -612,3 +612,32 @@ def test_place_adjusted_takes_the_null_slices_place_out() -> None:
     # the null always last: its place and its mode go together
     last = placed_slices(fixed, modes, places)
     assert rs.place_adjusted(last, draws=20) == {"identified": False, "slices": len(last)}
+
+
+def test_place_adjusted_fits_each_runs_places_apart() -> None:
+    """Two runs pooled, as ``pool`` numbers them: the first (another host) with its
+    null always last and its last place 3% slow, the second with its null at every
+    place and no place effect. Places shared by both runs would spread the first's
+    slow last place over the second's nulls and charge the rest to the null's own
+    effect; fitted per run, the first run's nulls go with its own last place, and the
+    second gives the null's effect exactly."""
+    modes = {"untraced": 1.0, "full": 0.99, rs.NONE_TRACED: 1.005}
+    fixed = [2 if r % 2 == 0 else None for r in range(1, 41)]
+    rotating = [(r // 2) % 3 if r % 2 == 0 else None for r in range(1, 41)]
+    first = placed_slices(fixed, modes, {(3, 2): 0.97})
+    second = placed_slices(rotating, modes, {})
+    pooled = ([dict(w, run=0) for w in first]
+              + [dict(w, run=1, round=w["round"] + 100000) for w in second])
+    out = rs.place_adjusted(pooled, draws=50)
+    assert out is not None and out["identified"]
+    assert out[f"{rs.NONE_TRACED}_vs_untraced"]["ratio"] == pytest.approx(1.005, abs=2e-4)
+    assert out[f"full_vs_{rs.NONE_TRACED}"]["ratio"] == pytest.approx(0.99 / 1.005, abs=2e-4)
+    assert out["full_vs_untraced"]["ratio"] == pytest.approx(0.99, abs=2e-4)
+    assert set(out["places"]) == {f"{run}:{n}@{p}" for run in (0, 1)
+                                  for n, p in ((2, 1), (3, 1), (3, 2))}
+    assert out["places"]["0:3@2"]["ratio"] == pytest.approx(0.97, abs=2e-4)
+    # the same slices with the places shared: the first run's slow last place is
+    # charged to the null in part
+    shared = rs.place_adjusted([dict(w, run=0) for w in pooled], draws=20)
+    assert shared is not None and shared["identified"]
+    assert shared[f"{rs.NONE_TRACED}_vs_untraced"]["ratio"] < 1.005 - 0.003
