@@ -316,14 +316,18 @@ TRACEPOINT_PROBE(syscalls, sys_exit_connect)
  * the template does not fit disarms the connection (the agent arms the next response
  * again); one that fits but whose text is not a plain JSON string is sent as usual.
  * What a dead process had staged, the agent reads from the map.
+ * The arm holds the template's head and tail as a hash each, not their bytes: the
+ * written chunk is hot in the cache (the server just wrote it), an arm read between
+ * the interpreter's own work is not, and 300 template bytes are five cold lines where
+ * the hashes share one with the rest of the arm.
  */
 struct run_arm {
     u64 conn_id;
-    u32 seq;      /* the agent's arm number for the connection: RUN.arm */
-    u16 head_len; /* what follows the size line */
-    u16 tail_len; /* what ends the chunk, before its CRLF */
-    u8 head[TT_RUN_HEAD];
-    u8 tail[TT_RUN_TAIL];
+    u32 seq;       /* the agent's arm number for the connection: RUN.arm */
+    u16 head_len;  /* what follows the size line */
+    u16 tail_len;  /* what ends the chunk, before its CRLF */
+    u64 head_hash; /* run_hash of the head's bytes (tracer/events/wire.py run_hash) */
+    u64 tail_hash; /* ...and of the tail's */
 };
 /* (tgid << 32 | fd) -> the template its token chunks have; written by the agent */
 BPF_HASH(run_arms, u64, struct run_arm, 4096);
@@ -407,28 +411,36 @@ static __always_inline int run_string(struct run_buf *sb, u32 m0, u32 m1)
     return esc ? RUN_ODD : (int)(m1 - m0);
 }
 
-/* The n (<= max) bytes at the write's offset `at` equal the template's `t`: eight
- * at a time, then the rest one by one (a token write compares ~280 template bytes:
- * HF serve's head and tail). Unaligned loads are fine on the JITs of x86-64 and
- * arm64; the template's arrays start 8-aligned in run_arm. */
-static __always_inline int run_equal(struct run_buf *sb, u32 at, const u8 *t, u32 n,
-                                     u32 max)
+#define RUN_HASH_K 0x9E3779B97F4A7C15ULL
+
+/* run_hash of the n (<= max) bytes at the write's offset `at`: each little-endian
+ * word of eight (the last zero-padded) folded in as h = (rotl(h, 5) ^ w) * K. Each
+ * step is a bijection of h for a given word, so two byte strings of one length that
+ * differ in one word never hash alike; tracer/events/wire.py run_hash is the same
+ * function for the agent. Unaligned loads are fine on the JITs of x86-64 and arm64. */
+static __always_inline u64 run_hash(struct run_buf *sb, u32 at, u32 n, u32 max)
 {
     u32 words = n / 8;
+    u64 h = 0;
     for (u32 i = 0; i < max / 8; i++) {
         if (i >= words)
             break;
-        if (*(u64 *)&sb->b[run_idx(at + i * 8)] != *(const u64 *)&t[i * 8])
-            return 0;
+        u64 w = *(u64 *)&sb->b[run_idx(at + i * 8)];
+        h = ((h << 5) | (h >> 59)) ^ w;
+        h *= RUN_HASH_K;
     }
-    for (u32 i = 0; i < 8; i++) {
-        u32 j = words * 8 + i;
-        if (j >= n || j >= max)
-            break;
-        if (sb->b[run_idx(at + j)] != t[j & (max - 1)])
-            return 0;
+    if (n % 8) {
+        u64 w = 0;
+        for (u32 i = 0; i < 7; i++) {
+            u32 j = words * 8 + i;
+            if (j >= n || j >= max)
+                break;
+            w |= (u64)sb->b[run_idx(at + j)] << (8 * i);
+        }
+        h = ((h << 5) | (h >> 59)) ^ w;
+        h *= RUN_HASH_K;
     }
-    return 1;
+    return h;
 }
 
 /* Is the write [buf, buf + n) one whole chunk of the armed template? Its JSON
@@ -459,10 +471,10 @@ static __always_inline int run_match(struct run_buf *sb, u64 buf, u32 n, struct 
     u32 start = h + 2;
     if (hl > TT_RUN_HEAD || tl > TT_RUN_TAIL || start + hl + 2 + tl + 2 > n)
         return RUN_NO_FIT;
-    if (!run_equal(sb, start, arm->head, hl, TT_RUN_HEAD))
+    if (run_hash(sb, start, hl, TT_RUN_HEAD) != arm->head_hash)
         return RUN_NO_FIT;
     u32 t0 = n - 2 - tl;
-    if (!run_equal(sb, t0, arm->tail, tl, TT_RUN_TAIL))
+    if (run_hash(sb, t0, tl, TT_RUN_TAIL) != arm->tail_hash)
         return RUN_NO_FIT;
     return run_string(sb, start + hl, t0);
 }

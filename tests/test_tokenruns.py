@@ -164,6 +164,26 @@ def test_the_kernels_json_string_check_agrees_with_the_parsers(s):
     assert _plain_string(s) == (_JSON_STRING_BYTES.fullmatch(s) is not None)
 
 
+def test_a_templates_hash_changes_with_any_one_byte_of_it():
+    """The kernel stages a write whose head and tail hash as the armed template's
+    (bpf/sockets.c run_hash; the lengths are checked apart): a chunk that differs from
+    the template in any one byte, as a token's choice index or field name would, is
+    never taken for it (each step of the hash is a bijection for a given word)."""
+    head = (b'data: {"id":"chatcmpl-5d2b6f0e","object":"chat.completion.chunk",'
+            b'"created":1765000000,"model":"/models/tiny-llama","system_fingerprint":null,'
+            b'"choices":[{"index":0,"delta":{"role":"assistant","content":')
+    base = wire.run_hash(head)
+    for i in range(len(head)):
+        for flip in (0x01, 0x20, 0x80):
+            changed = head[:i] + bytes([head[i] ^ flip]) + head[i + 1:]
+            assert wire.run_hash(changed) != base, (i, flip)
+    assert wire.run_hash(b"") == 0
+    assert wire.run_hash(b"\x01") == wire.RUN_HASH_K  # h = (rotl(0, 5) ^ 1) * K
+    # a zero-padded last word: the same hash for b"a" and b"a\0", which is why the
+    # kernel checks each length before it hashes
+    assert wire.run_hash(b"a") == wire.run_hash(b"a\0")
+
+
 def test_the_agent_asks_once_per_streamed_response(traffic):
     items, _ = traffic
     p = Pipeline([Collected()], options=TrackerOptions(tenant_salt=b"k" * 16))

@@ -66,7 +66,7 @@ CONSTANTS: dict[str, int] = {
     # record per RUN_MAX writes instead of one each, without their text
     "KIND_RUN": 20,
     "RUN_MAX": 32,  # writes per RUN record
-    "RUN_HEAD": 512,  # bytes of an armed template's head (power of two: masked index)
+    "RUN_HEAD": 512,  # bytes of an armed template's head at most (a power of two)
     "RUN_TAIL": 512,  # ...and of its tail (HF serve puts the model path after the text)
     "RUN_WRITE_MAX": 1024,  # a write longer than this is never staged
     "RUN_AGE_NS": 250_000_000,  # a run this old is sent at its connection's next write
@@ -786,3 +786,19 @@ def c_definitions() -> str:
 def kind_of(buf: bytes) -> int:
     """The record kind: the first u32 of every record."""
     return struct.unpack_from("<I", buf, 0)[0]
+
+
+RUN_HASH_K = 0x9E3779B97F4A7C15
+_U64 = (1 << 64) - 1
+
+
+def run_hash(data: bytes) -> int:
+    """The hash an armed token template's head or tail is given to the kernel as
+    (``run_hash`` in bpf/sockets.c, which hashes the written chunk's bytes alike):
+    each little-endian word of eight bytes, the last zero-padded, folded in as
+    ``h = (rotl(h, 5) ^ w) * K`` modulo 2**64."""
+    h = 0
+    for i in range(0, len(data), 8):
+        w = int.from_bytes(data[i:i + 8].ljust(8, b"\0"), "little")
+        h = ((((h << 5) | (h >> 59)) & _U64) ^ w) * RUN_HASH_K & _U64
+    return h
