@@ -413,6 +413,11 @@ static __always_inline int run_string(struct run_buf *sb, u32 m0, u32 m1)
 
 #define RUN_HASH_K 0x9E3779B97F4A7C15ULL
 
+static __always_inline u64 run_hash_step(u64 h, u64 w)
+{
+    return (((h << 5) | (h >> 59)) ^ w) * RUN_HASH_K;
+}
+
 /* run_hash of the n (<= max) bytes at the write's offset `at`: each little-endian
  * word of eight (the last zero-padded) folded in as h = (rotl(h, 5) ^ w) * K. Each
  * step is a bijection of h for a given word, so two byte strings of one length that
@@ -425,9 +430,7 @@ static __always_inline u64 run_hash(struct run_buf *sb, u32 at, u32 n, u32 max)
     for (u32 i = 0; i < max / 8; i++) {
         if (i >= words)
             break;
-        u64 w = *(u64 *)&sb->b[run_idx(at + i * 8)];
-        h = ((h << 5) | (h >> 59)) ^ w;
-        h *= RUN_HASH_K;
+        h = run_hash_step(h, *(u64 *)&sb->b[run_idx(at + i * 8)]);
     }
     if (n % 8) {
         u64 w = 0;
@@ -437,8 +440,7 @@ static __always_inline u64 run_hash(struct run_buf *sb, u32 at, u32 n, u32 max)
                 break;
             w |= (u64)sb->b[run_idx(at + j)] << (8 * i);
         }
-        h = ((h << 5) | (h >> 59)) ^ w;
-        h *= RUN_HASH_K;
+        h = run_hash_step(h, w);
     }
     return h;
 }

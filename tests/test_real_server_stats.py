@@ -585,16 +585,21 @@ def placed_slices(null_places: list[int | None], modes_effect: dict[str, float],
     return ws
 
 
+MODE_EFFECTS = {"untraced": 1.0, "full": 0.99, rs.NONE_TRACED: 1.005}
+# forty rounds, a null in every second one: always last, or at each place in turn
+NULL_LAST = [2 if r % 2 == 0 else None for r in range(1, 41)]
+NULL_ROTATING = [(r // 2) % 3 if r % 2 == 0 else None for r in range(1, 41)]
+
+
 def test_place_adjusted_takes_the_null_slices_place_out() -> None:
     """Null slices always last in their round, where no first-place slowness reaches
     them: the pair ratio puts that slowness into the null's effect; the fit with the
     places recovers each mode's own (here exactly: no noise), given rounds whose null
     takes another place. With the null last in every round nothing tells its place from
     its mode: not identified."""
-    modes = {"untraced": 1.0, "full": 0.99, rs.NONE_TRACED: 1.005}
+    modes = MODE_EFFECTS
     places = {(3, 0): 0.97, (2, 1): 0.995}
-    fixed = [2 if r % 2 == 0 else None for r in range(1, 41)]
-    rotating = [(r // 2) % 3 if r % 2 == 0 else None for r in range(1, 41)]
+    fixed, rotating = NULL_LAST, NULL_ROTATING
     ws = placed_slices(fixed + rotating, modes, places)
     out = rs.place_adjusted(ws, draws=50)
     assert out is not None and out["identified"]
@@ -621,11 +626,8 @@ def test_place_adjusted_fits_each_runs_places_apart() -> None:
     slow last place over the second's nulls and charge the rest to the null's own
     effect; fitted per run, the first run's nulls go with its own last place, and the
     second gives the null's effect exactly."""
-    modes = {"untraced": 1.0, "full": 0.99, rs.NONE_TRACED: 1.005}
-    fixed = [2 if r % 2 == 0 else None for r in range(1, 41)]
-    rotating = [(r // 2) % 3 if r % 2 == 0 else None for r in range(1, 41)]
-    first = placed_slices(fixed, modes, {(3, 2): 0.97})
-    second = placed_slices(rotating, modes, {})
+    first = placed_slices(NULL_LAST, MODE_EFFECTS, {(3, 2): 0.97})
+    second = placed_slices(NULL_ROTATING, MODE_EFFECTS, {})
     pooled = ([dict(w, run=0) for w in first]
               + [dict(w, run=1, round=w["round"] + 100000) for w in second])
     out = rs.place_adjusted(pooled, draws=50)

@@ -22,7 +22,6 @@ from tracer.events import schema, wire
 from tracer.events.gpu import MEMSET_GATE, SAMPLED_COPY_MASK, SYNC_GATE, GpuSampling
 from tracer.events.netwait import NetTimingMode
 from tracer.events.runs import RunArmed
-from tracer.events.wire import run_hash
 from tracer.probes import loader, procfs, ringbuf, sockdiag
 from tracer.probes.bpfstats import ProgramStats, format_costs, missed_runs
 from tracer.probes.gpu import GpuProbes
@@ -981,8 +980,8 @@ class CaptureSession:
             leaf.seq = self._arm_seq
             leaf.head_len = len(head)
             leaf.tail_len = len(tail)
-            leaf.head_hash = run_hash(head)
-            leaf.tail_hash = run_hash(tail)
+            leaf.head_hash = wire.run_hash(head)
+            leaf.tail_hash = wire.run_hash(tail)
             try:
                 table[table.Key(pid << 32 | (fd & 0xFFFFFFFF))] = leaf
             except Exception:  # the map is full: these tokens keep a record each
