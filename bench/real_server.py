@@ -2715,7 +2715,8 @@ def main(argv: list[str] | None = None) -> int:
                          "(the memsets sampled, which auto may keep counted); repeatable")
     ap.add_argument("--pool", nargs="+", metavar="JSON",
                     help="no run: the pairs of these result files (the same server and "
-                         "design) taken together, printed as JSON")
+                         "design) taken together, printed as JSON (and written to --out "
+                         "when it is given)")
     ap.add_argument("--window-log", metavar="DIR",
                     help="slices: each agent's capture (--record), each replica's token "
                          "and request times, and the slices' spans, in DIR, for "
@@ -2728,7 +2729,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="HF kinds: the Llama's layers and hidden size (default 2,128: "
                          "tiny, each token mostly the server's CPU; larger ones put more "
                          "of a token on the GPU, random weights all the same)")
-    ap.add_argument("--out", default=str(ROOT / "bench/results/real_server.json"))
+    ap.add_argument("--out", help="where the result goes (default: "
+                    "bench/results/real_server.json; with --pool, only printed)")
     # the load generator's own process
     ap.add_argument("--client", help=argparse.SUPPRESS)
     ap.add_argument("--client-kind", default="openai", help=argparse.SUPPRESS)
@@ -2738,8 +2740,13 @@ def main(argv: list[str] | None = None) -> int:
         args.url = args.client
         return client_main(args)
     if args.pool:
-        print(json.dumps(pool(args.pool, args.target), indent=1))
+        pooled = json.dumps(pool(args.pool, args.target), indent=1)
+        print(pooled)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(pooled + "\n")
         return 0
+    args.out = args.out or str(ROOT / "bench/results/real_server.json")
     if args.server_cpus and min(args.server_cpus) < 1:
         ap.error("--server-cpus counts are at least 1")
     if args.replicas < 1 or args.agent_cpus < 1:

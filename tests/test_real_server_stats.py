@@ -408,6 +408,19 @@ def test_pool_keeps_designs_apart(tmp_path: Path) -> None:
     assert pooled["hf-cb (slices, crossover)"]["tokens_per_s"]["rounds"] == 6
 
 
+def test_pool_writes_to_out_when_given(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--pool FILES --out F` keeps what it prints in F, as a run keeps its result."""
+    f = tmp_path / "run.json"
+    f.write_text(json.dumps({"results": [{
+        "server": "hf-cb", "mode": "slices", "design": "crossover", "seconds_per_round": 12.0,
+        "slices": host_drift_slices("crossover", 6, math.log(0.99), 5)}]}))
+    out = tmp_path / "pooled" / "both.json"
+    assert rs.main(["--pool", str(f), "--out", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert json.loads(out.read_text()) == printed
+    assert printed["hf-cb (slices, crossover)"]["tokens_per_s"]["rounds"] == 6
+
+
 def test_crossover_needs_an_even_number_of_replicas_and_no_breakdown() -> None:
     for argv in (["--design", "crossover", "--replicas", "3"],
                  ["--design", "crossover", "--replicas", "4", "--breakdown"],
