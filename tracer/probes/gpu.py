@@ -450,7 +450,8 @@ class GpuProbes:
 
     def drain(self) -> list[bytes]:
         """The bursts still open in the kernel, as KBURST records (reason DRAIN), removed
-        from the map: called once capture stops so that counts are exact."""
+        from the map with the threads' emptied entries (first_ts 0, none open: bpf/cuda.c
+        flush): called once capture stops so that counts are exact."""
         import ctypes
 
         from tracer.events import wire
@@ -459,9 +460,11 @@ class GpuProbes:
         out = []
         reason_off = wire.KBURST.offsets["reason"]
         for k, v in list(table.items()):
-            raw = bytearray(ctypes.string_at(ctypes.addressof(v), ctypes.sizeof(v)))
-            raw[reason_off : reason_off + 2] = wire.CONSTANTS["BURST_DRAIN"].to_bytes(2, "little")
-            out.append(bytes(raw))
+            if v.first_ts:
+                raw = bytearray(ctypes.string_at(ctypes.addressof(v), ctypes.sizeof(v)))
+                raw[reason_off : reason_off + 2] = wire.CONSTANTS["BURST_DRAIN"].to_bytes(
+                    2, "little")
+                out.append(bytes(raw))
             try:
                 del table[k]
             except KeyError:
