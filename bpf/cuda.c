@@ -62,9 +62,9 @@ static __always_inline struct tt_kburst *burst_of(u64 id, u64 now)
     return b;
 }
 
-/* Send the burst and empty its entry in place. Deleting the entry here and inserting
- * it again at the step's next call made the step's first and last calls its dearest
- * (~3-5 us each on the development VM against ~0.4 us for a launch). */
+/* Send the burst and empty its entry in place: deleting the entry here and inserting
+ * it again at the step's next call was a third of that first call's BPF time on the
+ * development VM (docs/overhead.md, "a burst's entry kept between steps"). */
 static __always_inline void flush(u32 tid, struct tt_kburst *b, u16 reason)
 {
     b->reason = reason;
@@ -469,8 +469,10 @@ static __always_inline int sync_session(struct pt_regs *ctx, u32 api)
         return sync_begin(id, api, sp); /* it may end a step: timed at its return */
     /* inside a step: counted in the burst that goes on */
     u64 now = bpf_ktime_get_ns();
-    if (!b || !b->first_ts)
+    if (!b)
         b = burst_of(id, now);
+    else if (!b->first_ts)
+        b->first_ts = now; /* emptied by the last flush: a burst opens here */
     if (b) {
         b->sync_calls++;
         b->last_ts = now;
