@@ -120,8 +120,8 @@ places out (a round's first slice can be slower in every mode; each run pooled h
 its own): each mode against untraced, and ``full_vs_none-traced``, full tracing
 against a host where nothing is traced, which is what a node whose every server is
 traced pays if the untraced half is itself slowed by the other's tracing (two servers
-on one H100, six calls: 1.004 (0.983-1.020) with nothing traced, not resolved;
-docs/overhead.md, "a null slice in every round").
+on one H100, ten calls: the untraced half 1.002 (0.989-1.014) with nothing traced, not
+resolved; docs/overhead.md, "four more null-every-round calls").
 
 ``--breakdown`` adds slices (windows) with one part of the tracer off while the rest
 traces (payload copies: capture-limit 1 byte; the agent's analysis: records read and
