@@ -38,6 +38,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +48,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from gpu_validate import Tracer, Workload  # noqa: E402
 from tracer.correlate.gpu import NAME_ROWS, GpuLedger, ProcessGpu, name_row  # noqa: E402
 from tracer.events import capture  # noqa: E402
+from tracer.events.gpu import KernelBurst  # noqa: E402
 
 TOP = 20
 PRE_ATTACH = ("host_stub", "registered_stub", "stub_slot", "driver_object", "driver_string")
@@ -54,12 +56,17 @@ CUDA_LIB = ("libtorch_cuda", "libcublas", "libcudnn", "libnccl", "libcusparse", 
             "libcurand", "libcusolver", "libc10_cuda", "flash_attn", "libcudart")
 
 
-def launched(ledger: GpuLedger, pid: int) -> Counter[int]:
-    """Launches per handle, all threads of ``pid``, so far."""
+def launched(ledger: GpuLedger, pid: int, open_bursts: Sequence[KernelBurst] = ()
+             ) -> Counter[int]:
+    """Launches per handle, all threads of ``pid``, so far: the ledger's, with
+    ``open_bursts`` (Tracer.open_bursts: calls the kernel holds in bursts not yet
+    flushed) added."""
     out: Counter[int] = Counter()
     p = ledger.processes.get(pid)
     for t in (p.threads.values() if p else ()):
         out.update(t.kernels)
+    for b in open_bursts:
+        out.update(b.handle_counts)
     return out
 
 
@@ -262,13 +269,13 @@ def run(out: Path, quiet_s: float, max_s: float, hf: bool) -> tuple[dict[str, An
         phases = {}
         for name, cmd, _profiled in windows:
             tr.settle()
-            before = launched(ledger, pid)
+            before = launched(ledger, pid, tr.open_bursts(pid))
             reply = ask(w, cmd)
             tr.settle()
             if gpu.prenames:
                 gpu.prenames.wait_idle(30)
             tr.settle()
-            window = launched(ledger, pid) - before
+            window = launched(ledger, pid, tr.open_bursts(pid)) - before
             phases[name] = {"workload": {k: v for k, v in reply.items()
                                          if k != "profiler_kernel_names"},
                             "window": window,

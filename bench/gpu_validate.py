@@ -23,6 +23,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from tracer.correlate.gpu import GpuLedger  # noqa: E402
 from tracer.events import capture, schema  # noqa: E402
-from tracer.events.gpu import GpuEvent  # noqa: E402
+from tracer.events.gpu import GpuEvent, KernelBurst  # noqa: E402
 from tracer.probes.session import CaptureConfig, CaptureSession  # noqa: E402
 
 CONCERNS = ("cuda", "nccl", "process")
@@ -73,6 +75,14 @@ class Tracer:
     def settle(self) -> None:
         time.sleep(0.3)  # two poll periods: flushed bursts reach the ledger
 
+    def open_bursts(self, pid: int) -> list[KernelBurst]:
+        """``pid``'s bursts still open in the kernel (GpuProbes.open_bursts): a window's
+        count is the ledger's plus these, at both of its ends. A thread whose syncs
+        bring results back leaves its calls after the last such sync open (a sync that
+        ends no step flushes nothing): torch_workload's Triton loop ends so."""
+        bursts = (schema.decode(raw) for raw in self.session.gpu.open_bursts())
+        return [b for b in bursts if isinstance(b, KernelBurst) and b.pid == pid]
+
     def stop(self) -> dict:
         self._stop.set()
         self.thread.join()
@@ -80,16 +90,24 @@ class Tracer:
         return self.drops
 
 
-def totals(ledger: GpuLedger, pid: int) -> dict:
+def totals(ledger: GpuLedger, pid: int, open_bursts: Sequence[KernelBurst] = ()) -> dict:
+    """``pid``'s counts in the ledger so far, with ``open_bursts`` (Tracer.open_bursts)
+    added: what the kernel had counted at that moment."""
     p = ledger.processes.get(pid)
-    if p is None:
-        return {"launches": 0, "graph_launches": 0, "syncs": 0}
-    return {"launches": sum(t.kernel_launches for t in p.threads.values()),
-            "graph_launches": sum(t.graph_launches for t in p.threads.values()),
-            "syncs": sum(t.sync_calls for t in p.threads.values()),
-            "named": sum(n for t in p.threads.values() for h, n in t.kernels.items()
-                         if h in p.names),
-            "kernel_handles": len({h for t in p.threads.values() for h in t.kernels})}
+    threads = list(p.threads.values()) if p is not None else []
+    names = p.names if p is not None else {}
+    kernels: Counter[int] = Counter()
+    for t in threads:
+        kernels.update(t.kernels)
+    for b in open_bursts:
+        kernels.update(b.handle_counts)
+    return {"launches": sum(t.kernel_launches for t in threads)
+            + sum(b.launches for b in open_bursts),
+            "graph_launches": sum(t.graph_launches for t in threads)
+            + sum(b.graph_launches for b in open_bursts),
+            "syncs": sum(t.sync_calls for t in threads) + sum(b.sync_calls for b in open_bursts),
+            "named": sum(n for h, n in kernels.items() if h in names),
+            "kernel_handles": len(kernels)}
 
 
 def diff(a: dict, b: dict) -> dict:
@@ -167,10 +185,11 @@ def validate_torch(out: Path, samples: list[float] = (), period_s: float = 1.0) 
     res["driver_symbols"] = driver_symbols(tr.session.gpu)
     for window in ("eager", "graph"):
         tr.settle()
-        before = totals(ledger, w.p.pid)
+        before = totals(ledger, w.p.pid, tr.open_bursts(w.p.pid))
         prof = w.ask(f"suite_{window}")
         tr.settle()
-        res[window] = {"profiler": prof, "tracer": diff(before, totals(ledger, w.p.pid))}
+        after = totals(ledger, w.p.pid, tr.open_bursts(w.p.pid))
+        res[window] = {"profiler": prof, "tracer": diff(before, after)}
     res["drops"] = tr.stop()
     writer.close()
     res["summary_after_capture"] = ledger.summary(top=15)["processes"]

@@ -141,6 +141,62 @@ def test_syncs_inside_a_step_are_counted_and_only_results_syncs_timed(gpu_build,
         assert proc["bursts"] >= 2 * steps
 
 
+@pytest.mark.parametrize("links", ["sessions", "multi"])
+def test_calls_after_the_last_results_sync_are_held_open_and_read_in_place(gpu_build,
+                                                                           tmp_path, links):
+    """A thread that syncs on its results, then launches and syncs with no copy back
+    (a script's closing torch.cuda.synchronize()): through uprobe sessions that sync
+    ends no step, so those launches stay in the thread's open burst, unsent, while it
+    waits. ``GpuProbes.open_bursts`` reads them in place; the benches' windows count
+    the ledger plus them (bench/gpu_validate.py ``totals``), exactly, and the thread's
+    exit sends them. Through plain links every sync ends its burst: nothing open."""
+    from bench.gpu_validate import Tracer, totals
+    from tracer.correlate.gpu import GpuLedger
+    from tracer.probes.uprobes import uprobe_multi_support
+
+    if links == "sessions" and not uprobe_multi_support(session=True)[0]:
+        pytest.skip("no uprobe sessions on this kernel (Linux 6.13+)")
+    steps = 40
+    env = dict(os.environ, TT_STANDIN_COUNTS=str(tmp_path / "cuda.json"),
+               TT_STANDIN_KERNEL_NS="2000")
+    w = subprocess.Popen([str(gpu_build["workload"]), "--wait", "--hold", "--steps",
+                          str(steps), "--kernels", str(KERNELS)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert w.stdout.readline().strip() == "ready"
+        ledger = GpuLedger()
+        tr = Tracer([w.pid], ledger, None, uprobe_links=links)
+        w.stdin.write("go\n")
+        w.stdin.flush()
+        assert w.stdout.readline().strip() == "held"
+        tr.settle()
+        opened = tr.open_bursts(w.pid)
+        sent, seen = totals(ledger, w.pid), totals(ledger, w.pid, opened)
+        assert seen["launches"] == (steps + 1) * KERNELS
+        if links == "sessions":
+            assert [b.launches for b in opened] == [KERNELS]
+            assert [b.reason for b in opened] == ["drain"]
+            assert sum(opened[0].handle_counts.values()) == KERNELS
+            assert sent["launches"] == steps * KERNELS
+        else:
+            assert opened == []
+            assert sent == seen
+        w.stdin.write("go\n")
+        w.stdin.flush()
+        assert w.stdout.readline().strip() == "done"
+        assert w.wait(30) == 0
+        tr.settle()
+        assert tr.open_bursts(w.pid) == []  # the thread's exit sent them
+        drops = tr.stop()
+    finally:
+        if w.poll() is None:
+            w.kill()
+    truth = json.loads((tmp_path / "cuda.json").read_text())
+    assert totals(ledger, w.pid)["launches"] == truth["launches"] == (steps + 1) * KERNELS
+    assert totals(ledger, w.pid)["syncs"] == truth["sync_calls"]
+    assert drops.get("lost_gpu") == 0
+
+
 def test_replay_of_the_capture_gives_the_same_summary(gpu_build, tmp_path):
     proc, truth, _, doc, _ = run_workload(gpu_build, tmp_path,
                                           ["--steps", "50", "--kernels", "20"])

@@ -4,7 +4,7 @@
  * target (it passes no valid modules); PyTorch workloads cover that.
  *
  *   workload [--steps N] [--kernels K] [--threads T] [--graph-every G] [--nccl]
- *            [--d2d N] [--input-sync] [--wait]
+ *            [--d2d N] [--input-sync] [--wait] [--hold] [--linger]
  *
  * Each thread resolves K kernels (even ones with cuLibraryGetKernel, odd ones with
  * cuModuleGetFunction, kernel 1 also through cuKernelGetFunction), then per step: an
@@ -14,7 +14,10 @@
  * every G steps, N device-to-device copies (--d2d), a memset, an NCCL all-reduce in a
  * group when --nccl, a D2H copy, and a stream sync (every 4th step polls cuStreamQuery
  * instead). --wait prints "ready" and waits for a line on stdin before resolving
- * anything, so a tracer can attach first.
+ * anything, so a tracer can attach first. --hold: after its steps each thread launches
+ * its K kernels once more and syncs the stream, a sync with no D2H copy before it (as
+ * a PyTorch script's closing torch.cuda.synchronize()), then waits: "held" is printed
+ * when all wait, and a line on stdin lets them go.
  */
 #include <pthread.h>
 #include <stdio.h>
@@ -51,8 +54,25 @@ int ncclGroupStart(void);
 int ncclGroupEnd(void);
 
 static int steps = 100, kernels = 8, threads = 1, graph_every = 0, use_nccl = 0, d2d = 0;
-static int input_sync = 0;
+static int input_sync = 0, hold = 0;
 static ncclComm_t comm;
+static int held, released;
+static pthread_mutex_t hold_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t hold_cv = PTHREAD_COND_INITIALIZER;
+
+/* --hold: a tail of launches and a sync that ends no step, then wait for main */
+static void hold_tail(CUfunction *f, CUstream s)
+{
+    for (int k = 0; k < kernels; k++)
+        cuLaunchKernel(f[k], 1, 1, 1, 128, 1, 1, 0, s, NULL, NULL);
+    cuStreamSynchronize(s);
+    pthread_mutex_lock(&hold_mu);
+    held++;
+    pthread_cond_broadcast(&hold_cv);
+    while (!released)
+        pthread_cond_wait(&hold_cv, &hold_mu);
+    pthread_mutex_unlock(&hold_mu);
+}
 
 static void *run(void *arg)
 {
@@ -111,6 +131,8 @@ static void *run(void *arg)
         } else
             cuStreamSynchronize(s);
     }
+    if (hold)
+        hold_tail(f, s);
     cuMemFree_v2(buf);
     cuMemFree_v2(out);
     free(f);
@@ -129,6 +151,7 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--nccl")) use_nccl = 1;
         else if (!strcmp(argv[i], "--input-sync")) input_sync = 1;
         else if (!strcmp(argv[i], "--wait")) wait = 1;
+        else if (!strcmp(argv[i], "--hold")) hold = 1;
         else if (!strcmp(argv[i], "--linger")) linger = 1; /* exit at the next line */
         else { fprintf(stderr, "workload: unknown argument %s\n", argv[i]); return 2; }
     }
@@ -149,6 +172,21 @@ int main(int argc, char **argv)
     if (threads > 64) threads = 64;
     for (long t = 0; t < threads; t++)
         pthread_create(&th[t], NULL, run, (void *)t);
+    if (hold) {
+        char line[16];
+        pthread_mutex_lock(&hold_mu);
+        while (held < threads)
+            pthread_cond_wait(&hold_cv, &hold_mu);
+        pthread_mutex_unlock(&hold_mu);
+        printf("held\n");
+        fflush(stdout);
+        if (!fgets(line, sizeof(line), stdin))
+            return 1;
+        pthread_mutex_lock(&hold_mu);
+        released = 1;
+        pthread_cond_broadcast(&hold_cv);
+        pthread_mutex_unlock(&hold_mu);
+    }
     for (int t = 0; t < threads; t++)
         pthread_join(th[t], NULL);
     printf("done\n");

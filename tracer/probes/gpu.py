@@ -448,23 +448,32 @@ class GpuProbes:
         return [wire.KCOUNT.pack(pid=k.pid, tid=k.tid, ts=ts, handle=k.handle, count=d[0])
                 for k, d in self._kcounts.read()]
 
-    def drain(self) -> list[bytes]:
-        """The bursts still open in the kernel, as KBURST records (reason DRAIN), removed
-        from the map with the threads' emptied entries (first_ts 0, none open: bpf/cuda.c
-        flush): called once capture stops so that counts are exact."""
+    def open_bursts(self) -> list[bytes]:
+        """The bursts open in the kernel now, as KBURST records (reason DRAIN), left in
+        place: each thread's calls since its last flush. A burst stays open past a sync
+        that ends no step (bpf/cuda.c, sync_session) until the thread's next flush, so
+        counts read from flushed records alone reach a moment that much late."""
         import ctypes
 
         from tracer.events import wire
 
-        table = self.bpf[b"bursts"]
-        out = []
         reason_off = wire.KBURST.offsets["reason"]
-        for k, v in list(table.items()):
-            if v.first_ts:
+        drain = wire.CONSTANTS["BURST_DRAIN"].to_bytes(2, "little")
+        out = []
+        for v in self.bpf[b"bursts"].values():
+            if v.first_ts:  # 0: emptied by its last flush, none open (bpf/cuda.c flush)
                 raw = bytearray(ctypes.string_at(ctypes.addressof(v), ctypes.sizeof(v)))
-                raw[reason_off : reason_off + 2] = wire.CONSTANTS["BURST_DRAIN"].to_bytes(
-                    2, "little")
+                raw[reason_off : reason_off + 2] = drain
                 out.append(bytes(raw))
+        return out
+
+    def drain(self) -> list[bytes]:
+        """The bursts still open in the kernel (``open_bursts``), removed from the map
+        with the threads' emptied entries: called once capture stops so that counts
+        are exact."""
+        out = self.open_bursts()
+        table = self.bpf[b"bursts"]
+        for k in list(table.keys()):
             try:
                 del table[k]
             except KeyError:
