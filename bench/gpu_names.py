@@ -37,8 +37,8 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
