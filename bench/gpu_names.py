@@ -37,7 +37,6 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable
 
@@ -45,29 +44,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gpu_validate import Tracer, Workload  # noqa: E402
+from gpu_validate import Tracer, Workload, launched  # noqa: E402
 from tracer.correlate.gpu import NAME_ROWS, GpuLedger, ProcessGpu, name_row  # noqa: E402
 from tracer.events import capture  # noqa: E402
-from tracer.events.gpu import KernelBurst  # noqa: E402
 
 TOP = 20
 PRE_ATTACH = ("host_stub", "registered_stub", "stub_slot", "driver_object", "driver_string")
 CUDA_LIB = ("libtorch_cuda", "libcublas", "libcudnn", "libnccl", "libcusparse", "libcufft",
             "libcurand", "libcusolver", "libc10_cuda", "flash_attn", "libcudart")
-
-
-def launched(ledger: GpuLedger, pid: int, open_bursts: Sequence[KernelBurst] = ()
-             ) -> Counter[int]:
-    """Launches per handle, all threads of ``pid``, so far: the ledger's, with
-    ``open_bursts`` (Tracer.open_bursts: calls the kernel holds in bursts not yet
-    flushed) added."""
-    out: Counter[int] = Counter()
-    p = ledger.processes.get(pid)
-    for t in (p.threads.values() if p else ()):
-        out.update(t.kernels)
-    for b in open_bursts:
-        out.update(b.handle_counts)
-    return out
 
 
 def source_of(p: ProcessGpu, handle: int) -> str:

@@ -90,17 +90,27 @@ class Tracer:
         return self.drops
 
 
+def launched(ledger: GpuLedger, pid: int, open_bursts: Sequence[KernelBurst] = ()
+             ) -> Counter[int]:
+    """Launches per handle, all threads of ``pid``, so far: the ledger's, with
+    ``open_bursts`` (Tracer.open_bursts: calls the kernel holds in bursts not yet
+    flushed) added."""
+    out: Counter[int] = Counter()
+    p = ledger.processes.get(pid)
+    for t in (p.threads.values() if p else ()):
+        out.update(t.kernels)
+    for b in open_bursts:
+        out.update(b.handle_counts)
+    return out
+
+
 def totals(ledger: GpuLedger, pid: int, open_bursts: Sequence[KernelBurst] = ()) -> dict:
     """``pid``'s counts in the ledger so far, with ``open_bursts`` (Tracer.open_bursts)
     added: what the kernel had counted at that moment."""
     p = ledger.processes.get(pid)
     threads = list(p.threads.values()) if p is not None else []
     names = p.names if p is not None else {}
-    kernels: Counter[int] = Counter()
-    for t in threads:
-        kernels.update(t.kernels)
-    for b in open_bursts:
-        kernels.update(b.handle_counts)
+    kernels = launched(ledger, pid, open_bursts)
     return {"launches": sum(t.kernel_launches for t in threads)
             + sum(b.launches for b in open_bursts),
             "graph_launches": sum(t.graph_launches for t in threads)

@@ -453,31 +453,35 @@ class GpuProbes:
         place: each thread's calls since its last flush. A burst stays open past a sync
         that ends no step (bpf/cuda.c, sync_session) until the thread's next flush, so
         counts read from flushed records alone reach a moment that much late."""
-        import ctypes
-
-        from tracer.events import wire
-
-        reason_off = wire.KBURST.offsets["reason"]
-        drain = wire.CONSTANTS["BURST_DRAIN"].to_bytes(2, "little")
-        out = []
-        for v in self.bpf[b"bursts"].values():
-            if v.first_ts:  # 0: emptied by its last flush, none open (bpf/cuda.c flush)
-                raw = bytearray(ctypes.string_at(ctypes.addressof(v), ctypes.sizeof(v)))
-                raw[reason_off : reason_off + 2] = drain
-                out.append(bytes(raw))
-        return out
+        return self._bursts(remove=False)
 
     def drain(self) -> list[bytes]:
         """The bursts still open in the kernel (``open_bursts``), removed from the map
         with the threads' emptied entries: called once capture stops so that counts
         are exact."""
-        out = self.open_bursts()
+        return self._bursts(remove=True)
+
+    def _bursts(self, remove: bool) -> list[bytes]:
+        """One walk of ``bursts``: its open entries as DRAIN records, every entry
+        deleted as it goes with ``remove``."""
+        import ctypes
+
+        from tracer.events import wire
+
         table = self.bpf[b"bursts"]
-        for k in list(table.keys()):
-            try:
-                del table[k]
-            except KeyError:
-                pass
+        reason_off = wire.KBURST.offsets["reason"]
+        drain = wire.CONSTANTS["BURST_DRAIN"].to_bytes(2, "little")
+        out = []
+        for k, v in list(table.items()):
+            if v.first_ts:  # 0: emptied by its last flush, none open (bpf/cuda.c flush)
+                raw = bytearray(ctypes.string_at(ctypes.addressof(v), ctypes.sizeof(v)))
+                raw[reason_off : reason_off + 2] = drain
+                out.append(bytes(raw))
+            if remove:
+                try:
+                    del table[k]
+                except KeyError:
+                    pass
         return out
 
 
