@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from tracer.doctor import check_kernel_headers, format_checks, run_checks
+from tracer.export.console import ring_at_loss_text
 
 
 def cli(*args):
@@ -85,6 +86,20 @@ def test_exit_report_says_how_many_launches_got_a_kernel_name():
     r = cli("replay", str(CAPTURES / "wire3" / "gpu-standin.ttcap"), "--quiet")
     assert r.returncode == 0, r.stderr
     assert "kernel names for 100.0% of 1,600 launches (live 100.0%)" in r.stderr
+
+
+def test_exit_report_says_whether_the_ring_had_room_when_records_were_lost():
+    """The full ring is checked live (test_live_openai's overflow); a loss with room,
+    a reservation the kernel refused, cannot be made on demand: its words are
+    checked here."""
+    mib = 2**20
+    full = ring_at_loss_text({"capture.ring_fill_at_loss_bytes": mib - 100,
+                              "capture.ring_bytes": mib})
+    room = ring_at_loss_text({"capture.ring_fill_at_loss_bytes": 4096,
+                              "capture.ring_bytes": 32 * mib})
+    assert full.startswith("; records were lost with the ring full") and "--ringbuf-mb" in full
+    assert "lost with room in the ring (the ring held 4 KiB of 32.0 MiB" in room
+    assert ring_at_loss_text({"capture.ring_bytes": mib, "capture.lost_data": 0}) == ""
 
 
 def test_replay_of_a_cut_capture_warns_and_keeps_what_it_has(openai_capture, tmp_path):

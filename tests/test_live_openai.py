@@ -17,6 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from samples.launch import SampleServer
+from tracer.events import wire
+from tracer.export.console import ring_at_loss_text
 from tests.conftest import free_port
 from tests.kstamps import realtime_thread
 from tests.live import TimedClient, off_by, spans_by_response_id, traced, traced_cli
@@ -272,6 +274,14 @@ def test_ring_buffer_overflow_is_counted_and_reported(server):
             list(pool.map(lambda i: client.chat(stream=True, max_tokens=2, content=big),
                           range(24)))
     assert got.report["capture.lost_data"] > 0
+    # the agent fell behind: when the kernel refused records, the ring had no room for
+    # the largest (a DATA record's header and a full chunk)
+    ring = got.report["capture.ring_bytes"]
+    largest = 8 + wire.DATA.header_size + wire.CONSTANTS["CHUNK"]
+    assert ring == 1 << 20
+    assert ring - largest < got.report["capture.ring_fill_at_loss_bytes"] <= ring
+    assert got.report["capture.ring_fill_peak_bytes"] >= got.report["capture.ring_fill_at_loss_bytes"]
+    assert "records were lost with the ring full" in ring_at_loss_text(got.report)
     lossy = [r for r in got.records if r.error or r.request_incomplete or r.response_incomplete]
     whole = [r for r in got.records if r not in lossy]
     # 25 requests were sent: each lost record either took a whole request with it or

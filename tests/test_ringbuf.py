@@ -60,6 +60,64 @@ def test_mapped_reader_takes_every_record_once_in_order_across_wraps(program):
     reader.close()
 
 
+def ring_bytes(numbers) -> int:
+    """What records ``numbers`` take in the ring: each a header and its data rounded
+    up to 8 bytes, a given-back one its 400 reserved."""
+    return sum(8 + ((400 if n % 7 == 3 else 8 + (n * 37) % 393) + 7) // 8 * 8
+               for n in numbers)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the mapped reader is x86-64's")
+def test_the_reader_says_how_full_the_producer_found_the_ring(program):
+    got: list[bytes] = []
+    reader = ringbuf.open_reader(program, b"events", got.append)
+    for _ in range(10):
+        os.getppid()
+    reader.consume()
+    assert reader.peak == ring_bytes(range(10)) < reader.size
+    assert reader.take_peak() == ring_bytes(range(10))
+    for _ in range(3):
+        os.getppid()
+    reader.consume()
+    assert reader.take_peak() == ring_bytes(range(10, 13))  # since the last take
+    reader.consume()
+    assert reader.take_peak() == 0
+    assert reader.peak == ring_bytes(range(10))  # the most ever
+    check(got, 13)
+    reader.close()
+
+
+@pytest.fixture()
+def roomy_program():
+    yield from _loaded(64)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the mapped reader is x86-64's")
+def test_records_sent_during_a_read_count_against_the_position_last_published(roomy_program):
+    """The producer sees the consumer position as last published (every
+    PUBLISH_EVERY records), not as read so far. 300 records wait; 100 more are sent
+    while the 200th is read, 50 while the 300th is: the producer found the first 400
+    in the ring at once (all sent before the first publication), then records
+    256-449."""
+    assert ringbuf.PUBLISH_EVERY == 256
+    got: list[bytes] = []
+
+    def read_one(record: bytes) -> None:
+        got.append(record)
+        for _ in range({200: 100, 300: 50}.get(len(got), 0)):
+            os.getppid()
+
+    reader = ringbuf.open_reader(roomy_program, b"events", read_one)
+    for _ in range(300):
+        os.getppid()
+    reader.consume()
+    assert roomy_program[b"full"][0].value == 0
+    check(got, 450)
+    assert ring_bytes(range(400)) > ring_bytes(range(256, 450))
+    assert reader.take_peak() == ring_bytes(range(400))
+    reader.close()
+
+
 def test_bcc_reader_reads_the_same(program):
     got: list[bytes] = []
     reader = ringbuf.BccReader(program, program[b"events"], got.append)
@@ -77,6 +135,8 @@ def test_a_full_ring_loses_only_what_the_producer_counted_and_frees_its_room(pro
     reader.consume()
     lost = program[b"full"][0].value
     assert lost > 0 and len(got) > 0
+    # the ring held so much that the next record (at most 8 + 400 bytes) had no room
+    assert reader.size - 408 < reader.take_peak() <= reader.size
     kept_then = len(got)
     drive(reader, got, rounds=20, per_round=5)  # the room was given back
     assert program[b"full"][0].value == lost

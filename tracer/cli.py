@@ -22,7 +22,7 @@ from tracer.duty import parse as parse_duty
 from tracer.correlate.connections import TrackerOptions
 from tracer.events import capture
 from tracer.events.wire import CONSTANTS
-from tracer.export.console import skipped_runs_text
+from tracer.export.console import ring_at_loss_text, skipped_runs_text
 from tracer.export.context import ExportContext
 from tracer.pipeline import Pipeline
 
@@ -428,7 +428,8 @@ def _report(pipeline: Pipeline, console: Any) -> None:
         _say(line)
     _say(f"{pipeline.records} requests exported; "
          + ("loss and truncation: " + ", ".join(f"{k}={v}" for k, v in lost.items())
-            if lost else "no events lost") + skipped_runs_text(rep))
+            if lost else "no events lost") + skipped_runs_text(rep)
+         + ring_at_loss_text(rep))
 
 
 def tls_lines(pipeline: Pipeline) -> list[str]:

@@ -68,7 +68,7 @@ def run_demo(requests: int = 8, out_dir: str = "out", port: int = 8765) -> int:
 
     from samples.launch import SampleServer
     from tracer.correlate.connections import TrackerOptions
-    from tracer.export.console import ConsoleTable, skipped_runs_text
+    from tracer.export.console import ConsoleTable, ring_at_loss_text, skipped_runs_text
     from tracer.export.context import ExportContext
     from tracer.export.jsonl import JsonlSpanExporter
     from tracer.export.spans import SpanBuilder
@@ -107,7 +107,8 @@ def run_demo(requests: int = 8, out_dir: str = "out", port: int = 8765) -> int:
     _say(console.summary())
     _say(f"spans: {spans_path} ({run.pipeline.records} requests); capture: {cap_path}; "
          + ("lost: " + ", ".join(f"{k}={v}" for k, v in lost.items()) if lost
-            else "no events lost") + skipped_runs_text(report))
+            else "no events lost") + skipped_runs_text(report)
+         + ring_at_loss_text(report))
     expected = counts["ok"] + counts["errors"]
     if run.pipeline.records != expected:
         _say(f"MISMATCH: the client made {expected} requests, the tracer saw "

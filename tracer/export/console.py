@@ -9,6 +9,7 @@ import time
 from typing import IO, Any
 
 from tracer.correlate.records import RequestRecord
+from tracer.events import wire
 from tracer.export.context import ExportContext
 
 COLUMNS = (
@@ -186,6 +187,28 @@ class ConsoleTable:
 
     def close(self) -> None:
         self.out.flush()
+
+
+LARGEST_RECORD = 8 + max(r.size for r in wire.RECORDS.values())  # with its ring header
+
+
+def ring_at_loss_text(rep: dict[str, Any]) -> str:
+    """``; records were lost with the ring full (...)``, or with room in it: which
+    the agent saw (``ring_fill_at_loss_bytes``, tracer/probes/session.py); empty
+    when nothing was lost or the ring was not read in place."""
+    fill = rep.get("capture.ring_fill_at_loss_bytes")
+    size = rep.get("capture.ring_bytes")
+    if fill is None or not size:
+        return ""
+    held = f"the ring held {_bytes(fill)} of {_bytes(size)}"
+    if fill > size - LARGEST_RECORD:
+        return f"; records were lost with the ring full ({held}: the agent fell behind; --ringbuf-mb)"
+    return (f"; records were lost with room in the ring ({held}: the kernel refused "
+            f"a reservation, not for want of room)")
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.0f} KiB"
 
 
 def skipped_runs_text(rep: dict[str, Any]) -> str:

@@ -13,6 +13,13 @@ and a DISCARD bit for a record given back) and its data rounded up to 8 bytes; i
 stops at a record still BUSY, skips discarded ones and publishes the new consumer
 position, which frees the space for the producer. ~0.5 µs a record.
 
+How full the ring got is measured where the producer's view is known exactly: it
+sees the consumer position last published, so the most it can find in the ring
+between two publications is the producer position at the second less the first.
+``RingReader`` takes that difference at every publication and at the start of each
+read (``peak``, ``take_peak``): a record lost with the ring far from full was
+refused for another reason than room (the reservation's lock, Linux 6.15+).
+
 Reading the positions and headers without barriers is sound on x86-64, whose loads
 are not reordered with other loads (the kernel's release store of a header is seen
 after the data it publishes). Elsewhere, and wherever the ring cannot be mapped,
@@ -50,6 +57,8 @@ class RingReader:
         self.on_record = on_record
         self.errors = 0  # records whose handler raised (BCC's callback prints and goes on)
         self.behind = False  # the last read stopped at its budget with records unread
+        self.peak = 0  # the most bytes the producer found in the ring, records and headers
+        self._window_peak = 0  # the same since the last take_peak()
         self._cons = mmap.mmap(map_fd, page, mmap.MAP_SHARED,
                                mmap.PROT_READ | mmap.PROT_WRITE, offset=0)
         try:
@@ -75,6 +84,8 @@ class RingReader:
         base = mmap.PAGESIZE  # the data pages follow the producer position's page
         c = _POS.unpack_from(cons, 0)[0]
         p = _POS.unpack_from(prod, 0)[0]
+        self._saw(p - c)  # since the last read's end, nothing was taken out
+        published = c
         n = 0
         self.behind = False
         deadline = None if budget_s is None else time.monotonic() + budget_s
@@ -96,13 +107,28 @@ class RingReader:
                         on_record(prod[at + HEADER:at + HEADER + length])
                     except Exception:  # the handler's to count; the ring goes on
                         self.errors += 1
-                    if not n % PUBLISH_EVERY:
-                        _POS.pack_into(cons, 0, c)  # room for the producer meanwhile
+                    if not n % PUBLISH_EVERY:  # room for the producer meanwhile
+                        self._saw(_POS.unpack_from(prod, 0)[0] - published)
+                        _POS.pack_into(cons, 0, c)
+                        published = c
                 if c >= p:
                     p = _POS.unpack_from(prod, 0)[0]
         finally:
+            self._saw(_POS.unpack_from(prod, 0)[0] - published)
             _POS.pack_into(cons, 0, c)
         return n
+
+    def _saw(self, fill: int) -> None:
+        if fill > self._window_peak:
+            self._window_peak = fill
+            if fill > self.peak:
+                self.peak = fill
+
+    def take_peak(self) -> int:
+        """The most bytes the producer found in the ring since the last call (or since
+        the reader opened): records not yet read, their headers included."""
+        peak, self._window_peak = self._window_peak, 0
+        return peak
 
     def close(self) -> None:
         self._epoll.close()

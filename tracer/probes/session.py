@@ -37,6 +37,11 @@ POLL_MS = 20  # see poll()
 DRAIN_BUDGET_S = 0.01
 STACK_SCAN_WAIT_S = 10.0  # at start: the traced interpreters found before polling begins
 PARALLEL_DETACH = 32  # tracepoints detached at once by pause: all of them (see there)
+# records the kernel found no place for in the events ring, by counter (every
+# ringbuf_output and reservation that fails counts one of these)
+RING_LOSS_COUNTERS = frozenset(
+    [name for name in wire.COUNTER_NAMES.values() if name.startswith("lost_")]
+    + ["tls.lost", "stack_defs_lost"])
 Sink = Callable[[CaptureItem], None]
 
 
@@ -125,6 +130,7 @@ class CaptureSession:
         self._next_rescan = 0.0
         self._next_counters = 0.0
         self._drained_to = time.monotonic_ns()  # the last drain that read all (_drain)
+        self._lost_seen = 0  # records lost to the ring, at the last report
         self._exclude = set(config.exclude_pids) | {os.getpid()}
         self.user_counters: Counter[str] = Counter({"undecodable_records": 0})
         self.gpu: GpuProbes | None = None
@@ -1031,13 +1037,32 @@ class CaptureSession:
 
     def report_counters(self, ts: int) -> None:
         """Send the loss counters, stamped ``ts``: the last drain's time (``_drain``)."""
-        self.sink(schema.DropReport(ts=ts, counters=self.counters()))
+        counters = self.counters()
+        self._note_ring_at_loss(counters)
+        self.sink(schema.DropReport(ts=ts, counters=counters))
+
+    def _note_ring_at_loss(self, counters: dict[str, int]) -> None:
+        """When records were lost to the ring since the last report, the most the ring
+        held meanwhile; ``ring_fill_at_loss_bytes`` is the least such. Near
+        ``ring_bytes``, every loss was the agent falling behind (``--ringbuf-mb``);
+        far below it, the ring had room and refused a record for another reason."""
+        if not isinstance(self.ring, ringbuf.RingReader):
+            return
+        fill = self.ring.take_peak()
+        lost = sum(v for k, v in counters.items() if k in RING_LOSS_COUNTERS)
+        if lost > self._lost_seen:
+            self._lost_seen = lost
+            key = "ring_fill_at_loss_bytes"
+            self.user_counters[key] = counters[key] = min(self.user_counters.get(key, fill), fill)
 
     def counters(self) -> dict[str, int]:
         """The loss counters (and the kernel's and agent's other counts) as they stand:
         cumulative, as ``report_counters`` sends them and ``control("counters")`` says."""
         counters = self.kernel_counters()
         counters.update(self.user_counters)
+        if isinstance(self.ring, ringbuf.RingReader):
+            counters["ring_bytes"] = self.ring.size
+            counters["ring_fill_peak_bytes"] = self.ring.peak
         if self.dropped_unanalysed:
             counters["unanalysed_records"] = self.dropped_unanalysed
         if getattr(self.ring, "errors", 0):
