@@ -71,11 +71,18 @@ BPF_PERCPU_ARRAY(since_wakeup, u32, 1);
 #define TT_WAKEUP_EVERY 64
 
 /*
- * Submit a record; a full ring buffer is counted, never silent.
+ * Submit a record; a record the ring refuses is counted, never silent.
  * No wake-up per record: the consumer polls on a short timer and is woken early only
  * every TT_WAKEUP_EVERY records a CPU submits. Waking it for every record cost one
  * epoll cycle per record, half of the tracer's CPU. Timestamps are taken here, so the
  * delay changes when a span is exported, never what it says.
+ *
+ * A refused output is timed. A full ring refuses at once. Since Linux 6.15 the ring's
+ * lock is a resilient spinlock that gives up instead of spinning on: after ~1 ms at
+ * least for a deadlock it detects, 250-500 ms for a holder that does not let go, with
+ * interrupts off in the traced thread. Runs lose a record or a few that way with the
+ * ring nearly empty (docs/overhead.md); the time tells the two causes apart and says
+ * what the spinning cost.
  */
 static __always_inline void submit(void *rec, u32 size, u32 lost_counter)
 {
@@ -86,6 +93,12 @@ static __always_inline void submit(void *rec, u32 size, u32 lost_counter)
         *n = 0;
         flags = BPF_RB_FORCE_WAKEUP;
     }
-    if (events.ringbuf_output(rec, size, flags) < 0)
+    u64 t0 = bpf_ktime_get_ns();
+    if (events.ringbuf_output(rec, size, flags) < 0) {
+        u64 spent = bpf_ktime_get_ns() - t0;
         count(lost_counter);
+        count_n(TT_CNT_RING_REFUSED_NS, spent);
+        if (spent >= TT_RING_SLOW_NS)
+            count(TT_CNT_RING_REFUSED_SLOW);
+    }
 }

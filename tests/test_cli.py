@@ -96,9 +96,11 @@ def test_exit_report_says_whether_the_ring_had_room_when_records_were_lost():
     full = ring_at_loss_text({"capture.ring_fill_at_loss_bytes": mib - 100,
                               "capture.ring_bytes": mib})
     room = ring_at_loss_text({"capture.ring_fill_at_loss_bytes": 4096,
-                              "capture.ring_bytes": 32 * mib})
+                              "capture.ring_bytes": 32 * mib, "capture.ring_refused_slow": 1,
+                              "capture.ring_refused_ns": 251_000_000})
     assert full.startswith("; records were lost with the ring full") and "--ringbuf-mb" in full
-    assert "lost with room in the ring (the ring held 4 KiB of 32.0 MiB" in room
+    assert room.startswith("; records were lost with room in the ring (the ring held 4KB of "
+                           "32MB; 1 refused after spinning on the ring's lock, 251.0 ms")
     assert ring_at_loss_text({"capture.ring_bytes": mib, "capture.lost_data": 0}) == ""
 
 

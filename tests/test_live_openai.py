@@ -282,6 +282,11 @@ def test_ring_buffer_overflow_is_counted_and_reported(server):
     assert ring - largest < got.report["capture.ring_fill_at_loss_bytes"] <= ring
     assert got.report["capture.ring_fill_peak_bytes"] >= got.report["capture.ring_fill_at_loss_bytes"]
     assert "records were lost with the ring full" in ring_at_loss_text(got.report)
+    # a full ring refuses at once: the calls it refused are not taken for the lock's
+    # (a vCPU held off the CPU mid-call could make one slow, hence not == 0)
+    lost = sum(v for k, v in got.report.items() if k.startswith("capture.lost_"))
+    assert got.report["capture.ring_refused_slow"] * 100 <= lost
+    assert 0 < got.report["capture.ring_refused_ns"] < lost * wire.CONSTANTS["RING_SLOW_NS"]
     lossy = [r for r in got.records if r.error or r.request_incomplete or r.response_incomplete]
     whole = [r for r in got.records if r not in lossy]
     # 25 requests were sent: each lost record either took a whole request with it or

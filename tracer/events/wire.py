@@ -279,7 +279,12 @@ CONSTANTS: dict[str, int] = {
     # its gate was closed: a trap that counted nothing, the price of the switches (the
     # probes are in place through each attach and detach, not only the open window)
     "CNT_GATED_CALLS": 19,
-    "N_COUNTERS": 20,
+    # records the ring refused (any lost_* above) after RING_SLOW_NS or more in the
+    # call: not a full ring, which refuses at once, but its lock giving up (bpf/common.h)
+    "CNT_RING_REFUSED_SLOW": 20,
+    "CNT_RING_REFUSED_NS": 21,  # time spent in refused ring outputs, all of them
+    "N_COUNTERS": 22,
+    "RING_SLOW_NS": 100_000,
 }
 
 COUNTER_NAMES: dict[int, str] = {

@@ -193,22 +193,24 @@ LARGEST_RECORD = 8 + max(r.size for r in wire.RECORDS.values())  # with its ring
 
 
 def ring_at_loss_text(rep: dict[str, Any]) -> str:
-    """``; records were lost with the ring full (...)``, or with room in it: which
-    the agent saw (``ring_fill_at_loss_bytes``, tracer/probes/session.py); empty
-    when nothing was lost or the ring was not read in place."""
+    """``; records were lost with the ring full (...)``, or with room in it, and how
+    many the kernel refused only after spinning on the ring's lock, from the counters
+    (``ring_fill_at_loss_bytes``: tracer/probes/session.py; ``ring_refused_*``:
+    bpf/common.h); empty when nothing was lost."""
     fill = rep.get("capture.ring_fill_at_loss_bytes")
     size = rep.get("capture.ring_bytes")
+    slow = rep.get("capture.ring_refused_slow", 0)
+    lock = ""
+    if slow:
+        spun = rep.get("capture.ring_refused_ns", 0) / 1e6
+        lock = f"; {slow} refused after spinning on the ring's lock, {spun:.1f} ms in refused calls"
     if fill is None or not size:
-        return ""
+        return f"; records lost{lock}" if slow else ""
     held = f"the ring held {_bytes(fill)} of {_bytes(size)}"
     if fill > size - LARGEST_RECORD:
-        return f"; records were lost with the ring full ({held}: the agent fell behind; --ringbuf-mb)"
-    return (f"; records were lost with room in the ring ({held}: the kernel refused "
+        return f"; records were lost with the ring full ({held}: the agent fell behind; --ringbuf-mb{lock})"
+    return (f"; records were lost with room in the ring ({held}{lock}: the kernel refused "
             f"a reservation, not for want of room)")
-
-
-def _bytes(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.0f} KiB"
 
 
 def skipped_runs_text(rep: dict[str, Any]) -> str:
