@@ -279,8 +279,10 @@ CONSTANTS: dict[str, int] = {
     # its gate was closed: a trap that counted nothing, the price of the switches (the
     # probes are in place through each attach and detach, not only the open window)
     "CNT_GATED_CALLS": 19,
-    # records the ring refused (any lost_* above) after RING_SLOW_NS or more in the
-    # call: not a full ring, which refuses at once, but its lock giving up (bpf/common.h)
+    # records submit() (bpf/common.h) saw the ring refuse (counted in a lost_* above)
+    # after RING_SLOW_NS or more in the call: not a full ring, which refuses at once,
+    # but its lock giving up; the few outputs made elsewhere (ibverbs.c's counter
+    # record, tls.c, stacks.c) are not timed
     "CNT_RING_REFUSED_SLOW": 20,
     "CNT_RING_REFUSED_NS": 21,  # time spent in refused ring outputs, all of them
     "N_COUNTERS": 22,
