@@ -108,7 +108,8 @@ def one(paths: dict, args: argparse.Namespace, burst_min_us: int, sample: float,
         out["lost"] = {k: v for k, v in doc["report"].items()
                        if k.startswith("capture.") and v and k not in (
                            "capture.gpu_attach_errors", "capture.ring_bytes",
-                           "capture.ring_fill_peak_bytes")}
+                           "capture.ring_fill_peak_bytes")
+                       and not k.startswith("capture.probe_cpu_")}  # the overhead meter's
         out["exact"] = sample < 1.0 or all(
             seen.get(pid, {}).get("kernel_launches") == t["launches"] for pid, t in truth.items())
     return out

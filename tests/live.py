@@ -67,10 +67,13 @@ def traced(pids: list[int] | None = None, ports: list[int] | None = None,
     keep = config.pop("keep_content", False)
     pricing = config.pop("pricing", None)
     auto = config.pop("auto_sample", None)  # --gpu-sample auto's policy (tracer/autosample.py)
+    # the overhead meter and budget (tracer/overhead.py): max_overhead, meter_every_s...
+    meter = {k: config.pop(k) for k in ("max_overhead", "meter_every_s", "meter_window_s")
+             if k in config}
     run = TraceRun(CaptureConfig(pids=pids or [], ports=ports or [], **config),
                    [*extra_sinks, c, spans],
                    TrackerOptions(keep_content=keep), record=record, ctx=ctx, pricing=pricing,
-                   auto_sample=auto)
+                   auto_sample=auto, **meter)
     run.start()
     c.sampler = run.session.stacks
     c.run = run

@@ -22,7 +22,7 @@ from tracer.duty import parse as parse_duty
 from tracer.correlate.connections import TrackerOptions
 from tracer.events import capture
 from tracer.events.wire import CONSTANTS
-from tracer.export.console import ring_at_loss_text, skipped_runs_text
+from tracer.export.console import probe_cost_text, ring_at_loss_text, skipped_runs_text
 from tracer.export.context import ExportContext
 from tracer.pipeline import Pipeline
 
@@ -236,6 +236,14 @@ def _duty_arg(text: str) -> tuple[float, float]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _budget_arg(text: str) -> float:
+    from tracer.overhead import parse_budget
+    try:
+        return parse_budget(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokentrace",
@@ -259,7 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export_args(run)
     run.add_argument("--record", metavar="FILE",
                      help="also write the raw events to FILE for `tokentrace replay`")
-    run.add_argument("--duty-cycle", metavar="F[/PERIOD]", type=_duty_arg,
+    budget = run.add_mutually_exclusive_group()
+    budget.add_argument("--duty-cycle", metavar="F[/PERIOD]", type=_duty_arg,
                      help="trace for F of every PERIOD seconds (default period: %g) and "
                           "take every probe out for the rest, so the servers pay F of "
                           "tracing's cost; only requests wholly inside a window are traced "
@@ -267,6 +276,18 @@ def build_parser() -> argparse.ArgumentParser:
                           "end cuts are counted (requests_cut_by_duty_cycle). Default: "
                           "trace all the time (docs/overhead.md, \"the duty cycle\")"
                           % DUTY_PERIOD_S)
+    budget.add_argument("--max-overhead", metavar="PCT", type=_budget_arg,
+                        help="keep what the probes cost the traced processes under PCT "
+                             "percent of their CPU time: where the measured estimate "
+                             "(probe_cpu_ppm, below) is over it, trace the share of every "
+                             "%g s that brings it under, as --duty-cycle does, and all the "
+                             "time again once it fits. The estimate is the probes' kernel "
+                             "time in every process against the traced processes' CPU time "
+                             "(docs/overhead.md, \"the probes' cost, measured live\")" % DUTY_PERIOD_S)
+    run.add_argument("--no-overhead-meter", action="store_true",
+                     help="do not measure what the probes cost (by default a 2-s window "
+                          "every 20 s, with the kernel's BPF run-time statistics on for it, "
+                          "gives probe_cpu_ppm in the counters and the exit report)")
     run.set_defaults(func=cmd_run)
 
     rec = sub.add_parser(
@@ -430,6 +451,9 @@ def _report(pipeline: Pipeline, console: Any) -> None:
          + ("loss and truncation: " + ", ".join(f"{k}={v}" for k, v in lost.items())
             if lost else "no events lost") + skipped_runs_text(rep)
          + ring_at_loss_text(rep))
+    cost = probe_cost_text(rep)
+    if cost:
+        _say(cost)
 
 
 def tls_lines(pipeline: Pipeline) -> list[str]:
@@ -689,13 +713,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     duty = DutyCycle(*args.duty_cycle) if args.duty_cycle else None
     run = TraceRun(targets, sinks, options, record=args.record, ctx=ctx, header=header,
                    pricing=pricing, keep_secrets=args.capture_secrets, auto_sample=auto,
-                   duty=duty)
+                   duty=duty, measure_overhead=not args.no_overhead_meter,
+                   max_overhead=args.max_overhead)
     if duty is not None:
         _say(f"duty cycle: {duty.describe()}")
+    if run.budget is not None:
+        _say(f"overhead budget: {run.budget.budget:.2%} of the traced processes' CPU")
     gpu_table = console is not None and getattr(args, "gpu_every", 0) > 0
     if gpu_table:
         console.gpu, console.gpu_every_s = run.pipeline.gpu, args.gpu_every
-    said = [auto.state if auto is not None else ""]
+    said = [auto.state if auto is not None else "", ""]
 
     def poll() -> None:
         run.poll()
@@ -704,6 +731,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         if auto is not None and auto.state != said[0]:
             said[0] = auto.state
             _say(f"gpu-sample auto: {auto.reason}")
+        if run.budget is not None and run.budget.reason != said[1]:
+            said[1] = run.budget.reason
+            if run.budget.fraction < 1.0 or said[1] != "not measured yet":
+                _say(f"max-overhead: {said[1]}")
 
     try:
         rc = _drive(args, run.open, poll, lambda: run.session.pids,

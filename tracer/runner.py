@@ -10,11 +10,14 @@ import time
 from typing import Any
 
 from tracer import duty as duty_cycle
+from tracer import overhead
 from tracer.autosample import AutoSample
 from tracer.correlate.connections import TrackerOptions
 from tracer.events import capture, schema
 from tracer.export.context import ExportContext
 from tracer.pipeline import Pipeline
+from tracer.probes import procfs
+from tracer.probes.bpfstats import ProgramStats
 from tracer.probes.session import CaptureConfig, CaptureSession
 
 UNNAMED_CHECK_S = 2.0  # how often launched handles with no name are looked for
@@ -26,7 +29,10 @@ class TraceRun:
                  ctx: ExportContext | None = None, header: dict[str, Any] | None = None,
                  pricing: Any = None, keep_secrets: bool = False,
                  auto_sample: AutoSample | None = None,
-                 duty: duty_cycle.DutyCycle | None = None) -> None:
+                 duty: duty_cycle.DutyCycle | None = None,
+                 measure_overhead: bool = True, max_overhead: float | None = None,
+                 meter_every_s: float = overhead.EVERY_S,
+                 meter_window_s: float = overhead.WINDOW_S) -> None:
         self.header = header or capture.new_header(command="run")
         options = options or TrackerOptions()
         if options.tenant_salt is None:  # tenants hashed as the capture's replay will
@@ -55,6 +61,13 @@ class TraceRun:
         self._pending_duty = duty
         self._duty_origin: float | None = None
         self._hand_paused = False
+        # what the probes cost the traced processes, measured in windows
+        # (tracer/overhead.py); with --max-overhead, the duty cycle that keeps it in budget
+        self._meter_stats = ProgramStats()  # its own hold on the kernel's statistics
+        self.meter = (overhead.Meter(self._meter_stats_on, self.session.program_costs, _cpu_ns,
+                                     every_s=meter_every_s, window_s=meter_window_s)
+                      if measure_overhead or max_overhead else None)
+        self.budget = overhead.Budget(max_overhead) if max_overhead else None
         # control commands from other threads, applied by the polling one
         self._commands: queue.Queue[tuple[str, threading.Event, list[str]]] = queue.Queue()
 
@@ -91,6 +104,8 @@ class TraceRun:
         if now >= self._next_unnamed:
             self._next_unnamed = now + UNNAMED_CHECK_S
             self.ask_unnamed()
+        if self.meter is not None:
+            self._measure(now)
         if self.duty is not None:
             self._follow_duty(now)
         if self.auto_sample is not None and now >= self._next_auto:
@@ -105,6 +120,9 @@ class TraceRun:
         gives the probes back to it, in its phase."""
         words = command.split()
         if words[:1] == ["duty-cycle"]:
+            if self.budget is not None:  # set by hand: the budget stands down
+                self.budget = None
+                self.session.user_counters["overhead_budget_stood_down"] = 1
             return self._duty_command(words[1:])
         if words in (["pause"], ["resume"]):
             self._hand_paused = words == ["pause"]
@@ -188,6 +206,51 @@ class TraceRun:
             self.pipeline.stats["duty_cycle_switches"] += 1
             self._after_resume()
 
+    def _meter_stats_on(self, on: bool) -> None:
+        """The meter's hold on the kernel's run-time statistics; where they cannot be
+        had (no CAP_SYS_ADMIN, an old kernel), the meter stops, counted."""
+        try:
+            if on:
+                self._meter_stats.enable()
+            else:
+                self._meter_stats.disable()
+        except OSError:
+            self.meter = None
+            self.session.user_counters["probe_cpu_unmeasured"] = 1
+
+    def _measure(self, now: float) -> None:
+        """A window of the probes' cost (``overhead.Meter``); a finished estimate goes
+        to the counters and, with ``--max-overhead``, to the budget's duty cycle."""
+        meter, session = self.meter, self.session
+        assert meter is not None
+        room = float("inf")
+        if self.duty is not None and not self._hand_paused:
+            duty = self.duty
+            room = duty.window_s - (now - duty.start) % duty.period_s
+        est = meter.tick(now, not session.paused and session.bpf is not None,
+                         session.switches, set(session.pids), room)
+        if est is None:
+            return
+        counters = session.user_counters
+        counters["probe_cpu_ppm"] = est.ppm
+        counters["probe_cpu_ppm_max"] = max(counters.get("probe_cpu_ppm_max", 0), est.ppm)
+        counters["probe_cpu_estimates"] += 1
+        # the sums over every window: their ratio is the run's estimate
+        counters["probe_cpu_probe_ns"] += est.probes.total_ns
+        counters["probe_cpu_traced_ns"] += est.traced_cpu_ns
+        budget = self.budget
+        if budget is None:
+            return
+        fraction = budget.add(est)
+        if fraction is None:
+            return
+        counters["overhead_budget_changes"] += 1
+        counters["overhead_budget_fraction_pct"] = round(fraction * 100)
+        if fraction >= 1.0:
+            self._duty_command(["off"])
+        else:
+            self._set_duty(duty_cycle.DutyCycle(fraction, duty_cycle.DEFAULT_PERIOD_S))
+
     def _follow_auto(self) -> None:
         """Put ``--gpu-sample auto``'s share in force where it changed without a check
         (a new period; one set while paused waits for the resume)."""
@@ -246,6 +309,8 @@ class TraceRun:
 
     def close(self) -> dict[str, int]:
         """Drain, flush every finished span, close files; returns the loss report."""
+        if self.meter is not None:
+            self.meter.close()
         try:
             self.session.stop()
         finally:
@@ -279,3 +344,13 @@ class TraceRun:
         if self.error is not None:
             raise RuntimeError("the tracing thread failed") from self.error
         return report
+
+
+def _cpu_ns(pids: set[int]) -> dict[int, int]:
+    """The CPU time of each of ``pids`` still running."""
+    out = {}
+    for pid in pids:
+        ns = procfs.cpu_ns(pid)
+        if ns is not None:
+            out[pid] = ns
+    return out

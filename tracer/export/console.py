@@ -213,6 +213,28 @@ def ring_at_loss_text(rep: dict[str, Any]) -> str:
             f"a reservation, not for want of room)")
 
 
+def probe_cost_text(rep: dict[str, Any]) -> str:
+    """``probes: an estimated ...% of the traced processes' CPU ...``: the overhead
+    meter's last and largest estimates (tracer/overhead.py) and what ``--max-overhead``
+    did; empty when nothing was measured."""
+    n = rep.get("capture.probe_cpu_estimates", 0)
+    if not n:
+        return ""
+    last = rep.get("capture.probe_cpu_ppm", 0) / 1e4
+    top = rep.get("capture.probe_cpu_ppm_max", 0) / 1e4
+    probe, traced = rep.get("capture.probe_cpu_probe_ns", 0), rep.get("capture.probe_cpu_traced_ns", 0)
+    over = f", {probe / traced:.2%} over all of them" if traced else ""
+    text = (f"probes: an estimated {last:.2f}% of the traced processes' CPU at the last of "
+            f"{n} measurements ({top:.2f}% at most{over}; the probes' kernel time in every "
+            f"process against the traced processes' CPU)")
+    changes = rep.get("capture.overhead_budget_changes", 0)
+    if changes:
+        share = rep.get("capture.overhead_budget_fraction_pct", 100)
+        text += (f"; --max-overhead changed the share traced {changes} times, "
+                 f"{'to all the time' if share >= 100 else f'to {share}% of the time'} last")
+    return text
+
+
 def skipped_runs_text(rep: dict[str, Any]) -> str:
     """``; the kernel skipped N probe runs (...)``: runs of programs the kernel did not
     make while another BPF program ran on that CPU (``bpfstats.missed_runs``), and

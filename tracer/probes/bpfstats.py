@@ -38,6 +38,56 @@ class ProgramCost:
     run_ns: int
 
 
+# What one run costs beyond the program's own run time, by how the program is entered.
+# A syscall tracepoint: a do-nothing program at a write's entry and exit added 311 ns
+# (227-396) to the write on the 2-vCPU VM, 84 ns (35-133) of it the syscall slow path
+# that every syscall takes once any syscall tracepoint is attached, so ~115 ns a run
+# (bench/attach_cost.py, bench/results/attach_cost.json). A uprobe: a probed call cost
+# 1,137 ns more on an H100 host and 766 ns on an H200 (bench/gpu_probes.py,
+# gpu_probes-h{100,200}-1proc.json), of which the launch program's own run is ~370 ns
+# (the H200 census): the H100's trap, ~750 ns, is taken for all.
+HIT_NS = {"tracepoint": 115, "uprobe": 750}
+
+
+def hit_kind(program: str) -> str:
+    """How the kernel enters ``program``: BCC names tracepoint programs
+    ``tracepoint__CATEGORY__EVENT``; the agent's other hooks are uprobes."""
+    return "tracepoint" if program.startswith("tracepoint__") else "uprobe"
+
+
+@dataclass(frozen=True)
+class ProbeTime:
+    """The programs' own run time over a stretch, and their runs by how each was
+    entered; ``total_ns`` adds each run's entry (``HIT_NS``)."""
+
+    program_ns: int
+    hits: dict[str, int]
+
+    @property
+    def total_ns(self) -> int:
+        return self.program_ns + sum(HIT_NS[k] * n for k, n in self.hits.items())
+
+    def __add__(self, other: "ProbeTime") -> "ProbeTime":
+        hits = dict(self.hits)
+        for k, n in other.hits.items():
+            hits[k] = hits.get(k, 0) + n
+        return ProbeTime(self.program_ns + other.program_ns, hits)
+
+
+def probe_time(before: dict[str, ProgramCost], after: dict[str, ProgramCost]) -> ProbeTime:
+    """What the programs spent between two ``ProgramStats.read``s (a program loaded
+    in between counts from zero; one gone, not at all)."""
+    ns, hits = 0, {}
+    for name, cost in after.items():
+        was = before.get(name, ProgramCost(0, 0))
+        runs = max(0, cost.runs - was.runs)
+        ns += max(0, cost.run_ns - was.run_ns)
+        if runs:
+            kind = hit_kind(name)
+            hits[kind] = hits.get(kind, 0) + runs
+    return ProbeTime(ns, hits)
+
+
 class ProgramStats:
     """Run-time statistics for the agent's programs, on while ``enable`` holds them."""
 

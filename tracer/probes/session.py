@@ -23,7 +23,7 @@ from tracer.events.gpu import MEMSET_GATE, SAMPLED_COPY_MASK, SYNC_GATE, GpuSamp
 from tracer.events.netwait import NetTimingMode
 from tracer.events.runs import RunArmed
 from tracer.probes import loader, procfs, ringbuf, sockdiag
-from tracer.probes.bpfstats import ProgramStats, format_costs, missed_runs
+from tracer.probes.bpfstats import ProgramCost, ProgramStats, format_costs, missed_runs
 from tracer.probes.gpu import GpuProbes
 
 C = wire.CONSTANTS
@@ -148,6 +148,7 @@ class CaptureSession:
         self.uprobes_off = False  # --control uprobes off: the socket probes alone
         self._parked_tps: list[bytes] = []  # tracepoints taken out by pause()
         self.program_stats = ProgramStats()  # --control probe-stats on|off
+        self.switches = 0  # pauses, resumes and other switches of whole probe sets
         self.analysis = True  # control "analysis off": records read and dropped
         self._own_netns = procfs.netns(os.getpid())  # sock_diag answers for this one
         self.dropped_unanalysed = 0
@@ -464,6 +465,7 @@ class CaptureSession:
             return 0.0
         t0 = time.perf_counter()
         self.paused = True
+        self.switches += 1
         parked = [tp for tp in self.bpf.tracepoint_fds
                   if not tp.startswith(self.KEEP_WHILE_PAUSED)]
         # Each detach waits out the kernel's tracepoint grace period (~70 ms on the dev
@@ -498,6 +500,7 @@ class CaptureSession:
         if not self.paused or self.bpf is None:
             return 0.0
         t0 = time.perf_counter()
+        self.switches += 1
         for name in self.STALE_AFTER_PAUSE:
             if name == b"io_inflight" and self.task_storage:
                 continue  # per-thread slots, not a table: the epoch below retires them
@@ -555,6 +558,7 @@ class CaptureSession:
             return 0.0
         t0 = time.perf_counter()
         self.uprobes_off = not on
+        self.switches += 1
         if on:
             for attacher, errors in self._uprobe_attachers():
                 attacher.resume(errors)
@@ -760,6 +764,7 @@ class CaptureSession:
         switch took."""
         if self.paused:
             raise ValueError("paused: resume first")
+        self.switches += 1
         if "netwait" not in self.concerns:
             raise ValueError("socket-level timing is not loaded: "
                              + (self.net_timing.reason or "--net-timing syscall"))
@@ -1026,6 +1031,11 @@ class CaptureSession:
             self._take_staged_runs(ev.pid)
 
     # ---- loss -------------------------------------------------------------------
+
+    def program_costs(self) -> dict[str, ProgramCost]:
+        """Each loaded program's runs and run time (counted only while the kernel's
+        run-time statistics are on: ``ProgramStats``)."""
+        return ProgramStats.read(self.bpf.funcs) if self.bpf is not None else {}
 
     def kernel_counters(self) -> dict[str, int]:
         out: dict[str, int] = {}

@@ -1,0 +1,85 @@
+"""The overhead meter (tracer/overhead.py) on a real server with a real client: the
+kernel's counts of the probes' runs in a measured window hold at least one run for
+every socket syscall the probes sent a record of in it, and the budget, set far
+below what the probes cost, puts the duty cycle in force and takes the probes out."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from samples.launch import SampleServer
+from tests.conftest import free_port
+from tests.live import traced
+from tracer.events import capture, schema
+from tracer.overhead import KEEP, MIN_FRACTION
+
+pytestmark = pytest.mark.bpf
+
+
+def test_the_meter_counts_the_probes_runs_and_the_budget_cycles_them(tmp_path):
+    from tests.test_live_duty import streamed
+
+    port = free_port()
+    cap = tmp_path / "run.ttcap"
+    stop = threading.Event()
+    sent: list[dict] = []
+
+    def client() -> None:
+        i = 0
+        while not stop.is_set():
+            sent.append(streamed(port, 2 + i % 4))
+            i += 1
+
+    with SampleServer("samples.stdlib_server", port=port, health="/") as server:
+        t = threading.Thread(target=client)
+        # every socket syscall its own record (no token runs), so records count syscalls
+        with traced(pids=[server.pid], record=str(cap), token_runs=False, meter_every_s=0.5,
+                    meter_window_s=1.0, max_overhead=1e-6) as c:
+            t.start()
+            run = c.run
+            deadline = time.monotonic() + 30
+            while run.budget.fraction == 1.0 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            first = [run.meter.last]  # an estimate the budget took with the probes in
+            while not run.session.paused and time.monotonic() < deadline:
+                time.sleep(0.1)
+            paused = run.session.paused
+            time.sleep(0.5)
+            stop.set()
+            t.join()
+    assert len(sent) > 20
+    rep = c.report
+    # three windows (KEEP) before the budget decided, each with an estimate
+    assert rep["capture.probe_cpu_estimates"] >= KEEP, rep
+    est = first[0]
+    assert est is not None and rep["capture.probe_cpu_ppm_max"] >= est.ppm > 0
+    # the budget (a millionth of the CPU) is far under the estimate: the least share
+    assert run.budget.fraction == MIN_FRACTION and rep["capture.overhead_budget_changes"] == 1
+    assert f"tracing {MIN_FRACTION:g} of the time" in run.budget.reason
+    assert paused, "the duty cycle the budget set never took the probes out"
+
+    # the kernel's counts against the records the probes sent in the same window: a
+    # socket syscall's record means its exit program ran (and its entry's, before)
+    lo, hi = int(est.start * 1e9), int((est.start + est.seconds) * 1e9)
+    syscalls, pauses = set(), []
+    for item in capture.CaptureReader(str(cap)):
+        if isinstance(item, bytes):
+            try:
+                item = schema.decode(item)
+            except schema.WireError:  # a kind decoded elsewhere (GPU, runs): not DATA
+                continue
+        if isinstance(item, schema.DataEvent) and item.pid == server.pid and lo <= item.ts_exit <= hi:
+            syscalls.add((item.tid, item.ts_exit, item.direction))
+        elif isinstance(item, schema.TracingPaused) and item.paused:
+            pauses.append(item)
+    print(f"\nwindow {est.seconds:.2f} s: {est.probes.hits} runs, {est.probes.program_ns} ns "
+          f"in the programs, {est.probes.total_ns} ns with their entries, against "
+          f"{est.traced_cpu_ns} ns of the server's CPU: {est.ppm} ppm; {len(syscalls)} "
+          f"socket syscalls recorded")
+    assert len(syscalls) > 20, len(syscalls)
+    assert est.probes.hits["tracepoint"] >= len(syscalls), (est, len(syscalls))
+    assert est.probes.program_ns > 0 and est.traced_cpu_ns > 0
+    assert pauses and pauses[-1].duty == MIN_FRACTION
