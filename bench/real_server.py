@@ -1669,8 +1669,10 @@ def progress(kind: str, order: int, elapsed: float, stats: dict[str, Any]) -> No
 
 
 def switch_time(reply: str, cmd: str, switches: list[float]) -> None:
+    """The seconds a pause or resume took, from the agent's ``ok paused|resumed 0.123s``
+    (a resume outside a duty cycle's window adds when the next one opens)."""
     if cmd in ("pause", "resume"):
-        switches.append(float(reply.split()[-1].rstrip("s")))
+        switches.append(float(reply.split()[2].rstrip("s")))
 
 
 def command(agent: Agent, cmd: str) -> str:
