@@ -102,6 +102,9 @@ def test_exit_report_says_whether_the_ring_had_room_when_records_were_lost():
     assert room.startswith("; records were lost with room in the ring (the ring held 4KB of "
                            "32MB; 1 refused after spinning on the ring's lock, 251.0 ms")
     assert ring_at_loss_text({"capture.ring_bytes": mib, "capture.lost_data": 0}) == ""
+    # records refused at once and taken at the second try (bpf/common.h submit())
+    assert ring_at_loss_text({"capture.ring_bytes": mib, "capture.ring_retry_saved": 2}) == (
+        "; 2 records the ring refused at once were taken at a second try")
 
 
 def test_replay_of_a_cut_capture_warns_and_keeps_what_it_has(openai_capture, tmp_path):

@@ -285,7 +285,9 @@ CONSTANTS: dict[str, int] = {
     # record, tls.c, stacks.c) are not timed
     "CNT_RING_REFUSED_SLOW": 20,
     "CNT_RING_REFUSED_NS": 21,  # time spent in refused ring outputs, all of them
-    "N_COUNTERS": 22,
+    # records the ring refused at once and took at the second try (submit()): not lost
+    "CNT_RING_RETRY_SAVED": 22,
+    "N_COUNTERS": 23,
     "RING_SLOW_NS": 100_000,
 }
 

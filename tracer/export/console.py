@@ -200,17 +200,21 @@ def ring_at_loss_text(rep: dict[str, Any]) -> str:
     fill = rep.get("capture.ring_fill_at_loss_bytes")
     size = rep.get("capture.ring_bytes")
     slow = rep.get("capture.ring_refused_slow", 0)
+    saved = rep.get("capture.ring_retry_saved", 0)
+    again = (f"; {saved} records the ring refused at once were taken at a second try"
+             if saved else "")
     lock = ""
     if slow:
         spun = rep.get("capture.ring_refused_ns", 0) / 1e6
         lock = f"; {slow} refused after spinning on the ring's lock, {spun:.1f} ms in refused calls"
     if fill is None or not size:
-        return f"; records lost{lock}" if slow else ""
+        return (f"; records lost{lock}" if slow else "") + again
     held = f"the ring held {_bytes(fill)} of {_bytes(size)}"
     if fill > size - LARGEST_RECORD:
-        return f"; records were lost with the ring full ({held}: the agent fell behind; --ringbuf-mb{lock})"
+        return (f"; records were lost with the ring full ({held}: the agent fell behind; "
+                f"--ringbuf-mb{lock})" + again)
     return (f"; records were lost with room in the ring ({held}{lock}: the kernel refused "
-            f"a reservation, not for want of room)")
+            f"a reservation, not for want of room)" + again)
 
 
 def probe_cost_text(rep: dict[str, Any]) -> str:
