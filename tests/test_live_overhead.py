@@ -15,6 +15,7 @@ from tests.conftest import free_port
 from tests.live import traced
 from tracer.events import capture, schema
 from tracer.overhead import KEEP, MIN_FRACTION
+from tracer.probes.bpfstats import HIT_NS
 
 pytestmark = pytest.mark.bpf
 
@@ -56,6 +57,11 @@ def test_the_meter_counts_the_probes_runs_and_the_budget_cycles_them(tmp_path):
     assert rep["capture.probe_cpu_estimates"] >= KEEP, rep
     est = first[0]
     assert est is not None and rep["capture.probe_cpu_ppm_max"] >= est.ppm > 0
+    # the sums over the windows: the probes' part is the programs' time and the entries
+    assert (rep["capture.probe_cpu_probe_ns"] == rep["capture.probe_cpu_program_ns"]
+            + HIT_NS["tracepoint"] * rep["capture.probe_cpu_tracepoint_runs"]
+            + HIT_NS["uprobe"] * rep.get("capture.probe_cpu_uprobe_runs", 0))
+    assert rep["capture.probe_cpu_traced_ns"] >= est.traced_cpu_ns
     # the budget (a millionth of the CPU) is far under the estimate: the least share
     assert run.budget.fraction == MIN_FRACTION and rep["capture.overhead_budget_changes"] == 1
     assert f"tracing {MIN_FRACTION:g} of the time" in run.budget.reason

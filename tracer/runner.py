@@ -238,6 +238,11 @@ class TraceRun:
         # the sums over every window: their ratio is the run's estimate
         counters["probe_cpu_probe_ns"] += est.probes.total_ns
         counters["probe_cpu_traced_ns"] += est.traced_cpu_ns
+        # ...and what the probes' part is made of: the programs' own time, and the runs
+        # by how each was entered (their entries are the rest)
+        counters["probe_cpu_program_ns"] += est.probes.program_ns
+        for kind, n in est.probes.hits.items():
+            counters[f"probe_cpu_{kind}_runs"] += n
         budget = self.budget
         if budget is None:
             return
