@@ -283,7 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "%g s that brings it under, as --duty-cycle does, and all the "
                              "time again once it fits. The estimate is the probes' kernel "
                              "time in every process against the traced processes' CPU time "
-                             "(docs/overhead.md, \"the probes' cost, measured live\")" % DUTY_PERIOD_S)
+                             "(docs/overhead.md, \"the probes' cost, measured live\")"
+                             % DUTY_PERIOD_S)
     run.add_argument("--no-overhead-meter", action="store_true",
                      help="do not measure what the probes cost (by default a 2-s window "
                           "every 20 s, with the kernel's BPF run-time statistics on for it, "
