@@ -219,3 +219,45 @@ def test_the_exit_report_says_the_estimate_and_what_the_budget_did():
     rep.update({"capture.overhead_budget_changes": 2,
                 "capture.overhead_budget_fraction_pct": 50})
     assert "changed the share traced 2 times, to 50% of the time last" in probe_cost_text(rep)
+
+
+# ---- without CAP_SYS_ADMIN ------------------------------------------------------------
+
+
+def test_stats_sysctl_on_reads_the_nodes_setting(tmp_path):
+    from tracer.probes.bpfstats import stats_sysctl_on
+
+    f = tmp_path / "bpf_stats_enabled"
+    f.write_text("1\n")
+    assert stats_sysctl_on(str(f))
+    f.write_text("0\n")
+    assert not stats_sysctl_on(str(f))
+    assert not stats_sysctl_on(str(tmp_path / "missing"))
+
+
+def test_a_meter_refused_the_statistics_reads_the_nodes_or_stops_and_says_why(monkeypatch):
+    """The DaemonSet grants CAP_BPF and CAP_PERFMON, not CAP_SYS_ADMIN, which
+    BPF_ENABLE_STATS takes: the meter reads the statistics the node keeps on, or stops."""
+    from tracer.probes import bpfstats
+    from tracer.probes.session import CaptureConfig
+    from tracer.runner import TraceRun
+
+    class Refused:
+        def enable(self) -> None:
+            raise OSError(1, "BPF_ENABLE_STATS: Operation not permitted")
+
+        def disable(self) -> None:
+            pass
+
+    run = TraceRun(CaptureConfig(pids=[os.getpid()]), [], max_overhead=0.01)
+    run._meter_stats = Refused()
+    monkeypatch.setattr(bpfstats, "stats_sysctl_on", lambda: True)
+    run._meter_stats_on(True)
+    assert run.meter is not None and not run.meter_error  # the node's are read
+    monkeypatch.setattr(bpfstats, "stats_sysctl_on", lambda: False)
+    run._meter_stats_on(True)
+    assert run.meter is None
+    assert "Operation not permitted" in run.meter_error
+    assert "kernel.bpf_stats_enabled=1" in run.meter_error
+    assert run.session.user_counters["probe_cpu_unmeasured"] == 1
+    assert "not measured" in probe_cost_text({"capture.probe_cpu_unmeasured": 1})

@@ -732,7 +732,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         if auto is not None and auto.state != said[0]:
             said[0] = auto.state
             _say(f"gpu-sample auto: {auto.reason}")
-        if run.budget is not None and run.budget.reason != said[1]:
+        if run.meter_error and said[1] != run.meter_error:
+            said[1] = run.meter_error
+            _say(f"overhead meter off: {run.meter_error}"
+                 + ("; --max-overhead is not applied" if run.budget is not None else ""))
+        elif run.budget is not None and run.meter is not None and run.budget.reason != said[1]:
             said[1] = run.budget.reason
             if run.budget.fraction < 1.0 or said[1] != "not measured yet":
                 _say(f"max-overhead: {said[1]}")

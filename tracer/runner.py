@@ -16,7 +16,7 @@ from tracer.correlate.connections import TrackerOptions
 from tracer.events import capture, schema
 from tracer.export.context import ExportContext
 from tracer.pipeline import Pipeline
-from tracer.probes import procfs
+from tracer.probes import bpfstats, procfs
 from tracer.probes.bpfstats import ProgramStats
 from tracer.probes.session import CaptureConfig, CaptureSession
 
@@ -68,6 +68,7 @@ class TraceRun:
                                      every_s=meter_every_s, window_s=meter_window_s)
                       if measure_overhead or max_overhead else None)
         self.budget = overhead.Budget(max_overhead) if max_overhead else None
+        self.meter_error = ""  # why the meter stopped, if it did
         # control commands from other threads, applied by the polling one
         self._commands: queue.Queue[tuple[str, threading.Event, list[str]]] = queue.Queue()
 
@@ -207,15 +208,21 @@ class TraceRun:
             self._after_resume()
 
     def _meter_stats_on(self, on: bool) -> None:
-        """The meter's hold on the kernel's run-time statistics; where they cannot be
-        had (no CAP_SYS_ADMIN, an old kernel), the meter stops, counted."""
+        """The meter's hold on the kernel's run-time statistics. Where it cannot take
+        one (``BPF_ENABLE_STATS`` takes CAP_SYS_ADMIN, which the DaemonSet does not
+        grant) it reads them as the node keeps them (``kernel.bpf_stats_enabled=1``);
+        else the meter stops, counted and said (``meter_error``)."""
         try:
             if on:
                 self._meter_stats.enable()
             else:
                 self._meter_stats.disable()
-        except OSError:
+        except OSError as e:
+            if bpfstats.stats_sysctl_on():
+                return
             self.meter = None
+            self.meter_error = (f"{e.strerror or e}: set the sysctl kernel.bpf_stats_enabled=1 "
+                                "or grant CAP_SYS_ADMIN")
             self.session.user_counters["probe_cpu_unmeasured"] = 1
 
     def _measure(self, now: float) -> None:

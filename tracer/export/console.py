@@ -222,6 +222,9 @@ def probe_cost_text(rep: dict[str, Any]) -> str:
     meter's last and largest estimates (tracer/overhead.py) and what ``--max-overhead``
     did; empty when nothing was measured."""
     n = rep.get("capture.probe_cpu_estimates", 0)
+    if rep.get("capture.probe_cpu_unmeasured"):
+        return ("probes' cost not measured: the kernel's BPF run-time statistics need "
+                "CAP_SYS_ADMIN or the sysctl kernel.bpf_stats_enabled=1")
     if not n:
         return ""
     last = rep.get("capture.probe_cpu_ppm", 0) / 1e4

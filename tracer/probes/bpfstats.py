@@ -135,6 +135,20 @@ class ProgramStats:
         return out
 
 
+STATS_SYSCTL = "/proc/sys/kernel/bpf_stats_enabled"
+
+
+def stats_sysctl_on(path: str = STATS_SYSCTL) -> bool:
+    """Whether the node keeps run-time statistics on for every program (the sysctl
+    ``kernel.bpf_stats_enabled=1``): then they can be read without ``BPF_ENABLE_STATS``,
+    which takes CAP_SYS_ADMIN."""
+    try:
+        with open(path) as f:
+            return f.read().strip() == "1"
+    except OSError:
+        return False
+
+
 def missed_runs(funcs: dict[Any, Any]) -> dict[str, int]:
     """Runs the kernel skipped, per program of ``funcs`` that had any (``name`` without
     BCC's ``tracepoint__`` prefix, ``category:event``); empty where the kernel does
