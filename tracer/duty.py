@@ -51,7 +51,11 @@ class DutyCycle:
         return self.fraction * self.period_s
 
     def in_window(self, now: float) -> bool:
-        return self.fraction >= 1.0 or (now - self.start) % self.period_s < self.window_s
+        return self.fraction >= 1.0 or self.room(now) > 0
+
+    def room(self, now: float) -> float:
+        """How long the window ``now`` is in has left (zero or less between windows)."""
+        return self.window_s - (now - self.start) % self.period_s
 
     def next_window(self, now: float) -> float:
         """When the next window opens (``now`` inside one: the one after)."""

@@ -104,7 +104,6 @@ class Meter:
         self._sum_cpu = 0
         self._sum_s = 0.0
         self._first = 0.0  # when its first piece opened
-        self.windows = 0  # pieces opened
         self.dropped = 0  # pieces cut by a switch, measurements of an idle server
         self.last: Estimate | None = None
 
@@ -126,7 +125,6 @@ class Meter:
                     and room_s > MIN_PIECE_S and pids):
                 self._stats_on(True)
                 self._open = (now, dict(self._programs()), self._cpu_ns(pids))
-                self.windows += 1
                 if self._sum_s == 0.0:
                     self._first = now
             return None

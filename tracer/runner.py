@@ -230,12 +230,10 @@ class TraceRun:
         to the counters and, with ``--max-overhead``, to the budget's duty cycle."""
         meter, session = self.meter, self.session
         assert meter is not None
-        room = float("inf")
-        if self.duty is not None and not self._hand_paused:
-            duty = self.duty
-            room = duty.window_s - (now - duty.start) % duty.period_s
+        room = (self.duty.room(now) if self.duty is not None and not self._hand_paused
+                else float("inf"))
         est = meter.tick(now, not session.paused and session.bpf is not None,
-                         session.switches, set(session.pids), room)
+                         session.switches, session.pids, room)
         if est is None:
             return
         counters = session.user_counters

@@ -616,7 +616,7 @@ class CaptureSession:
                 elif not self.program_stats.enabled:
                     return "error: probe-stats is off (probe-stats on)"
                 return ("ok probe-stats " + (args[0] if args else
-                        format_costs(self.program_stats.read(self.bpf.funcs)))).rstrip()
+                        format_costs(self.program_costs()))).rstrip()
             switched = set()
             while cmd == "gpu-sample" and args and args[-1] in ("copies", "memsets"):
                 switched.add(args.pop())
