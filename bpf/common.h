@@ -55,6 +55,17 @@ static __always_inline void count_n(u32 which, u64 n)
         *c += n;
 }
 
+/*
+ * A tracepoint ran `runs` programs for a traced process: its syscall's entry and exit,
+ * or a TCP event of its connection. The kernel counts a program's runs in every
+ * process alike; the overhead meter (tracer/overhead.py) sets these apart from the
+ * rest, which stop at the pid or port filter and cost other processes.
+ */
+static __always_inline void count_traced_runs(u64 runs)
+{
+    count_n(TT_CNT_TRACED_TP_RUNS, runs);
+}
+
 static __always_inline int is_traced(u32 tgid)
 {
     return traced.lookup(&tgid) != NULL;

@@ -117,6 +117,7 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
 {
     if (args->protocol != NW_IPPROTO_TCP || !nw_port_traced(args->sport))
         return 0;
+    count_traced_runs(1);
     struct nw_key k = {};
     __builtin_memcpy(k.laddr, args->saddr_v6, 16);
     __builtin_memcpy(k.raddr, args->daddr_v6, 16);
@@ -161,6 +162,7 @@ TRACEPOINT_PROBE(tcp, tcp_probe)
 {
     if (!nw_port_traced(args->sport))
         return 0;
+    count_traced_runs(1);
     struct nw_key k = {};
     nw_addr_from_sockaddr(k.laddr, args->saddr);
     nw_addr_from_sockaddr(k.raddr, args->daddr);

@@ -10,6 +10,7 @@ TRACEPOINT_PROBE(sched, sched_process_fork)
     u32 *flags = traced.lookup(&parent);
     if (!flags)
         return 0;
+    count_traced_runs(1);
     u32 child = args->child_pid;
     u32 val = *flags;
     /* Threads fire this too; their tid key is harmless and is removed at their exit. */
@@ -41,6 +42,7 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
         u32 one = 1;
         traced.update(&tgid, &one);
     }
+    count_traced_runs(1);
     p.kind = TT_KIND_PROC;
     p.op = TT_PROC_EXEC;
     p.pid = tgid;
@@ -73,6 +75,7 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
 #endif
     if (!is_traced(tgid))
         return 0;
+    count_traced_runs(1);
     traced.delete(&tgid);
     if (tid != tgid)
         traced.delete(&tid);

@@ -90,6 +90,7 @@ static __always_inline u32 io_epoch(void)
 BPF_PERCPU_ARRAY(io_scratch, struct io_args, 1); /* an entry's call, copied into the hash */
 #endif
 
+
 /*
  * Where a traced thread's entry writes its call, or NULL for a thread not traced.
  * With task storage a thread that has a slot is traced without asking `traced`: it
@@ -102,10 +103,13 @@ static __always_inline struct io_args *io_call_slot(u64 id)
 #ifdef TT_TASK_STORAGE
     struct task_struct *task = bpf_get_current_task_btf();
     struct io_args *a = io_inflight.task_storage_get(task, 0, 0);
-    if (a)
+    if (a) {
+        count_traced_runs(2);
         return a;
+    }
     if (!is_traced(id >> 32))
         return NULL;
+    count_traced_runs(2);
     a = io_inflight.task_storage_get(task, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
     if (!a)
         count(TT_CNT_INFLIGHT_FULL);
@@ -113,6 +117,7 @@ static __always_inline struct io_args *io_call_slot(u64 id)
 #else
     if (!is_traced(id >> 32))
         return NULL;
+    count_traced_runs(2);
     u32 zero = 0;
     return io_scratch.lookup(&zero);
 #endif
@@ -246,6 +251,7 @@ static __always_inline int accept_enter(s32 listen_fd, u64 uaddr)
     u64 id = bpf_get_current_pid_tgid();
     if (!is_traced(id >> 32))
         return 0;
+    count_traced_runs(2);
     struct accept_args a = {.addr = uaddr, .listen_fd = listen_fd};
     if (accept_inflight.update(&id, &a) != 0)
         count(TT_CNT_INFLIGHT_FULL);
@@ -282,6 +288,7 @@ TRACEPOINT_PROBE(syscalls, sys_enter_connect)
     u64 id = bpf_get_current_pid_tgid();
     if (!is_traced(id >> 32))
         return 0;
+    count_traced_runs(2);
     struct connect_args a = {.addr = (u64)args->uservaddr, .fd = args->fd};
     if (connect_inflight.update(&id, &a) != 0)
         count(TT_CNT_INFLIGHT_FULL);
@@ -562,6 +569,7 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close)
     u32 tgid = id >> 32;
     if (!is_traced(tgid))
         return 0;
+    count_traced_runs(1); /* no exit probe */
     u64 key = conn_key(tgid, args->fd);
     struct conn_state *st = conns.lookup(&key);
     if (!st)
@@ -596,6 +604,7 @@ TRACEPOINT_PROBE(tcp, tcp_rcv_space_adjust)
     struct io_args *a = io_call(id, 0);
     if (!a)
         return 0;
+    count_traced_runs(1);
     u64 key = conn_key(id >> 32, a->fd);
     struct conn_state *st = conns.lookup(&key);
     if (!st)

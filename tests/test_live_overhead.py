@@ -57,10 +57,17 @@ def test_the_meter_counts_the_probes_runs_and_the_budget_cycles_them(tmp_path):
     assert rep["capture.probe_cpu_estimates"] >= KEEP, rep
     est = first[0]
     assert est is not None and rep["capture.probe_cpu_ppm_max"] >= est.ppm > 0
-    # the sums over the windows: the probes' part is the programs' time and the entries
-    assert (rep["capture.probe_cpu_probe_ns"] == rep["capture.probe_cpu_program_ns"]
+    # the sums over the windows: every process's part is the programs' time and the
+    # entries; the traced server's, less the client's runs (this process: not traced),
+    # each an entry and an early exit as measured on this host before the first window
+    assert (rep["capture.probe_cpu_host_probe_ns"] == rep["capture.probe_cpu_program_ns"]
             + HIT_NS["tracepoint"] * rep["capture.probe_cpu_tracepoint_runs"]
             + HIT_NS["uprobe"] * rep.get("capture.probe_cpu_uprobe_runs", 0))
+    early = rep["capture.probe_cpu_early_exit_ns"]
+    assert 5 <= early <= 2_000, early
+    assert rep["capture.probe_cpu_others_runs"] > 0, rep
+    assert (rep["capture.probe_cpu_probe_ns"] == rep["capture.probe_cpu_host_probe_ns"]
+            - (HIT_NS["tracepoint"] + early) * rep["capture.probe_cpu_others_runs"])
     assert rep["capture.probe_cpu_traced_ns"] >= est.traced_cpu_ns
     # the budget (a millionth of the CPU) is far under the estimate: the least share
     assert run.budget.fraction == MIN_FRACTION and rep["capture.overhead_budget_changes"] == 1
@@ -82,10 +89,19 @@ def test_the_meter_counts_the_probes_runs_and_the_budget_cycles_them(tmp_path):
         elif isinstance(item, schema.TracingPaused) and item.paused:
             pauses.append(item)
     print(f"\nwindow {est.seconds:.2f} s: {est.probes.hits} runs, {est.probes.program_ns} ns "
-          f"in the programs, {est.probes.total_ns} ns with their entries, against "
-          f"{est.traced_cpu_ns} ns of the server's CPU: {est.ppm} ppm; {len(syscalls)} "
-          f"socket syscalls recorded")
+          f"in the programs, {est.probes.total_ns} ns with their entries; "
+          f"{est.probes.traced_tracepoint_runs} tracepoint runs for the server, "
+          f"{est.probes.others_runs} elsewhere at {est.early_exit_ns} ns: {est.probe_ns} ns "
+          f"against {est.traced_cpu_ns} ns of the server's CPU: {est.ppm} ppm "
+          f"({est.host_share * 1e6:.0f} with the others' runs); {len(syscalls)} socket "
+          f"syscalls recorded")
     assert len(syscalls) > 20, len(syscalls)
     assert est.probes.hits["tracepoint"] >= len(syscalls), (est, len(syscalls))
+    # the server's own: an entry and an exit run for each syscall recorded, and the
+    # client's many more, each socket syscall of its own (the client is this process)
+    traced_runs = est.probes.traced_tracepoint_runs
+    assert 2 * len(syscalls) <= traced_runs <= est.probes.hits["tracepoint"], (est, len(syscalls))
+    assert est.probes.others_runs >= len(syscalls), est
+    assert 0 < est.probe_ns < est.probes.total_ns and est.share < est.host_share
     assert est.probes.program_ns > 0 and est.traced_cpu_ns > 0
     assert pauses and pauses[-1].duty == MIN_FRACTION

@@ -41,6 +41,45 @@ def test_probe_time_takes_each_programs_runs_and_time_between_two_reads():
     assert (t + t).total_ns == 2 * t.total_ns
 
 
+def test_the_runs_in_processes_not_traced_are_left_out_each_its_entry_and_early_exit():
+    before = {"tracepoint__syscalls__sys_enter_write": ProgramCost(0, 0),
+              "tracepoint__tcp__tcp_probe": ProgramCost(0, 0), "tt_launch": ProgramCost(0, 0)}
+    after = {"tracepoint__syscalls__sys_enter_write": ProgramCost(1_000, 300_000),
+             "tracepoint__tcp__tcp_probe": ProgramCost(50, 10_000),
+             "tt_launch": ProgramCost(10, 4_000)}
+    t = probe_time(before, after, traced_tracepoint_runs=450)
+    assert t.hits["tracepoint"] == 1_050 and t.others_runs == 600
+    tp, up = HIT_NS["tracepoint"], HIT_NS["uprobe"]
+    assert t.total_ns == 314_000 + 1_050 * tp + 10 * up  # every run, as before
+    # 600 runs elsewhere at 100 ns and their entries off; the traced and uprobe runs stay
+    assert t.traced_ns(100) == 314_000 - 60_000 + 450 * tp + 10 * up
+    # early exits dearer than all the program time: none of it left, the entries kept
+    assert t.traced_ns(10_000) == 450 * tp + 10 * up
+    # not counted by the probes (an older build's capture): every run counts
+    assert probe_time(before, after).others_runs == 0
+    assert probe_time(before, after).traced_ns(100) == t.total_ns
+    assert (t + t).others_runs == 1_200 and (t + t).traced_tracepoint_runs == 900
+    assert (t + probe_time(before, after)).traced_tracepoint_runs is None
+
+
+def test_early_exit_ns_times_the_callers_own_writes_with_the_least_of_its_tries():
+    from tracer.probes.bpfstats import EARLY_EXIT_PROGRAMS, early_exit_ns
+
+    # the two write probes' runs and run time, summed, at each read: 2,000 writes are
+    # 4,000 runs; the second try had a traced process's dearer writes in it
+    reads = iter([(0, 0), (4_000, 320_000), (4_000, 320_000), (8_500, 860_000),
+                  (8_500, 860_000), (12_500, 1_160_000)])
+
+    def programs():
+        runs, ns = next(reads)
+        return {p: ProgramCost(runs // 2, ns // 2) for p in EARLY_EXIT_PROGRAMS}
+
+    assert early_exit_ns(programs, calls=2_000, tries=3) == 75  # 80, 120, 75 ns a run
+    assert early_exit_ns(lambda: {}, calls=10) is None  # the write probes not loaded
+    still = {p: ProgramCost(5, 500) for p in EARLY_EXIT_PROGRAMS}
+    assert early_exit_ns(lambda: still, calls=10) is None  # statistics off: no runs counted
+
+
 def test_hit_kinds_follow_bccs_names():
     assert hit_kind("tracepoint__tcp__tcp_probe") == "tracepoint"
     assert hit_kind("tt_copy_d2h_arg3") == "uprobe"
@@ -150,6 +189,24 @@ def test_under_a_duty_cycle_a_measurement_gathers_pieces_of_several_windows():
     assert 2.0 <= e.seconds < 2.8  # three pieces of ~0.7 s
     assert e.share == pytest.approx(10_000 * (400 + HIT_NS["tracepoint"]) / 0.5e9, rel=0.05)
     assert not host.stats
+
+
+def test_the_meter_leaves_out_the_runs_of_processes_not_traced():
+    # 10,000 runs/s, a quarter of them in the traced server at 400 ns, the rest a load
+    # generator's, exiting early at 100 ns: its runs are not the server's cost
+    host = FakeHost(10_000, 175, 0.5)  # 175 ns: the mean of 400 and 100 weighted 1:3
+    traced = lambda: int(host._runs) // 4  # noqa: E731
+    calls = []
+    meter = Meter(host.stats_on, host.programs, host.cpu_ns, every_s=5, window_s=2,
+                  traced_runs=traced, early_exit=lambda: calls.append(host.stats) or 100)
+    ests = run_meter(host, meter, 10)
+    assert calls == [True]  # measured once, with the statistics on
+    assert len(ests) == 2 and meter.early_exit_ns == 100
+    for e in ests:
+        assert e.early_exit_ns == 100 and e.probes.others_runs == pytest.approx(15_000, rel=0.02)
+        assert e.share == pytest.approx(2_500 * (400 + HIT_NS["tracepoint"]) / 0.5e9, rel=0.02)
+        assert e.host_share == pytest.approx(10_000 * (175 + HIT_NS["tracepoint"]) / 0.5e9,
+                                             rel=0.02)
 
 
 def test_an_idle_server_or_one_that_exited_gives_no_estimate():

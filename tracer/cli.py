@@ -282,7 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "(probe_cpu_ppm, below) is over it, trace the share of every "
                              "%g s that brings it under, as --duty-cycle does, and all the "
                              "time again once it fits. The estimate is the probes' kernel "
-                             "time in every process against the traced processes' CPU time "
+                             "time in the traced processes (their runs elsewhere left out) "
+                             "against those processes' CPU time "
                              "(docs/overhead.md, \"the probes' cost, measured live\")"
                              % DUTY_PERIOD_S)
     run.add_argument("--no-overhead-meter", action="store_true",

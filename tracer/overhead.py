@@ -10,10 +10,16 @@ against the CPU time the traced processes used (``/proc/PID/stat``). Their ratio
 ``probe_cpu_ppm``: the probes' kernel time per million nanoseconds of the traced
 processes' CPU, an estimate of what full tracing costs them now.
 
-It is not a bound either way. The kernel counts a program's runs in every process:
-a syscall probe runs (and exits early) in processes nobody traces too, so where
-other busy processes share the host (a load generator on it) the estimate counts
-their runs against the traced processes' CPU, and errs high. Two costs are not in it,
+The kernel counts a program's runs in every process: a syscall probe runs (and stops
+at the pid filter) in processes nobody traces too, and a TCP probe for every
+connection (stopping at the port filter), which costs them, not the traced ones. The
+probes count their tracepoint runs for traced processes (the kernel counter
+``traced_tp_runs``), so the estimate leaves the others' out: each its entry and an
+early exit, whose cost the meter measures on the host before its first window
+(``bpfstats.early_exit_ns``: the agent, never traced, writes to /dev/null).
+``host_share`` keeps every run.
+
+It is not a bound either way. Two costs are not in it,
 and there it errs low: the syscall slow path every syscall takes while a syscall
 tracepoint is attached (~84 ns a syscall on the 2-vCPU VM), and what a trap leaves
 behind in the traced thread's own user time (its caches; about as much again as the
@@ -67,10 +73,22 @@ class Estimate:
     seconds: float
     probes: ProbeTime
     traced_cpu_ns: int
+    early_exit_ns: int = 0  # a syscall probe's run in a process not traced
+
+    @property
+    def probe_ns(self) -> int:
+        """The probes' kernel time in the traced processes."""
+        return self.probes.traced_ns(self.early_exit_ns)
 
     @property
     def share(self) -> float:
-        """The probes' kernel time over the traced processes' CPU time."""
+        """The probes' kernel time in the traced processes over their CPU time."""
+        return self.probe_ns / self.traced_cpu_ns if self.traced_cpu_ns else 0.0
+
+    @property
+    def host_share(self) -> float:
+        """Every run's time, in every process, over the traced processes' CPU time:
+        what the estimate was before the runs were told apart."""
         return self.probes.total_ns / self.traced_cpu_ns if self.traced_cpu_ns else 0.0
 
     @property
@@ -85,22 +103,30 @@ class Meter:
 
     I/O is passed in: ``stats_on(bool)`` turns the kernel's statistics on or off,
     ``programs()`` reads every program's runs and run time, ``cpu_ns(pids)`` the CPU
-    time of each pid that still exists."""
+    time of each pid that still exists; ``traced_runs()`` the probes' count of their
+    tracepoint runs for traced processes, and ``early_exit()`` (called once, statistics
+    on) what a run costs a process not traced. Without them every run counts."""
 
     def __init__(self, stats_on: Callable[[bool], None],
                  programs: Callable[[], Mapping[str, ProgramCost]],
                  cpu_ns: Callable[[set[int]], dict[int, int]],
                  every_s: float = EVERY_S, window_s: float = WINDOW_S,
-                 settle_s: float = SETTLE_S, min_cpu_s: float = MIN_TRACED_CPU_S) -> None:
+                 settle_s: float = SETTLE_S, min_cpu_s: float = MIN_TRACED_CPU_S,
+                 traced_runs: Callable[[], int] | None = None,
+                 early_exit: Callable[[], int | None] | None = None) -> None:
         self._stats_on, self._programs, self._cpu_ns = stats_on, programs, cpu_ns
+        self._traced_runs, self._early_exit = traced_runs, early_exit
+        self.early_exit_ns: int | None = None  # measured before the first window
         self.every_s, self.window_s, self.settle_s = every_s, window_s, settle_s
         self.min_cpu_ns = int(min_cpu_s * 1e9)
         self._next = 0.0  # when the next measurement may start
         self._in_since: float | None = None  # probes in, whole, since then
         self._switches = -1  # the session's pause/resume count at the last tick
-        # the open piece: its start, the programs' and the processes' counts then
-        self._open: tuple[float, dict[str, ProgramCost], dict[int, int]] | None = None
-        self._sum = ProbeTime(0, {})  # the measurement's pieces so far
+        # the open piece: its start, the programs', the traced runs' and the
+        # processes' counts then
+        self._open: tuple[float, dict[str, ProgramCost], int | None,
+                          dict[int, int]] | None = None
+        self._sum = self._empty()  # the measurement's pieces so far
         self._sum_cpu = 0
         self._sum_s = 0.0
         self._first = 0.0  # when its first piece opened
@@ -124,29 +150,41 @@ class Meter:
             if (now >= self._next and now - self._in_since >= self.settle_s
                     and room_s > MIN_PIECE_S and pids):
                 self._stats_on(True)
-                self._open = (now, dict(self._programs()), self._cpu_ns(pids))
+                if self.early_exit_ns is None and self._early_exit is not None:
+                    self.early_exit_ns = self._early_exit() or 0
+                self._open = (now, dict(self._programs()), self._traced(), self._cpu_ns(pids))
                 if self._sum_s == 0.0:
                     self._first = now
             return None
-        start, before, cpu_before = self._open
+        start, before, traced_before, cpu_before = self._open
         if now - start < self.window_s - self._sum_s and room_s > CLOSE_BEFORE_S:
             return None
-        after, cpu_after = self._programs(), self._cpu_ns(set(cpu_before))
+        after, traced_after = self._programs(), self._traced()
+        cpu_after = self._cpu_ns(set(cpu_before))
         self._close()
         # processes that lived through the piece: one that exited took its CPU along
         self._sum_cpu += sum(cpu_after[p] - cpu_before[p] for p in cpu_after if p in cpu_before)
-        self._sum = self._sum + probe_time(before, after)
+        traced = (None if traced_before is None or traced_after is None
+                  else max(0, traced_after - traced_before))
+        self._sum = self._sum + probe_time(before, after, traced)
         self._sum_s += now - start
         if self._sum_s < self.window_s:
             return None
-        est = Estimate(self._first, self._sum_s, self._sum, self._sum_cpu)
-        self._sum, self._sum_cpu, self._sum_s = ProbeTime(0, {}), 0, 0.0
+        est = Estimate(self._first, self._sum_s, self._sum, self._sum_cpu,
+                       self.early_exit_ns or 0)
+        self._sum, self._sum_cpu, self._sum_s = self._empty(), 0, 0.0
         self._next = now + self.every_s
         if est.traced_cpu_ns < self.min_cpu_ns:
             self.dropped += 1
             return None
         self.last = est
         return est
+
+    def _empty(self) -> ProbeTime:
+        return ProbeTime(0, {}, None if self._traced_runs is None else 0)
+
+    def _traced(self) -> int | None:
+        return None if self._traced_runs is None else self._traced_runs()
 
     def _close(self) -> None:
         self._open = None

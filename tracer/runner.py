@@ -65,7 +65,9 @@ class TraceRun:
         # (tracer/overhead.py); with --max-overhead, the duty cycle that keeps it in budget
         self._meter_stats = ProgramStats()  # its own hold on the kernel's statistics
         self.meter = (overhead.Meter(self._meter_stats_on, self.session.program_costs, _cpu_ns,
-                                     every_s=meter_every_s, window_s=meter_window_s)
+                                     every_s=meter_every_s, window_s=meter_window_s,
+                                     traced_runs=self.session.traced_tracepoint_runs,
+                                     early_exit=self.session.early_exit_ns)
                       if measure_overhead or max_overhead else None)
         self.budget = overhead.Budget(max_overhead) if max_overhead else None
         self.meter_error = ""  # why the meter stopped, if it did
@@ -241,13 +243,18 @@ class TraceRun:
         counters["probe_cpu_ppm_max"] = max(counters.get("probe_cpu_ppm_max", 0), est.ppm)
         counters["probe_cpu_estimates"] += 1
         # the sums over every window: their ratio is the run's estimate
-        counters["probe_cpu_probe_ns"] += est.probes.total_ns
+        counters["probe_cpu_probe_ns"] += est.probe_ns
         counters["probe_cpu_traced_ns"] += est.traced_cpu_ns
-        # ...and what the probes' part is made of: the programs' own time, and the runs
-        # by how each was entered (their entries are the rest)
+        # ...and what it is made of: the programs' own time and the runs by how each
+        # was entered (their entries are the rest), in every process; the tracepoints'
+        # runs not for traced processes, each an entry and an early exit of
+        # probe_cpu_early_exit_ns, are taken off; with them all, the host's sum
         counters["probe_cpu_program_ns"] += est.probes.program_ns
         for kind, n in est.probes.hits.items():
             counters[f"probe_cpu_{kind}_runs"] += n
+        counters["probe_cpu_others_runs"] += est.probes.others_runs
+        counters["probe_cpu_early_exit_ns"] = est.early_exit_ns
+        counters["probe_cpu_host_probe_ns"] += est.probes.total_ns
         budget = self.budget
         if budget is None:
             return

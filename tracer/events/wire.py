@@ -287,7 +287,12 @@ CONSTANTS: dict[str, int] = {
     "CNT_RING_REFUSED_NS": 21,  # time spent in refused ring outputs, all of them
     # records the ring refused at once and took at the second try (submit()): not lost
     "CNT_RING_RETRY_SAVED": 22,
-    "N_COUNTERS": 23,
+    # tracepoint runs for traced processes: their syscalls' (an entry and, where one is
+    # attached, its exit) and their connections' TCP events. The kernel counts a
+    # program's runs in every process; the overhead meter (tracer/overhead.py) takes
+    # these apart from the rest, other processes' runs that stop at the pid or port filter
+    "CNT_TRACED_TP_RUNS": 23,
+    "N_COUNTERS": 24,
     "RING_SLOW_NS": 100_000,
 }
 

@@ -231,9 +231,12 @@ def probe_cost_text(rep: dict[str, Any]) -> str:
     top = rep.get("capture.probe_cpu_ppm_max", 0) / 1e4
     probe, traced = rep.get("capture.probe_cpu_probe_ns", 0), rep.get("capture.probe_cpu_traced_ns", 0)
     over = f", {probe / traced:.2%} over all of them" if traced else ""
+    host = rep.get("capture.probe_cpu_host_probe_ns", 0)
+    others = (f"; {host / traced:.2%} with the runs in other processes"
+              if traced and host > probe else "")
     text = (f"probes: an estimated {last:.2f}% of the traced processes' CPU at the last of "
-            f"{n} measurements ({top:.2f}% at most{over}; the probes' kernel time in every "
-            f"process against the traced processes' CPU)")
+            f"{n} measurements ({top:.2f}% at most{over}{others}; the probes' kernel time "
+            f"in the traced processes against their CPU)")
     changes = rep.get("capture.overhead_budget_changes", 0)
     if changes:
         share = rep.get("capture.overhead_budget_fraction_pct", 100)

@@ -23,7 +23,7 @@ import ctypes
 import os
 import platform
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Mapping
 
 BPF_ENABLE_STATS = 32  # enum bpf_cmd (include/uapi/linux/bpf.h)
 BPF_STATS_RUN_TIME = 0  # enum bpf_stats_type
@@ -58,25 +58,54 @@ def hit_kind(program: str) -> str:
 @dataclass(frozen=True)
 class ProbeTime:
     """The programs' own run time over a stretch, and their runs by how each was
-    entered; ``total_ns`` adds each run's entry (``HIT_NS``)."""
+    entered; ``total_ns`` adds each run's entry (``HIT_NS``).
+
+    ``traced_tracepoint_runs``: of the tracepoint runs, those for traced processes,
+    as the probes count them (the kernel counter ``traced_tp_runs``: their syscalls
+    and their connections' TCP events; None where not counted). The rest,
+    ``others_runs``, stopped at the pid or port filter in processes nobody traces and
+    cost those processes, not the traced ones: ``traced_ns`` leaves them out. The
+    uprobes are attached to the traced processes alone."""
 
     program_ns: int
     hits: dict[str, int]
+    traced_tracepoint_runs: int | None = None
 
     @property
     def total_ns(self) -> int:
+        """Every run's time and entry, in every process."""
         return self.program_ns + sum(HIT_NS[k] * n for k, n in self.hits.items())
+
+    @property
+    def others_runs(self) -> int:
+        """Tracepoint runs not for traced processes (0 where not counted)."""
+        if self.traced_tracepoint_runs is None:
+            return 0
+        return max(0, self.hits.get("tracepoint", 0) - self.traced_tracepoint_runs)
+
+    def traced_ns(self, early_exit_ns: int) -> int:
+        """The traced processes' part of ``total_ns``: less the other processes' runs,
+        each its entry and an early exit of ``early_exit_ns`` (``early_exit_ns``
+        measures it on the host). Their program time is taken off at most down to
+        none: the traced runs keep their entries whatever the early exits cost."""
+        others = self.others_runs
+        entries = sum(HIT_NS[k] * n for k, n in self.hits.items()) - HIT_NS["tracepoint"] * others
+        return max(0, entries) + max(0, self.program_ns - others * early_exit_ns)
 
     def __add__(self, other: "ProbeTime") -> "ProbeTime":
         hits = dict(self.hits)
         for k, n in other.hits.items():
             hits[k] = hits.get(k, 0) + n
-        return ProbeTime(self.program_ns + other.program_ns, hits)
+        a, b = self.traced_tracepoint_runs, other.traced_tracepoint_runs
+        return ProbeTime(self.program_ns + other.program_ns, hits,
+                         None if a is None or b is None else a + b)
 
 
-def probe_time(before: dict[str, ProgramCost], after: dict[str, ProgramCost]) -> ProbeTime:
+def probe_time(before: dict[str, ProgramCost], after: dict[str, ProgramCost],
+               traced_tracepoint_runs: int | None = None) -> ProbeTime:
     """What the programs spent between two ``ProgramStats.read``s (a program loaded
-    in between counts from zero; one gone, not at all)."""
+    in between counts from zero; one gone, not at all). ``traced_tracepoint_runs``:
+    how many of the tracepoint runs in between were for traced processes."""
     ns, hits = 0, {}
     for name, cost in after.items():
         was = before.get(name, ProgramCost(0, 0))
@@ -85,7 +114,38 @@ def probe_time(before: dict[str, ProgramCost], after: dict[str, ProgramCost]) ->
         if runs:
             kind = hit_kind(name)
             hits[kind] = hits.get(kind, 0) + runs
-    return ProbeTime(ns, hits)
+    return ProbeTime(ns, hits, traced_tracepoint_runs)
+
+
+EARLY_EXIT_PROGRAMS = ("tracepoint__syscalls__sys_enter_write",
+                       "tracepoint__syscalls__sys_exit_write")
+
+
+def early_exit_ns(programs: Callable[[], Mapping[str, ProgramCost]], calls: int = 4000,
+                  tries: int = 3) -> int | None:
+    """What a syscall tracepoint's program costs a process nobody traces, on this host:
+    the caller (the agent, never traced) writes a byte to /dev/null ``calls`` times
+    between two reads of the write probes' counts, with the statistics on. Other
+    processes' writes in those milliseconds run too, a traced one's at many times the
+    cost, so the least of ``tries`` is taken. None where the write probes are not
+    loaded or did not run."""
+    best: float | None = None
+    fd = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for _ in range(tries):
+            before = programs()
+            if not all(p in before for p in EARLY_EXIT_PROGRAMS):
+                return None
+            for _ in range(calls):
+                os.write(fd, b"\0")
+            after = programs()
+            runs = sum(after[p].runs - before[p].runs for p in EARLY_EXIT_PROGRAMS if p in after)
+            ns = sum(after[p].run_ns - before[p].run_ns for p in EARLY_EXIT_PROGRAMS if p in after)
+            if runs >= calls:  # the kernel counted our runs: statistics on, probes in
+                best = ns / runs if best is None else min(best, ns / runs)
+    finally:
+        os.close(fd)
+    return None if best is None else round(best)
 
 
 class ProgramStats:

@@ -23,7 +23,8 @@ from tracer.events.gpu import MEMSET_GATE, SAMPLED_COPY_MASK, SYNC_GATE, GpuSamp
 from tracer.events.netwait import NetTimingMode
 from tracer.events.runs import RunArmed
 from tracer.probes import loader, procfs, ringbuf, sockdiag
-from tracer.probes.bpfstats import ProgramCost, ProgramStats, format_costs, missed_runs
+from tracer.probes.bpfstats import (ProgramCost, ProgramStats, early_exit_ns, format_costs,
+                                    missed_runs)
 from tracer.probes.gpu import GpuProbes
 
 C = wire.CONSTANTS
@@ -1036,6 +1037,18 @@ class CaptureSession:
         """Each loaded program's runs and run time (counted only while the kernel's
         run-time statistics are on: ``ProgramStats``)."""
         return ProgramStats.read(self.bpf.funcs) if self.bpf is not None else {}
+
+    def traced_tracepoint_runs(self) -> int:
+        """The tracepoints' runs for traced processes so far (the kernel counter
+        ``traced_tp_runs``): the overhead meter sets them apart from the rest."""
+        if self.bpf is None:
+            return 0
+        return int(sum(self.bpf[b"counters"][ctypes.c_int(C["CNT_TRACED_TP_RUNS"])]))
+
+    def early_exit_ns(self) -> int | None:
+        """What a syscall probe's run costs a process not traced, on this host
+        (``bpfstats.early_exit_ns``; the kernel's statistics must be on)."""
+        return early_exit_ns(self.program_costs)
 
     def kernel_counters(self) -> dict[str, int]:
         out: dict[str, int] = {}
