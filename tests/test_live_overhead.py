@@ -13,7 +13,9 @@ import pytest
 from samples.launch import SampleServer
 from tests.conftest import free_port
 from tests.live import traced
+from tests.test_metrics import scrape
 from tracer.events import capture, schema
+from tracer.export.metrics import PrometheusSink
 from tracer.overhead import KEEP, MIN_FRACTION
 from tracer.probes.bpfstats import HIT_NS
 
@@ -51,6 +53,13 @@ def test_the_meter_counts_the_probes_runs_and_the_budget_cycles_them(tmp_path):
             time.sleep(0.5)
             stop.set()
             t.join()
+            # the agent's health at a scrape: the meter's estimate and the losses
+            prom = PrometheusSink(0, "127.0.0.1", ctx=run.pipeline.ctx)
+            time.sleep(1.2)  # a counter report after the last estimate
+            try:
+                scraped = scrape(prom.port)
+            finally:
+                prom.close()
     assert len(sent) > 20
     rep = c.report
     # three windows (KEEP) before the budget decided, each with an estimate
@@ -73,6 +82,12 @@ def test_the_meter_counts_the_probes_runs_and_the_budget_cycles_them(tmp_path):
     assert run.budget.fraction == MIN_FRACTION and rep["capture.overhead_budget_changes"] == 1
     assert f"tracing {MIN_FRACTION:g} of the time" in run.budget.reason
     assert paused, "the duty cycle the budget set never took the probes out"
+    assert scraped[("tokentrace_probe_cpu_ratio", ())] * 1e6 == pytest.approx(
+        rep["capture.probe_cpu_ppm"], abs=1)  # no estimate after the probes went out
+    assert scraped[("tokentrace_probe_cpu_seconds_total", ())] * 1e9 == pytest.approx(
+        rep["capture.probe_cpu_probe_ns"], rel=1e-6)
+    assert scraped[("tokentrace_records_lost_total", (("counter", "lost_data"),))] == \
+        rep.get("capture.lost_data", 0)
 
     # the kernel's counts against the records the probes sent in the same window: a
     # socket syscall's record means its exit program ran (and its entry's, before)

@@ -291,6 +291,37 @@ def jsonl_spans(path: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
+def test_the_agents_lost_records_and_probe_cost_are_served_from_its_counters(
+        openai_capture: Path) -> None:
+    from tracer.events.wire import RING_LOSS_COUNTERS
+
+    ctx = ExportContext()
+    sink = PrometheusSink(0, "127.0.0.1", ctx=ctx)
+    try:
+        reader = capture.CaptureReader(openai_capture)
+        p = Pipeline([sink], ctx, TrackerOptions())
+        for item in reader:
+            p.feed(item)
+        assert ctx.drops, "the capture's counter reports reached the context"
+        got = scrape(sink.port)
+        for name in RING_LOSS_COUNTERS:  # every loss counter, as the capture counted it
+            assert got[("tokentrace_records_lost_total", (("counter", name),))] == \
+                ctx.drops.get(name, 0)
+        assert not any(k[0].startswith("tokentrace_probe_cpu") for k in got)  # not measured
+        # a report from an agent whose overhead meter has measured (the session replaces
+        # the dict whole each second, as here)
+        ctx.drops = {**ctx.drops, "lost_data": 4, "probe_cpu_estimates": 3,
+                     "probe_cpu_ppm": 6_200, "probe_cpu_probe_ns": 500_000_000,
+                     "probe_cpu_traced_ns": 90_000_000_000}
+        got = scrape(sink.port)
+        assert got[("tokentrace_records_lost_total", (("counter", "lost_data"),))] == 4
+        assert got[("tokentrace_probe_cpu_ratio", ())] == pytest.approx(0.0062)
+        assert got[("tokentrace_probe_cpu_seconds_total", ())] == pytest.approx(0.5)
+        assert got[("tokentrace_probe_cpu_measured_seconds_total", ())] == pytest.approx(90.0)
+    finally:
+        sink.close()
+
+
 def test_metric_flags_fail_clearly(openai_capture: Path) -> None:
     def replay_with(*flags: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "tracer", "replay", str(openai_capture),

@@ -300,6 +300,12 @@ COUNTER_NAMES: dict[int, str] = {
     v: k[4:].lower() for k, v in CONSTANTS.items() if k.startswith("CNT_")
 }
 
+# records the kernel found no place for in the events ring, by counter (every
+# ringbuf_output and reservation that fails counts one of these)
+RING_LOSS_COUNTERS = frozenset(
+    [name for name in COUNTER_NAMES.values() if name.startswith("lost_")]
+    + ["tls.lost", "stack_defs_lost"])
+
 SYSCALL_NAMES: dict[int, str] = {
     v: k[4:].lower() for k, v in CONSTANTS.items() if k.startswith("SYS_")
 }

@@ -32,6 +32,15 @@ tokentrace_gpu_kernel_launches_total      (none: span tokentrace.gpu.kernel_laun
 tokentrace_gpu_time_seconds_total         (none: span tokentrace.gpu.time_ms / 1000)
 tokentrace_cost_usd_total                 (none: span tokentrace.cost.usd)
 ========================================  ==========================================
+
+The agent's own health, from the counters it reports every second (``AgentCollector``):
+``tokentrace_records_lost_total{counter}`` (records the probes made and the ring
+buffer refused, by counter), and once the overhead meter has measured
+(tracer/overhead.py), ``tokentrace_probe_cpu_ratio`` (the probes' estimated kernel
+time in the traced processes over their CPU time, the last window) with the sums over
+every window, ``tokentrace_probe_cpu_seconds_total`` and
+``tokentrace_probe_cpu_measured_seconds_total``: their rates' ratio is the estimate
+over any range.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ import threading
 from typing import Any
 
 from tracer.correlate.records import RequestRecord
+from tracer.events.wire import RING_LOSS_COUNTERS
 from tracer.export.context import ExportContext
 
 # The GenAI semantic conventions' advised bucket boundaries (seconds).
@@ -105,13 +115,52 @@ class RequestFacts:
         self.cost_usd: float | None = a.get("tokentrace.cost.usd")
 
 
+class AgentCollector:
+    """The agent's health at each scrape, from the counters the probes' session
+    reports every second (``ExportContext.drops``, replaced whole each time, so a
+    scrape from the server's thread reads one report)."""
+
+    def __init__(self, ctx: ExportContext) -> None:
+        self.ctx = ctx
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        counters = self.ctx.drops
+        lost = CounterMetricFamily(
+            "tokentrace_records_lost", "Records the probes made and the ring buffer had "
+            "no place for, by counter (lost_data: socket data, lost_gpu: GPU bursts...).",
+            labels=["counter"])
+        for name in sorted(RING_LOSS_COUNTERS):
+            lost.add_metric([name], counters.get(name, 0))
+        yield lost
+        if not counters.get("probe_cpu_estimates"):
+            return  # the overhead meter is off or has not measured yet
+        yield GaugeMetricFamily(
+            "tokentrace_probe_cpu_ratio", "The probes' estimated kernel time in the traced "
+            "processes over those processes' CPU time, in the overhead meter's last "
+            "window (a 2-s window every 20 s; --max-overhead keeps it under its budget).",
+            value=counters.get("probe_cpu_ppm", 0) / 1e6)
+        yield CounterMetricFamily(
+            "tokentrace_probe_cpu_seconds", "The probes' estimated kernel time in the "
+            "traced processes, summed over the overhead meter's windows.",
+            value=counters.get("probe_cpu_probe_ns", 0) / 1e9)
+        yield CounterMetricFamily(
+            "tokentrace_probe_cpu_measured_seconds", "The traced processes' CPU time in "
+            "the overhead meter's windows: the rate of tokentrace_probe_cpu_seconds_total "
+            "over this one is the estimate over any range.",
+            value=counters.get("probe_cpu_traced_ns", 0) / 1e9)
+
+
 class PrometheusSink:
-    """A record sink serving ``/metrics`` on ``port`` (0: any free port, see ``.port``).
+    """A record sink serving ``/metrics`` on ``port`` (0: any free port, see ``.port``);
+    with ``ctx``, the agent's own health too (``AgentCollector``).
 
     Metrics live in their own registry, so several sinks (tests) do not collide."""
 
     def __init__(self, port: int, addr: str = DEFAULT_ADDR,
-                 max_label_values: int = MAX_LABEL_VALUES) -> None:
+                 max_label_values: int = MAX_LABEL_VALUES,
+                 ctx: ExportContext | None = None) -> None:
         from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                        start_http_server)
 
@@ -157,6 +206,8 @@ class PrometheusSink:
                                   "all the time): the counts above cover that share of the "
                                   "requests, so divide rates by it.", registry=r)
         self.traced_share.set(1.0)
+        if ctx is not None:
+            r.register(AgentCollector(ctx))
         self._server, self._thread = start_http_server(port, addr, registry=r)
         self.port: int = self._server.server_port
 
@@ -288,7 +339,8 @@ def add_metric_args(g: argparse._ArgumentGroup) -> None:
     """The metrics flags, in the export group of `run` and `replay`."""
     g.add_argument("--prometheus", type=_listen, metavar="[ADDR:]PORT",
                    help="serve Prometheus metrics (TTFT, TPOT, latency, requests, tokens, "
-                        "GPU work, cost by model) at http://ADDR:PORT/metrics; ADDR is "
+                        "GPU work, cost by model; the agent's lost records and the "
+                        "probes' measured cost) at http://ADDR:PORT/metrics; ADDR is "
                         f"{DEFAULT_ADDR} unless given (0.0.0.0: every interface)")
     g.add_argument("--otlp-metrics", action="store_true",
                    help="also send the GenAI server metrics (gen_ai.server.*) to the "
@@ -301,7 +353,7 @@ def metric_sinks(args: argparse.Namespace, ctx: ExportContext) -> list[Any]:
     if getattr(args, "prometheus", None):
         addr, port = args.prometheus
         try:
-            sinks.append(PrometheusSink(port, addr))
+            sinks.append(PrometheusSink(port, addr, ctx=ctx))
         except OSError as e:
             raise SystemExit(f"tokentrace: error: cannot serve metrics on {addr}:{port}: "
                              f"{e.strerror or e}") from None

@@ -38,11 +38,6 @@ POLL_MS = 20  # see poll()
 DRAIN_BUDGET_S = 0.01
 STACK_SCAN_WAIT_S = 10.0  # at start: the traced interpreters found before polling begins
 PARALLEL_DETACH = 32  # tracepoints detached at once by pause: all of them (see there)
-# records the kernel found no place for in the events ring, by counter (every
-# ringbuf_output and reservation that fails counts one of these)
-RING_LOSS_COUNTERS = frozenset(
-    [name for name in wire.COUNTER_NAMES.values() if name.startswith("lost_")]
-    + ["tls.lost", "stack_defs_lost"])
 Sink = Callable[[CaptureItem], None]
 
 
@@ -1072,7 +1067,7 @@ class CaptureSession:
         if not isinstance(self.ring, ringbuf.RingReader):
             return
         fill = self.ring.take_peak()
-        lost = sum(v for k, v in counters.items() if k in RING_LOSS_COUNTERS)
+        lost = sum(v for k, v in counters.items() if k in wire.RING_LOSS_COUNTERS)
         if lost > self._lost_seen:
             self._lost_seen = lost
             key = "ring_fill_at_loss_bytes"
