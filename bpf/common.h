@@ -82,11 +82,9 @@ BPF_PERCPU_ARRAY(since_wakeup, u32, 1);
 #define TT_WAKEUP_EVERY 64
 
 /*
- * Submit a record; a record the ring refuses is counted, never silent.
- * No wake-up per record: the consumer polls on a short timer and is woken early only
- * every TT_WAKEUP_EVERY records a CPU submits. Waking it for every record cost one
- * epoll cycle per record, half of the tracer's CPU. Timestamps are taken here, so the
- * delay changes when a span is exported, never what it says.
+ * Put a record in the ring: 0, or below 0 where it stayed out, which the caller counts
+ * as lost in its own counter (submit() below; tls.c, ibverbs.c and stacks.c count
+ * theirs in their own arrays).
  *
  * A refused output is timed. A full ring refuses at once. Since Linux 6.15 the ring's
  * lock is a resilient spinlock that gives up instead of spinning on: 250-500 ms for a
@@ -98,6 +96,31 @@ BPF_PERCPU_ARRAY(since_wakeup, u32, 1);
  * would be lost, and a record it saves is counted (ring_retry_saved). One that spun is
  * not: the holder may not have let go.
  */
+static __always_inline int ring_out(void *rec, u32 size, u64 flags)
+{
+    u64 t0 = bpf_ktime_get_ns();
+    if (events.ringbuf_output(rec, size, flags) == 0)
+        return 0;
+    u64 spent = bpf_ktime_get_ns() - t0;
+    if (spent < TT_RING_SLOW_NS && events.ringbuf_output(rec, size, flags) == 0) {
+        count(TT_CNT_RING_RETRY_SAVED);
+        count_n(TT_CNT_RING_REFUSED_NS, spent);
+        return 0;
+    }
+    spent = bpf_ktime_get_ns() - t0;
+    count_n(TT_CNT_RING_REFUSED_NS, spent);
+    if (spent >= TT_RING_SLOW_NS)
+        count(TT_CNT_RING_REFUSED_SLOW);
+    return -1;
+}
+
+/*
+ * Submit a record; a record the ring refuses is counted in `lost_counter`, never silent.
+ * No wake-up per record: the consumer polls on a short timer and is woken early only
+ * every TT_WAKEUP_EVERY records a CPU submits. Waking it for every record cost one
+ * epoll cycle per record, half of the tracer's CPU. Timestamps are taken here, so the
+ * delay changes when a span is exported, never what it says.
+ */
 static __always_inline void submit(void *rec, u32 size, u32 lost_counter)
 {
     u32 zero = 0;
@@ -107,18 +130,6 @@ static __always_inline void submit(void *rec, u32 size, u32 lost_counter)
         *n = 0;
         flags = BPF_RB_FORCE_WAKEUP;
     }
-    u64 t0 = bpf_ktime_get_ns();
-    if (events.ringbuf_output(rec, size, flags) == 0)
-        return;
-    u64 spent = bpf_ktime_get_ns() - t0;
-    if (spent < TT_RING_SLOW_NS && events.ringbuf_output(rec, size, flags) == 0) {
-        count(TT_CNT_RING_RETRY_SAVED);
-        count_n(TT_CNT_RING_REFUSED_NS, spent);
-        return;
-    }
-    spent = bpf_ktime_get_ns() - t0;
-    count(lost_counter);
-    count_n(TT_CNT_RING_REFUSED_NS, spent);
-    if (spent >= TT_RING_SLOW_NS)
-        count(TT_CNT_RING_REFUSED_SLOW);
+    if (ring_out(rec, size, flags) != 0)
+        count(lost_counter);
 }

@@ -136,7 +136,7 @@ static __always_inline void verbs_learn(u64 id, u64 ctxp, u16 via)
     bpf_probe_read_user(&r.poll_cq, 8, (void *)(ctxp + TT_VERBS_OFF_CTX_POLL_CQ));
     /* Woken at once: every post before the provider probes attach goes uncounted.
      * A lost record is retried at the context's next exported call. */
-    if (events.ringbuf_output(&r, sizeof(r), BPF_RB_FORCE_WAKEUP) < 0) {
+    if (ring_out(&r, sizeof(r), BPF_RB_FORCE_WAKEUP) != 0) {
         count(TT_CNT_LOST_GPU);
         verbs_contexts.delete(&k);
     }

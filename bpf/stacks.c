@@ -257,7 +257,7 @@ static __always_inline int stk_send_def(struct tt_stackdef *d, u64 sp)
     u32 size = TT_TT_STACKDEF_HDR + got;
     if (size > sizeof(*d))
         size = sizeof(*d);
-    if (events.ringbuf_output(d, size, BPF_RB_FORCE_WAKEUP) < 0) {
+    if (ring_out(d, size, BPF_RB_FORCE_WAKEUP) != 0) {
         stk_count(STK_CNT_DEFS_LOST);
         return -1;
     }

@@ -169,7 +169,7 @@ static __always_inline void tls_record(u64 id, u64 ssl, struct tls_ssl *s, u16 o
     r.flags = s->flags & (TT_TLS_F_FRESH | TT_TLS_F_ESTABLISHED | TT_TLS_F_FAILED);
     r.bytes_in = s->pt_in;
     r.bytes_out = s->pt_out;
-    if (events.ringbuf_output(&r, sizeof(r), BPF_RB_NO_WAKEUP) < 0)
+    if (ring_out(&r, sizeof(r), BPF_RB_NO_WAKEUP) != 0)
         tls_count(TT_TLS_CNT_LOST, 1);
 }
 

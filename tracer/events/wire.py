@@ -279,10 +279,10 @@ CONSTANTS: dict[str, int] = {
     # its gate was closed: a trap that counted nothing, the price of the switches (the
     # probes are in place through each attach and detach, not only the open window)
     "CNT_GATED_CALLS": 19,
-    # records submit() (bpf/common.h) saw the ring refuse (counted in a lost_* above)
-    # after RING_SLOW_NS or more in the call: not a full ring, which refuses at once,
-    # but its lock giving up; the few outputs made elsewhere (ibverbs.c's counter
-    # record, tls.c, stacks.c) are not timed
+    # records ring_out() (bpf/common.h) saw the ring refuse (counted lost where each
+    # output counts its losses: a lost_* above, tls.lost, stack_defs_lost) after
+    # RING_SLOW_NS or more in the call: not a full ring, which refuses at once, but its
+    # lock giving up
     "CNT_RING_REFUSED_SLOW": 20,
     "CNT_RING_REFUSED_NS": 21,  # time spent in refused ring outputs, all of them
     # records the ring refused at once and took at the second try (submit()): not lost
