@@ -90,7 +90,6 @@ static __always_inline u32 io_epoch(void)
 BPF_PERCPU_ARRAY(io_scratch, struct io_args, 1); /* an entry's call, copied into the hash */
 #endif
 
-
 /*
  * Where a traced thread's entry writes its call, or NULL for a thread not traced.
  * With task storage a thread that has a slot is traced without asking `traced`: it
