@@ -102,16 +102,14 @@ static __always_inline struct io_args *io_call_slot(u64 id)
 #ifdef TT_TASK_STORAGE
     struct task_struct *task = bpf_get_current_task_btf();
     struct io_args *a = io_inflight.task_storage_get(task, 0, 0);
-    if (a) {
-        count_traced_runs(2);
-        return a;
+    if (!a) {
+        if (!is_traced(id >> 32))
+            return NULL;
+        a = io_inflight.task_storage_get(task, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+        if (!a)
+            count(TT_CNT_INFLIGHT_FULL);
     }
-    if (!is_traced(id >> 32))
-        return NULL;
     count_traced_runs(2);
-    a = io_inflight.task_storage_get(task, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
-    if (!a)
-        count(TT_CNT_INFLIGHT_FULL);
     return a;
 #else
     if (!is_traced(id >> 32))

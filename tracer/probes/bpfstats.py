@@ -72,9 +72,14 @@ class ProbeTime:
     traced_tracepoint_runs: int | None = None
 
     @property
+    def entry_ns(self) -> int:
+        """Every run's entry (``HIT_NS``), in every process."""
+        return sum(HIT_NS[k] * n for k, n in self.hits.items())
+
+    @property
     def total_ns(self) -> int:
         """Every run's time and entry, in every process."""
-        return self.program_ns + sum(HIT_NS[k] * n for k, n in self.hits.items())
+        return self.program_ns + self.entry_ns
 
     @property
     def others_runs(self) -> int:
@@ -89,7 +94,7 @@ class ProbeTime:
         measures it on the host). Their program time is taken off at most down to
         none: the traced runs keep their entries whatever the early exits cost."""
         others = self.others_runs
-        entries = sum(HIT_NS[k] * n for k, n in self.hits.items()) - HIT_NS["tracepoint"] * others
+        entries = self.entry_ns - HIT_NS["tracepoint"] * others
         return max(0, entries) + max(0, self.program_ns - others * early_exit_ns)
 
     def __add__(self, other: "ProbeTime") -> "ProbeTime":
