@@ -218,12 +218,21 @@ def test_otlp_metrics_of_a_replay_reach_a_real_endpoint(openai_capture: Path,
     assert sum(len(ss.spans) for t in srv.traces for rs in t.resource_spans
                for ss in rs.scope_spans) == len(spans) == 7
     latest: dict[tuple[Any, ...], Any] = {}  # cumulative temporality: the last point wins
+    agent: dict[tuple[str, tuple[Any, ...]], Any] = {}  # the agent's health, its own resource
     services = set()
     for req in srv.metrics:
         for rm in req.resource_metrics:
             res = {kv.key: kv.value.string_value for kv in rm.resource.attributes}
-            services.add(res["service.name"])
             for sm in rm.scope_metrics:
+                if sm.scope.name == "tokentrace.agent":
+                    assert res["service.name"] == "tokentrace"
+                    for metric in sm.metrics:
+                        for p in metric.sum.data_points or metric.gauge.data_points:
+                            attrs = tuple((kv.key, kv.value.string_value)
+                                          for kv in p.attributes)
+                            agent[(metric.name, attrs)] = p
+                    continue
+                services.add(res["service.name"])
                 for metric in sm.metrics:
                     assert metric.unit == "s"
                     for p in metric.histogram.data_points:
@@ -254,6 +263,18 @@ def test_otlp_metrics_of_a_replay_reach_a_real_endpoint(openai_capture: Path,
             assert sum(p.bucket_counts) == p.count
             assert p.bucket_counts[0] == sum(1 for v in m["ttft_ok"] if v <= TTFT_BUCKETS[0])
     assert sum(p.count for p in points["gen_ai.server.time_to_first_token"]) > 0
+    # the agent's health: every loss counter as the capture's last report counted it;
+    # its overhead meter did not measure, so no probe-cost figure (not a zero)
+    ctx = ExportContext()
+    p = Pipeline([], ctx, TrackerOptions())
+    for item in capture.CaptureReader(openai_capture):
+        p.feed(item)
+    from tracer.events.wire import RING_LOSS_COUNTERS
+    assert ctx.drops and set(agent) == {("tokentrace.records.lost", (("counter", name),))
+                                        for name in RING_LOSS_COUNTERS}
+    for name in RING_LOSS_COUNTERS:
+        got = agent[("tokentrace.records.lost", (("counter", name),))]
+        assert got.as_int == ctx.drops.get(name, 0)
 
 
 @pytest.mark.bpf
@@ -320,6 +341,41 @@ def test_the_agents_lost_records_and_probe_cost_are_served_from_its_counters(
         assert got[("tokentrace_probe_cpu_measured_seconds_total", ())] == pytest.approx(90.0)
     finally:
         sink.close()
+
+
+def test_the_agents_health_reaches_a_real_otlp_endpoint() -> None:
+    """`--otlp-metrics`: the same figures as the Prometheus endpoint, under the agent's
+    own resource, read from the counters at each export (here the last, at close)."""
+    from tracer.export.metrics import OtlpMetricsSink
+
+    srv = OtlpReceiver()
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    ctx = ExportContext(capture_id="c", host="node-7")
+    try:
+        sink = OtlpMetricsSink(ctx, f"http://127.0.0.1:{srv.server_address[1]}", "http",
+                               interval_s=3600)
+        ctx.drops = {"lost_data": 4, "lost_gpu": 1, "probe_cpu_estimates": 3,
+                     "probe_cpu_ppm": 6_200, "probe_cpu_probe_ns": 500_000_000,
+                     "probe_cpu_traced_ns": 90_000_000_000}
+        sink.close()
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    [req] = srv.metrics  # no request was traced: only the agent's provider exported
+    [rm] = req.resource_metrics
+    res = {kv.key: kv.value.string_value for kv in rm.resource.attributes}
+    assert res["service.name"] == "tokentrace" and res["host.name"] == "node-7"
+    got = {}
+    for sm in rm.scope_metrics:
+        for m in sm.metrics:
+            for p in m.sum.data_points or m.gauge.data_points:
+                got[(m.name, tuple((kv.key, kv.value.string_value) for kv in p.attributes))] = \
+                    (p.as_int or p.as_double, m.unit, m.sum.is_monotonic)
+    assert got[("tokentrace.records.lost", (("counter", "lost_data"),))] == (4, "{record}", True)
+    assert got[("tokentrace.records.lost", (("counter", "lost_gpu"),))][0] == 1
+    assert got[("tokentrace.probe.cpu.ratio", ())][:2] == (pytest.approx(0.0062), "1")
+    assert got[("tokentrace.probe.cpu.time", ())] == (pytest.approx(0.5), "s", True)
+    assert got[("tokentrace.probe.cpu.measured_time", ())][:2] == (pytest.approx(90.0), "s")
 
 
 def test_metric_flags_fail_clearly(openai_capture: Path) -> None:

@@ -6,7 +6,10 @@ request was parsed) are counted; health checks and model listings are not.
 
 OTLP (``OtlpMetricsSink``): the GenAI semantic conventions' server histograms, in
 seconds, with ``gen_ai.operation.name``, ``gen_ai.request.model`` and (on failure)
-``error.type``; one MeterProvider per traced process, with the span resource.
+``error.type``; one MeterProvider per traced process, with the span resource. The
+agent's health goes with them under a resource of its own (``service.name``
+``tokentrace``): ``tokentrace.records.lost`` and ``tokentrace.probe.cpu.*``, the same
+figures as the Prometheus ones below.
 
 Prometheus (``PrometheusSink``): the same histograms under vLLM's names with a
 ``tokentrace_`` prefix, and counters; label ``model_name`` as in vLLM. It listens on
@@ -115,10 +118,35 @@ class RequestFacts:
         self.cost_usd: float | None = a.get("tokentrace.cost.usd")
 
 
+class AgentHealth:
+    """The agent's health in one counter report (``ExportContext.drops``, replaced whole
+    each second, so one read sees one report): the records lost by ring-loss counter,
+    and, once the overhead meter has measured, its estimate."""
+
+    __slots__ = ("lost", "measured", "ratio", "probe_s", "traced_s")
+
+    def __init__(self, counters: dict[str, int]) -> None:
+        self.lost = {name: counters.get(name, 0) for name in sorted(RING_LOSS_COUNTERS)}
+        # the overhead meter is off or has not measured yet: no figure, not a zero
+        self.measured = bool(counters.get("probe_cpu_estimates"))
+        self.ratio = counters.get("probe_cpu_ppm", 0) / 1e6  # its last window
+        self.probe_s = counters.get("probe_cpu_probe_ns", 0) / 1e9  # over every window
+        self.traced_s = counters.get("probe_cpu_traced_ns", 0) / 1e9
+
+
+LOST_HELP = ("Records the probes made and the ring buffer had no place for, by counter "
+             "(lost_data: socket data, lost_gpu: GPU bursts...).")
+RATIO_HELP = ("The probes' estimated kernel time in the traced processes over those "
+              "processes' CPU time, in the overhead meter's last window (a 2-s window "
+              "every 20 s; --max-overhead keeps it under its budget).")
+PROBE_HELP = ("The probes' estimated kernel time in the traced processes, summed over "
+              "the overhead meter's windows.")
+MEASURED_HELP = ("The traced processes' CPU time in the overhead meter's windows: the "
+                 "rate of the probes' time over this one is the estimate over any range.")
+
+
 class AgentCollector:
-    """The agent's health at each scrape, from the counters the probes' session
-    reports every second (``ExportContext.drops``, replaced whole each time, so a
-    scrape from the server's thread reads one report)."""
+    """The agent's health at each Prometheus scrape (``AgentHealth``)."""
 
     def __init__(self, ctx: ExportContext) -> None:
         self.ctx = ctx
@@ -126,30 +154,18 @@ class AgentCollector:
     def collect(self) -> Any:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        counters = self.ctx.drops
-        lost = CounterMetricFamily(
-            "tokentrace_records_lost", "Records the probes made and the ring buffer had "
-            "no place for, by counter (lost_data: socket data, lost_gpu: GPU bursts...).",
-            labels=["counter"])
-        for name in sorted(RING_LOSS_COUNTERS):
-            lost.add_metric([name], counters.get(name, 0))
+        h = AgentHealth(self.ctx.drops)
+        lost = CounterMetricFamily("tokentrace_records_lost", LOST_HELP, labels=["counter"])
+        for name, v in h.lost.items():
+            lost.add_metric([name], v)
         yield lost
-        if not counters.get("probe_cpu_estimates"):
-            return  # the overhead meter is off or has not measured yet
-        yield GaugeMetricFamily(
-            "tokentrace_probe_cpu_ratio", "The probes' estimated kernel time in the traced "
-            "processes over those processes' CPU time, in the overhead meter's last "
-            "window (a 2-s window every 20 s; --max-overhead keeps it under its budget).",
-            value=counters.get("probe_cpu_ppm", 0) / 1e6)
-        yield CounterMetricFamily(
-            "tokentrace_probe_cpu_seconds", "The probes' estimated kernel time in the "
-            "traced processes, summed over the overhead meter's windows.",
-            value=counters.get("probe_cpu_probe_ns", 0) / 1e9)
-        yield CounterMetricFamily(
-            "tokentrace_probe_cpu_measured_seconds", "The traced processes' CPU time in "
-            "the overhead meter's windows: the rate of tokentrace_probe_cpu_seconds_total "
-            "over this one is the estimate over any range.",
-            value=counters.get("probe_cpu_traced_ns", 0) / 1e9)
+        if not h.measured:
+            return
+        yield GaugeMetricFamily("tokentrace_probe_cpu_ratio", RATIO_HELP, value=h.ratio)
+        yield CounterMetricFamily("tokentrace_probe_cpu_seconds", PROBE_HELP,
+                                  value=h.probe_s)
+        yield CounterMetricFamily("tokentrace_probe_cpu_measured_seconds", MEASURED_HELP,
+                                  value=h.traced_s)
 
 
 class PrometheusSink:
@@ -248,7 +264,8 @@ class PrometheusSink:
 
 class OtlpMetricsSink:
     """A record sink recording the GenAI server histograms with the OpenTelemetry SDK
-    and exporting them over OTLP every ``interval_s`` (and at close)."""
+    and exporting them over OTLP every ``interval_s`` (and at close), with the agent's
+    health read from ``ctx`` at each export."""
 
     def __init__(self, ctx: ExportContext, endpoint: str, protocol: str | None = None,
                  interval_s: float = 10.0) -> None:
@@ -259,6 +276,7 @@ class OtlpMetricsSink:
         self._meters: dict[int, tuple[Any, dict[str, Any]]] = {}
         self._lock = threading.Lock()
         self.caps = {"model": LabelCap(), "error": LabelCap()}
+        self._agent = self._agent_provider()
 
     def _instruments(self, pid: int) -> dict[str, Any]:
         with self._lock:
@@ -303,6 +321,46 @@ class OtlpMetricsSink:
         }
         return provider, inst
 
+    def _agent_provider(self) -> Any:
+        """The agent's health (``AgentHealth``) under its own resource, observed at each
+        export: ``tokentrace.records.lost`` by ``counter``, and once the overhead meter
+        has measured, ``tokentrace.probe.cpu.ratio``, ``tokentrace.probe.cpu.time`` and
+        ``tokentrace.probe.cpu.measured_time``."""
+        from opentelemetry.metrics import CallbackOptions, Observation
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+        import tracer
+        from tracer.export.otlp import otlp_metric_exporter
+        from tracer.export.spans import agent_resource
+
+        def lost(_: CallbackOptions) -> list[Observation]:
+            return [Observation(v, {"counter": name})
+                    for name, v in AgentHealth(self.ctx.drops).lost.items()]
+
+        def measured(field: str) -> Any:
+            def observe(_: CallbackOptions) -> list[Observation]:
+                h = AgentHealth(self.ctx.drops)
+                return [Observation(getattr(h, field))] if h.measured else []
+            return observe
+
+        reader = PeriodicExportingMetricReader(
+            otlp_metric_exporter(self.endpoint, self.protocol),
+            export_interval_millis=self.interval_ms)
+        provider = MeterProvider(metric_readers=[reader], resource=agent_resource(self.ctx),
+                                 shutdown_on_exit=False)
+        meter = provider.get_meter("tokentrace.agent", tracer.__version__)
+        meter.create_observable_counter("tokentrace.records.lost", [lost], unit="{record}",
+                                        description=LOST_HELP)
+        meter.create_observable_gauge("tokentrace.probe.cpu.ratio", [measured("ratio")],
+                                      unit="1", description=RATIO_HELP)
+        meter.create_observable_counter("tokentrace.probe.cpu.time", [measured("probe_s")],
+                                        unit="s", description=PROBE_HELP)
+        meter.create_observable_counter("tokentrace.probe.cpu.measured_time",
+                                        [measured("traced_s")], unit="s",
+                                        description=MEASURED_HELP)
+        return provider
+
     def on_record(self, rec: RequestRecord) -> None:
         if not rec.is_llm or rec.cut_by_duty_cycle:
             return
@@ -323,6 +381,7 @@ class OtlpMetricsSink:
     def close(self) -> None:
         for provider, _ in self._meters.values():
             provider.shutdown()  # collects and exports once more
+        self._agent.shutdown()
 
 
 # ---- command line ----------------------------------------------------------------------
@@ -343,7 +402,8 @@ def add_metric_args(g: argparse._ArgumentGroup) -> None:
                         "probes' measured cost) at http://ADDR:PORT/metrics; ADDR is "
                         f"{DEFAULT_ADDR} unless given (0.0.0.0: every interface)")
     g.add_argument("--otlp-metrics", action="store_true",
-                   help="also send the GenAI server metrics (gen_ai.server.*) to the "
+                   help="also send the GenAI server metrics (gen_ai.server.*) and the "
+                        "agent's health (lost records, the probes' measured cost) to the "
                         "--otlp endpoint")
 
 

@@ -122,6 +122,24 @@ def resource_for(ctx: ExportContext, pid: int) -> Resource:
     return Resource.create(attrs)
 
 
+def agent_resource(ctx: ExportContext) -> Resource:
+    """The resource for the agent's own telemetry (its health metrics): the host and,
+    in a DaemonSet, the node, under ``service.name`` ``tokentrace``."""
+    host = ctx.host or pysocket.gethostname()
+    attrs: dict[str, Any] = {
+        "host.name": host,
+        "service.name": "tokentrace",
+        "service.instance.id": str(uuid.uuid5(uuid.NAMESPACE_URL,
+                                              f"tokentrace-agent:{host}:{ctx.capture_id}")),
+        "telemetry.sdk.name": "tokentrace",
+        "telemetry.sdk.version": tracer.__version__,
+    }
+    node = getattr(getattr(ctx.identity, "kube", None), "node_name", "")
+    if node:
+        attrs["k8s.node.name"] = node
+    return Resource.create(attrs)
+
+
 def _seconds(ns: int | float | None) -> float | None:
     return None if ns is None else ns * NS
 
