@@ -56,8 +56,11 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32, tid = (u32)id;
+    int mine = is_traced(tgid);
+    if (mine)
+        count_traced_runs(1); /* every thread's exit: the overhead meter's traced runs */
 #ifdef TT_HAVE_GPU_THREAD_EXIT
-    if (is_traced(tgid))
+    if (mine)
         gpu_thread_exit(tid); /* bpf/cuda.c: the thread's last burst */
 #endif
 #ifdef TT_HAVE_GROUP_DEAD
@@ -73,9 +76,8 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
         return 0;
     }
 #endif
-    if (!is_traced(tgid))
+    if (!mine)
         return 0;
-    count_traced_runs(1);
     traced.delete(&tgid);
     if (tid != tgid)
         traced.delete(&tid);

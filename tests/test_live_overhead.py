@@ -120,3 +120,41 @@ def test_the_meter_counts_the_probes_runs_and_the_budget_cycles_them(tmp_path):
     assert 0 < est.probe_ns < est.probes.total_ns and est.share < est.host_share
     assert est.probes.program_ns > 0 and est.traced_cpu_ns > 0
     assert pauses and pauses[-1].duty == MIN_FRACTION
+
+
+THREADS = 200
+_THREADS_CHILD = f"""
+import sys, threading
+sys.stdin.readline()  # attached
+for _ in range({THREADS}):
+    t = threading.Thread(target=int)
+    t.start()
+    t.join()
+print("done", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_traced_processs_threads_count_as_traced_runs_at_start_and_exit():
+    """Each thread a traced process starts and ends runs the fork and the exit program
+    for that process: both are its runs (``traced_tp_runs``), not the others' that the
+    meter prices at an early exit."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", _THREADS_CHILD], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        with traced(pids=[child.pid]) as c:
+            before = c.run.session.traced_tracepoint_runs()
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            assert child.stdout.readline().strip() == "done"
+            after = c.run.session.traced_tracepoint_runs()
+            child.stdin.write("end\n")
+            child.stdin.flush()
+            child.wait(timeout=10)
+    finally:
+        child.kill()
+    # a fork and an exit a thread; a socket syscall or a few of the interpreter's besides
+    assert 2 * THREADS <= after - before <= 2 * THREADS + 20, after - before
