@@ -267,9 +267,15 @@ class IdentityResolver:
             out.update(pod.attributes())
             if pod.service_name:
                 out["service.name"] = pod.service_name
-        elif self.kube is not None and self.kube.node_name:
-            out["k8s.node.name"] = self.kube.node_name
+        else:
+            out.update(self.node_attributes())
         return out
+
+    def node_attributes(self) -> dict[str, str]:
+        """``k8s.node.name`` of the node the agent runs on, where it is known."""
+        if self.kube is not None and self.kube.node_name:
+            return {"k8s.node.name": self.kube.node_name}
+        return {}
 
     def _warn(self, kind: str, msg: str) -> None:
         if kind not in self._warned:
@@ -284,3 +290,9 @@ def identity_attributes(ctx: Any, pid: int, info: ProcessInfo | None) -> dict[st
     if resolver is None:
         return {"container.id": info.container_id} if info and info.container_id else {}
     return resolver.attributes(pid, info)
+
+
+def node_attributes(ctx: Any) -> dict[str, str]:
+    """The hook for the agent's own resource: the node it runs on, where known."""
+    resolver = getattr(ctx, "identity", None)
+    return resolver.node_attributes() if resolver is not None else {}

@@ -287,12 +287,9 @@ class OtlpMetricsSink:
             return entry[1]
 
     def _new_provider(self, pid: int) -> tuple[Any, dict[str, Any]]:
-        from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
         from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 
         import tracer
-        from tracer.export.otlp import otlp_metric_exporter
         from tracer.export.spans import resource_for
 
         views = [View(instrument_name=name,
@@ -300,11 +297,7 @@ class OtlpMetricsSink:
                  for name, buckets in (("gen_ai.server.time_to_first_token", TTFT_BUCKETS),
                                        ("gen_ai.server.time_per_output_token", TPOT_BUCKETS),
                                        ("gen_ai.server.request.duration", DURATION_BUCKETS))]
-        reader = PeriodicExportingMetricReader(
-            otlp_metric_exporter(self.endpoint, self.protocol),
-            export_interval_millis=self.interval_ms)
-        provider = MeterProvider(metric_readers=[reader], resource=resource_for(self.ctx, pid),
-                                 views=views, shutdown_on_exit=False)
+        provider = self._provider(resource_for(self.ctx, pid), views)
         meter = provider.get_meter("tokentrace", tracer.__version__)
         inst = {
             "ttft": meter.create_histogram(
@@ -321,17 +314,27 @@ class OtlpMetricsSink:
         }
         return provider, inst
 
+    def _provider(self, resource: Any, views: list[Any] | None = None) -> Any:
+        """A MeterProvider for ``resource`` exporting to the endpoint every interval."""
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+        from tracer.export.otlp import otlp_metric_exporter
+
+        reader = PeriodicExportingMetricReader(
+            otlp_metric_exporter(self.endpoint, self.protocol),
+            export_interval_millis=self.interval_ms)
+        return MeterProvider(metric_readers=[reader], resource=resource, views=views or (),
+                             shutdown_on_exit=False)
+
     def _agent_provider(self) -> Any:
         """The agent's health (``AgentHealth``) under its own resource, observed at each
         export: ``tokentrace.records.lost`` by ``counter``, and once the overhead meter
         has measured, ``tokentrace.probe.cpu.ratio``, ``tokentrace.probe.cpu.time`` and
         ``tokentrace.probe.cpu.measured_time``."""
         from opentelemetry.metrics import CallbackOptions, Observation
-        from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
         import tracer
-        from tracer.export.otlp import otlp_metric_exporter
         from tracer.export.spans import agent_resource
 
         def lost(_: CallbackOptions) -> list[Observation]:
@@ -344,11 +347,7 @@ class OtlpMetricsSink:
                 return [Observation(getattr(h, field))] if h.measured else []
             return observe
 
-        reader = PeriodicExportingMetricReader(
-            otlp_metric_exporter(self.endpoint, self.protocol),
-            export_interval_millis=self.interval_ms)
-        provider = MeterProvider(metric_readers=[reader], resource=agent_resource(self.ctx),
-                                 shutdown_on_exit=False)
+        provider = self._provider(agent_resource(self.ctx))
         meter = provider.get_meter("tokentrace.agent", tracer.__version__)
         meter.create_observable_counter("tokentrace.records.lost", [lost], unit="{record}",
                                         description=LOST_HELP)

@@ -32,7 +32,7 @@ import tracer
 from tracer.correlate.records import ChildSpan, RequestRecord
 from tracer.events.schema import ProcessInfo
 from tracer.export.context import ExportContext
-from tracer.export.identity import identity_attributes
+from tracer.export.identity import identity_attributes, node_attributes
 from tracer.privacy import redact_args
 
 NS = 1e-9
@@ -134,9 +134,7 @@ def agent_resource(ctx: ExportContext) -> Resource:
         "telemetry.sdk.name": "tokentrace",
         "telemetry.sdk.version": tracer.__version__,
     }
-    node = getattr(getattr(ctx.identity, "kube", None), "node_name", "")
-    if node:
-        attrs["k8s.node.name"] = node
+    attrs.update(node_attributes(ctx))
     return Resource.create(attrs)
 
 
