@@ -416,12 +416,16 @@ def test_64_concurrent_streams_on_one_connection_neither_lost_nor_merged(server)
     assert not errors and len(results) == 64
     spans = spans_by_request_id(got.spans)
     assert set(spans) == set(results)
+    # what the capture and the parser counted, should a count be off (seen once, under
+    # a second test worker's load: one stream's 6 tokens counted 5)
+    seen = {k: v for k, v in got.report.items() if v and any(
+        w in k for w in ("lost", "cut", "resync", "trunc", "skipped", "refused", "full"))}
     for rid, n in results.items():
         a = spans[rid]["attributes"]
         assert n == 1 + int(rid[1:]) % 8
-        assert a["gen_ai.usage.output_tokens"] == n
+        assert a["gen_ai.usage.output_tokens"] == n, (rid, a, seen)
         assert a["tokentrace.grpc.request_messages"] == 1
-        assert a["tokentrace.grpc.response_messages"] == n
+        assert a["tokentrace.grpc.response_messages"] == n, (rid, a, seen)
     assert len({s["attributes"]["client.port"] for s in spans.values()}) == 1
     overlap = sum(1 for s in spans.values()
                   if any(o is not s and o["start_time_unix_nano"] < s["end_time_unix_nano"]
