@@ -94,16 +94,8 @@ def service_name_for(info: ProcessInfo) -> str:
 def resource_for(ctx: ExportContext, pid: int) -> Resource:
     """The resource (who emitted the span) for a traced process."""
     info = ctx.processes.get(pid)
-    host = ctx.host or pysocket.gethostname()
-    attrs: dict[str, Any] = {
-        "host.name": host,
-        "process.pid": pid,
-        # stable across a replay of the same capture (the SDK would pick a random one)
-        "service.instance.id": str(uuid.uuid5(uuid.NAMESPACE_URL,
-                                              f"tokentrace:{host}:{pid}:{ctx.capture_id}")),
-        "telemetry.sdk.name": "tokentrace",
-        "telemetry.sdk.version": tracer.__version__,
-    }
+    attrs = _emitter_attributes(ctx, "tokentrace", pid)
+    attrs["process.pid"] = pid
     name = ctx.service_name
     if info is not None:
         if info.exe:
@@ -125,17 +117,24 @@ def resource_for(ctx: ExportContext, pid: int) -> Resource:
 def agent_resource(ctx: ExportContext) -> Resource:
     """The resource for the agent's own telemetry (its health metrics): the host and,
     in a DaemonSet, the node, under ``service.name`` ``tokentrace``."""
+    attrs = _emitter_attributes(ctx, "tokentrace-agent")
+    attrs["service.name"] = "tokentrace"
+    attrs.update(node_attributes(ctx))
+    return Resource.create(attrs)
+
+
+def _emitter_attributes(ctx: ExportContext, kind: str, *key: Any) -> dict[str, Any]:
+    """What every resource here carries: the host, the SDK, and a ``service.instance.id``
+    from ``kind``, the host, ``key`` and the capture, stable across a replay of the same
+    capture (the SDK would pick a random one)."""
     host = ctx.host or pysocket.gethostname()
-    attrs: dict[str, Any] = {
+    name = ":".join(str(part) for part in (kind, host, *key, ctx.capture_id))
+    return {
         "host.name": host,
-        "service.name": "tokentrace",
-        "service.instance.id": str(uuid.uuid5(uuid.NAMESPACE_URL,
-                                              f"tokentrace-agent:{host}:{ctx.capture_id}")),
+        "service.instance.id": str(uuid.uuid5(uuid.NAMESPACE_URL, name)),
         "telemetry.sdk.name": "tokentrace",
         "telemetry.sdk.version": tracer.__version__,
     }
-    attrs.update(node_attributes(ctx))
-    return Resource.create(attrs)
 
 
 def _seconds(ns: int | float | None) -> float | None:
